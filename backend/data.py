@@ -1,0 +1,851 @@
+"""Datasets: `dataset_info.json` (LLaMA-Factory's schema) + files -> normalized examples.
+
+A normalized example is the one format the templates understand (see CONTRACT.md):
+    {"messages": [{"role", "content", "tool_calls"?}, ...], "tools", "chosen", "rejected", "kto_tag",
+     "_row", "_source"}
+and, for pre-training (stage pt), {"text", "_row", "_source"}.
+
+Why this module is strict about some things and lenient about others:
+- Schema mistakes in dataset_info.json (an unknown key, a wrong formatting value, a missing file_name)
+  are errors naming the dataset and the key: a typo there would otherwise silently fall back to a
+  default column and train on the wrong thing.
+- A bad *row* (missing column, empty response, a conversation that does not alternate) is skipped and
+  counted in a DataReport, with the first few row numbers and reasons, so one broken row in ten
+  thousand does not stop a run. A dataset where every row is bad is an error: never a silent empty
+  dataset.
+- Row numbers are 0-based, like `_row` (the index in a JSON list, the line of a JSONL file, the data
+  row of a CSV file).
+
+Files are read with the `datasets` library (json, jsonl, csv, parquet, arrow, txt); its cache goes to
+backend.paths.cache_dir()/"datasets", never next to the data.
+"""
+from __future__ import annotations
+
+import csv
+import difflib
+import json
+import math
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import datasets
+
+from backend import paths
+
+# ---------------------------------------------------------------------------------------------
+# Schema
+# ---------------------------------------------------------------------------------------------
+FORMATTINGS = ("alpaca", "sharegpt", "openai")
+HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+ENTRY_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "split", "num_samples", "subset",
+              "folder", *HUB_KEYS)
+COLUMN_KEYS = ("prompt", "query", "response", "history", "messages", "system", "tools", "chosen", "rejected",
+               "kto_tag", "text", "images", "videos", "audios")
+MEDIA_COLUMNS = ("images", "videos", "audios")
+ALPACA_ONLY_COLUMNS = ("query", "response", "history")
+CONVERSATION_ONLY_COLUMNS = ("messages",)
+TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag",
+            "system_tag")
+DEFAULT_TAGS = {
+    "sharegpt": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
+    "openai": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+               "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"},
+}
+FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
+              ".txt": "text"}
+STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "orpo", "simpo")
+RANKING_STAGES = ("rm", "dpo", "orpo", "simpo")
+MAX_REASONS = 5  # skipped rows kept (per dataset) for the report
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be used: the message names the dataset, the file and the problem."""
+
+
+class RowError(ValueError):
+    """One row is unusable; it is skipped and counted (the message is the reason shown)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+class SkippedRow(NamedTuple):
+    dataset: str
+    row: int
+    reason: str
+
+
+@dataclass
+class DatasetCounts:
+    """What happened to one dataset: rows in its files, rows used, kept and skipped."""
+    name: str
+    files: list[str]
+    formatting: str
+    total: int = 0          # rows in the file(s)
+    used: int = 0           # after num_samples / max_samples
+    kept: int = 0
+    skipped: int = 0
+    first_skipped: list[SkippedRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. "first 10 used (max_samples)"
+
+
+@dataclass
+class DataReport:
+    datasets: list[DatasetCounts] = field(default_factory=list)
+
+    @property
+    def kept(self) -> int:
+        return sum(d.kept for d in self.datasets)
+
+    @property
+    def skipped(self) -> int:
+        return sum(d.skipped for d in self.datasets)
+
+    @property
+    def total(self) -> int:
+        return sum(d.total for d in self.datasets)
+
+    @property
+    def skipped_rows(self) -> list[SkippedRow]:
+        """The first few skipped rows of every dataset, as (dataset, row, reason)."""
+        return [s for d in self.datasets for s in d.first_skipped]
+
+    def counts(self, name: str) -> DatasetCounts:
+        for d in self.datasets:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def summary_lines(self) -> list[str]:
+        lines = []
+        for d in self.datasets:
+            files = ", ".join(d.files)
+            head = f"dataset {d.name} ({d.formatting}, {files}): {d.total} rows"
+            if d.notes:
+                head += ", " + ", ".join(d.notes)
+            head += f", {d.kept} kept"
+            if d.skipped:
+                head += f", {d.skipped} skipped (row numbers from 0)"
+            lines.append(head)
+            for s in d.first_skipped:
+                lines.append(f"  skipped row {s.row}: {s.reason}")
+            if d.skipped > len(d.first_skipped):
+                lines.append(f"  ... and {d.skipped - len(d.first_skipped)} more skipped rows")
+        if len(self.datasets) > 1:
+            lines.append(f"datasets total: {self.kept} examples kept, {self.skipped} rows skipped")
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# dataset_info.json
+# ---------------------------------------------------------------------------------------------
+def resolve_dataset_dir(dataset_dir: str | os.PathLike | None) -> Path:
+    """None -> the repo's data/. A relative path is tried against the current directory first, then
+    against the repository, so `dataset_dir: data` works wherever the command is started from (the
+    most common first-run failure of the tools we learned from)."""
+    if dataset_dir is None or str(dataset_dir).strip() == "":
+        return paths.DATA_DIR
+    path = Path(dataset_dir).expanduser()
+    if path.is_absolute():
+        return path
+    candidates = [Path.cwd() / path, paths.REPO_ROOT / path]
+    for c in candidates:
+        if (c / "dataset_info.json").is_file():
+            return c.resolve()
+    for c in candidates:
+        if c.is_dir():
+            return c.resolve()
+    raise DatasetError(f"dataset_dir '{dataset_dir}' not found: looked in {candidates[0]} and {candidates[1]}")
+
+
+def _close(word: str, choices) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def entry_problems(name: str, entry: Any) -> list[str]:
+    """Every schema problem of one dataset_info.json entry, each naming the dataset and the key."""
+    where = f"dataset '{name}'"
+    if not isinstance(entry, dict):
+        return [f"{where}: the entry must be a JSON object, got {type(entry).__name__}"]
+    problems = []
+    for key in entry:
+        if key not in ENTRY_KEYS:
+            problems.append(f"{where}: unknown key '{key}'{_close(key, ENTRY_KEYS)}; "
+                            f"allowed keys: {', '.join(ENTRY_KEYS)}")
+    if "file_name" not in entry and not any(k in entry for k in HUB_KEYS):
+        problems.append(f"{where}: missing key 'file_name' (the data file or folder, relative to dataset_dir)")
+    for key in ("file_name", "split", "subset", "folder", *HUB_KEYS):
+        if key in entry and (not isinstance(entry[key], str) or not entry[key].strip()):
+            problems.append(f"{where}: '{key}' must be a non-empty string, got {entry[key]!r}")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in FORMATTINGS:
+        problems.append(f"{where}: 'formatting' must be one of {', '.join(FORMATTINGS)}, got {formatting!r}")
+    if "ranking" in entry and not isinstance(entry["ranking"], bool):
+        problems.append(f"{where}: 'ranking' must be true or false, got {entry['ranking']!r}")
+    if "num_samples" in entry and (isinstance(entry["num_samples"], bool) or not isinstance(entry["num_samples"], int)
+                                   or entry["num_samples"] < 1):
+        problems.append(f"{where}: 'num_samples' must be a positive integer, got {entry['num_samples']!r}")
+    for key, allowed in (("columns", COLUMN_KEYS), ("tags", TAG_KEYS)):
+        if key not in entry:
+            continue
+        value = entry[key]
+        if not isinstance(value, dict):
+            problems.append(f"{where}: '{key}' must be a JSON object, got {type(value).__name__}")
+            continue
+        for sub, v in value.items():
+            if sub not in allowed:
+                problems.append(f"{where}: unknown key '{key}.{sub}'{_close(sub, allowed)}; allowed: {', '.join(allowed)}")
+            elif not isinstance(v, str) or not v:
+                problems.append(f"{where}: '{key}.{sub}' must be a non-empty string (a column name), got {v!r}")
+    columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
+    if formatting == "alpaca":
+        for sub in CONVERSATION_ONLY_COLUMNS:
+            if sub in columns:
+                problems.append(f"{where}: 'columns.{sub}' is for sharegpt/openai formatting; "
+                                f"alpaca uses prompt/query/response (set \"formatting\")")
+        if "tags" in entry:
+            problems.append(f"{where}: 'tags' apply to sharegpt/openai formatting only, this entry is alpaca")
+    elif formatting in FORMATTINGS:
+        for sub in ALPACA_ONLY_COLUMNS:
+            if sub in columns:
+                problems.append(f"{where}: 'columns.{sub}' is for alpaca formatting; {formatting} uses 'columns.messages'")
+    if entry.get("ranking") is True and "kto_tag" in columns:
+        problems.append(f"{where}: a ranking dataset (chosen/rejected) cannot also have 'columns.kto_tag'")
+    return problems
+
+
+def load_dataset_info(dataset_dir: str | os.PathLike | None = None) -> dict:
+    """Read and check `<dataset_dir>/dataset_info.json`. Returns {name: entry} in file order."""
+    path = resolve_dataset_dir(dataset_dir) / "dataset_info.json"
+    if not path.is_file():
+        raise DatasetError(f"{path} not found: dataset_dir must contain a dataset_info.json "
+                           f"(LLaMA-Factory's schema: {{\"name\": {{\"file_name\": ...}}}})")
+    text = path.read_text(encoding="utf-8")
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not isinstance(info, dict):
+        raise DatasetError(f"{path}: the top level must be a JSON object of dataset entries, got {type(info).__name__}")
+    problems = [p for name, entry in info.items() for p in entry_problems(name, entry)]
+    if problems:
+        raise DatasetError(f"{path}: " + "; ".join(problems))
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+# ---------------------------------------------------------------------------------------------
+def _data_files(name: str, entry: dict, dataset_dir: Path, info_path: Path) -> list[Path]:
+    hub = [k for k in HUB_KEYS if k in entry]
+    if "file_name" not in entry:
+        raise DatasetError(f"dataset '{name}' in {info_path} has no local file ({hub[0]}: {entry[hub[0]]}); "
+                           f"TuneBoard reads local files only (no network): download the data and set 'file_name'")
+    path = Path(entry["file_name"]).expanduser()
+    if not path.is_absolute():
+        path = dataset_dir / path
+    if not path.exists():
+        raise DatasetError(f"dataset '{name}': file not found: {path} (file_name in {info_path})")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        usable = [p for p in files if p.suffix.lower() in FILE_TYPES]
+        if not usable:
+            raise DatasetError(f"dataset '{name}': folder {path} has no data files "
+                               f"({', '.join(FILE_TYPES)})")
+        return usable
+    if path.suffix.lower() not in FILE_TYPES:
+        raise DatasetError(f"dataset '{name}': {path}: unsupported file type '{path.suffix}' "
+                           f"(supported: {', '.join(FILE_TYPES)})")
+    return [path]
+
+
+def _json_location(path: Path) -> str | None:
+    """Where a JSON/JSONL file is malformed, for an error message that names the line."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix.lower() == ".jsonl":
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"line {lineno} column {exc.colno}: {exc.msg}"
+        return None
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"line {exc.lineno} column {exc.colno}: {exc.msg}"
+    return None
+
+
+def read_rows(path: Path, split: str = "train") -> list[dict]:
+    """All rows of one data file, through `datasets` (its cache under cache_dir()/datasets)."""
+    builder = FILE_TYPES[path.suffix.lower()]
+    kwargs: dict[str, Any] = {}
+    if builder == "csv":
+        # Read every CSV cell as text: otherwise a column of numbers becomes int64 ("007" -> 7).
+        with path.open(encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f), [])
+        if header:
+            kwargs["features"] = datasets.Features({c: datasets.Value("string") for c in header})
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(path)], split=split,
+                                   cache_dir=str(paths.cache_dir() / "datasets"), **kwargs)
+    except Exception as exc:  # datasets wraps parser errors in several exception types
+        where = _json_location(path) if builder == "json" else None
+        if where:
+            raise DatasetError(f"{path}: not valid JSON at {where}") from None
+        cause = exc.__cause__ or exc
+        raise DatasetError(f"could not read {path}: {type(cause).__name__}: {cause}") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    return ds.to_list()
+
+
+# ---------------------------------------------------------------------------------------------
+# Row conversion
+# ---------------------------------------------------------------------------------------------
+def _text(row: dict, column: str, what: str = "", *, required: bool = True) -> str:
+    """A text cell. Numbers are accepted as text (CSV/parquet often type them); None is 'missing'."""
+    value = row.get(column)
+    if value is None:
+        if required:
+            raise RowError(f"column '{column}' missing")
+        return ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise RowError(f"column '{column}' must be text, got {type(value).__name__}")
+    return value
+
+
+def _maybe_json(value: Any, column: str) -> Any:
+    """Some columns hold structures either directly or as a JSON string (CSV, glaive-style tools)."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise RowError(f"column '{column}' is not valid JSON ({exc.msg} at column {exc.colno})") from None
+    return value
+
+
+def _parse_tools(value: Any, column: str) -> list[dict] | None:
+    tools = _maybe_json(value, column)
+    if tools is None or tools == []:
+        return None
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list):
+        raise RowError(f"column '{column}' must be a list of function schemas, got {type(tools).__name__}")
+    out = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
+            tool = tool["function"]  # OpenAI's {"type": "function", "function": {...}} wrapper
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise RowError(f"column '{column}': tool {i} needs a 'name'")
+        out.append(tool)
+    return out
+
+
+def _parse_arguments(args: Any, where: str) -> dict:
+    if args is None:
+        return {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise RowError(f"{where}: arguments are not valid JSON ({exc.msg})") from None
+    if not isinstance(args, dict):
+        raise RowError(f"{where}: arguments must be a JSON object, got {type(args).__name__}")
+    return args
+
+
+def _parse_calls(value: Any, where: str) -> list[dict]:
+    """Function calls from a ShareGPT function_call value or an OpenAI tool_calls list ->
+    [{"name", "arguments": dict}]."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise RowError(f"{where}: function call is not valid JSON ({exc.msg} at column {exc.colno})") from None
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise RowError(f"{where}: empty function call")
+    out = []
+    for call in calls:
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = call["function"]
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            raise RowError(f"{where}: a function call needs a 'name'")
+        out.append({"name": call["name"], "arguments": _parse_arguments(call.get("arguments"), where)})
+    return out
+
+
+@dataclass
+class _Spec:
+    """One entry with its defaults applied."""
+    name: str
+    formatting: str
+    ranking: bool
+    columns: dict
+    tags: dict
+    declared: set  # columns the entry names explicitly (those must exist in the file)
+
+
+def _entry_spec(name: str, entry: dict) -> _Spec:
+    formatting = entry.get("formatting", "alpaca")
+    declared = dict(entry.get("columns", {}))
+    if formatting == "alpaca":
+        columns = {"prompt": "instruction", "query": "input", "response": "output"}
+    else:
+        columns = {"messages": "conversations" if formatting == "sharegpt" else "messages"}
+    if entry.get("ranking"):
+        columns.update(chosen="chosen", rejected="rejected")
+    columns.update(declared)
+    tags = dict(DEFAULT_TAGS.get(formatting, {}), **entry.get("tags", {}))
+    return _Spec(name, formatting, bool(entry.get("ranking")), columns, tags, set(declared))
+
+
+def _conversation(items: Any, spec: _Spec, stage: str) -> tuple[list[dict], str | None]:
+    """ShareGPT / OpenAI message list -> (normalized messages without system, system prompt).
+
+    Turns must alternate user and assistant; a function call (ShareGPT function_call, OpenAI
+    tool_calls) is answered by observation/tool turns and then the assistant again. Turn numbers in
+    the reasons are 0-based positions in the row's list."""
+    col = spec.columns["messages"]
+    items = _maybe_json(items, col)
+    if items is None:
+        raise RowError(f"column '{col}' missing")
+    if not isinstance(items, list):
+        raise RowError(f"column '{col}' must be a list of messages, got {type(items).__name__}")
+    t = spec.tags
+    role_key, content_key = t["role_tag"], t["content_tag"]
+    kinds = {t["user_tag"]: "user", t["assistant_tag"]: "assistant", t["observation_tag"]: "tool",
+             t["function_tag"]: "call", t["system_tag"]: "system"}
+    system = None
+    messages: list[dict] = []
+    prev_kind, prev_role = "start", None
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise RowError(f"turn {i} is not an object with '{role_key}' and '{content_key}'")
+        role = item.get(role_key)
+        if role not in kinds:
+            raise RowError(f"turn {i}: unknown role {role!r} in '{role_key}' (expected one of {', '.join(map(repr, kinds))})")
+        kind = kinds[role]
+        content = item.get(content_key)
+        calls = None
+        if kind == "assistant" and spec.formatting == "openai" and item.get("tool_calls"):
+            calls = _parse_calls(item["tool_calls"], f"turn {i}")
+            kind = "call"
+        elif kind == "call":
+            calls = _parse_calls(content, f"turn {i}")
+            content = ""
+        if content is None and kind == "call":
+            content = ""
+        if isinstance(content, (int, float)) and not isinstance(content, bool):
+            content = str(content)
+        if not isinstance(content, str):
+            raise RowError(f"turn {i}: '{content_key}' must be text, got {type(content).__name__}")
+        if kind == "system":
+            if i != 0:
+                raise RowError(f"turn {i}: a '{role}' turn is only allowed first")
+            system = content
+            continue
+        _check_order(prev_kind, prev_role, kind, role, i, spec)
+        if kind != "call" and not content.strip():
+            raise RowError(f"empty {'response' if kind == 'assistant' else repr(role) + ' turn'} at turn {i}")
+        if kind == "call":
+            messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+        else:
+            messages.append({"role": kind, "content": content})
+        prev_kind, prev_role = kind, role
+    if not messages:
+        raise RowError("conversation is empty")
+    last = len(items) - 1
+    if stage in RANKING_STAGES:
+        if prev_kind not in ("user", "tool"):
+            raise RowError(f"a ranking row's conversation must end with a '{t['user_tag']}' turn "
+                           f"(the answers are in chosen/rejected), it ends with {prev_role!r} at turn {last}")
+    elif prev_kind not in ("assistant", "call"):
+        raise RowError(f"conversation must end with a '{t['assistant_tag']}' turn, "
+                       f"it ends with {prev_role!r} at turn {last}")
+    return messages, system
+
+
+def _check_order(prev: str, prev_role: str | None, kind: str, role: str, i: int, spec: _Spec) -> None:
+    allowed = {
+        "start": ("user",),
+        "user": ("assistant", "call"),
+        "assistant": ("user",),
+        "call": ("tool",),
+        "tool": ("assistant", "call", "tool") if spec.formatting == "openai" else ("assistant", "call"),
+    }[prev]
+    if kind in allowed:
+        return
+    if prev == "start":
+        raise RowError(f"conversation must start with a '{spec.tags['user_tag']}' turn, got {role!r} at turn {i}")
+    if prev == "call":
+        raise RowError(f"a function call must be followed by its result ('{spec.tags['observation_tag']}'), "
+                       f"got {role!r} at turn {i}")
+    if kind == "tool":
+        raise RowError(f"an {role!r} turn must follow a function call, got it after {prev_role!r} at turn {i}")
+    if role == prev_role:
+        raise RowError(f"conversation must alternate user/assistant, got two {role!r} turns at turn {i}")
+    raise RowError(f"conversation must alternate user/assistant, got {role!r} after {prev_role!r} at turn {i}")
+
+
+def _answer(value: Any, column: str, spec: _Spec) -> dict:
+    """A chosen/rejected answer: plain text (alpaca) or one message object (sharegpt/openai)."""
+    if isinstance(value, str) and spec.formatting != "alpaca" and value.lstrip().startswith("{"):
+        try:  # a message object stored as a JSON string (CSV/parquet); plain text stays text
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and spec.tags["content_tag"] in parsed:
+            value = parsed
+    if value is None:
+        raise RowError(f"column '{column}' missing")
+    if isinstance(value, dict) and spec.formatting != "alpaca":
+        role, content = value.get(spec.tags["role_tag"]), value.get(spec.tags["content_tag"])
+        if role == spec.tags["function_tag"]:
+            return {"role": "assistant", "content": "", "tool_calls": _parse_calls(content, f"column '{column}'")}
+        if role not in (spec.tags["assistant_tag"], None):
+            raise RowError(f"column '{column}': the answer's role must be '{spec.tags['assistant_tag']}', got {role!r}")
+        value = content
+    if not isinstance(value, str):
+        raise RowError(f"column '{column}' must be text, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError(f"empty answer in column '{column}'")
+    return {"role": "assistant", "content": value}
+
+
+def _kto_tag(value: Any, column: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if value is None:
+        raise RowError(f"column '{column}' missing")
+    raise RowError(f"column '{column}' (kto_tag) must be true or false, got {value!r}")
+
+
+def _alpaca_messages(row: dict, spec: _Spec) -> list[dict]:
+    c = spec.columns
+    prompt = _text(row, c["prompt"])
+    query = _text(row, c["query"], required=False) if c.get("query") else ""
+    user = "\n".join(p for p in (prompt, query) if p)
+    if not user.strip():
+        raise RowError(f"empty prompt (columns '{c['prompt']}' and '{c.get('query')}')")
+    messages = []
+    if c.get("history"):
+        history = _maybe_json(row.get(c["history"]), c["history"]) or []
+        if not isinstance(history, list):
+            raise RowError(f"column '{c['history']}' must be a list of [query, response] pairs")
+        for i, pair in enumerate(history):
+            if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                    or not all(isinstance(x, str) and x.strip() for x in pair)):
+                raise RowError(f"column '{c['history']}': item {i} is not a [query, response] pair of non-empty texts")
+            messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    messages.append({"role": "user", "content": user})
+    return messages
+
+
+def convert_row(row: dict, spec: _Spec, stage: str) -> dict:
+    """One raw row -> a normalized example (without _row/_source). Raises RowError with the reason."""
+    c = spec.columns
+    if stage == "pt":
+        if spec.formatting == "alpaca":
+            if c.get("text"):
+                parts = [_text(row, c["text"])]
+            else:
+                parts = [_text(row, c["prompt"])]
+                parts += [_text(row, c[k], required=False) for k in ("query", "response") if c.get(k) in row]
+            text = "\n".join(p for p in parts if p)
+        else:
+            messages, system = _conversation(row.get(c["messages"]), spec, "sft")
+            text = "\n".join(m["content"] for m in messages if m["content"])
+        if not text.strip():
+            raise RowError("empty text")
+        return {"text": text}
+
+    if spec.formatting == "alpaca":
+        messages = _alpaca_messages(row, spec)
+        system = _text(row, c["system"], required=False) if c.get("system") else ""
+        if not spec.ranking:
+            response = _text(row, c["response"])
+            if not response.strip():
+                raise RowError(f"empty response (column '{c['response']}')")
+            messages.append({"role": "assistant", "content": response})
+    else:
+        messages, system = _conversation(row.get(c["messages"]), spec, "dpo" if spec.ranking else stage)
+        if system is None:
+            system = _text(row, c["system"], required=False) if c.get("system") else ""
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    example = {"messages": messages,
+               "tools": _parse_tools(row.get(c["tools"]), c["tools"]) if c.get("tools") else None,
+               "chosen": None, "rejected": None, "kto_tag": None}
+    if spec.ranking:
+        example["chosen"] = _answer(row.get(c["chosen"]), c["chosen"], spec)
+        example["rejected"] = _answer(row.get(c["rejected"]), c["rejected"], spec)
+        if example["chosen"] == example["rejected"]:
+            raise RowError("chosen and rejected answers are identical")
+    if c.get("kto_tag"):
+        try:
+            example["kto_tag"] = _kto_tag(row.get(c["kto_tag"]), c["kto_tag"])
+        except RowError:
+            if stage == "kto":
+                raise
+    return example
+
+
+def _fill_identity(example: dict, name: str, author: str) -> dict:
+    """Replace {{name}} / {{author}} in every text of the example (the identity dataset uses them,
+    and any user dataset may)."""
+    def fill(s: str) -> str:
+        return s.replace("{{name}}", name).replace("{{author}}", author) if "{{" in s else s
+
+    if "text" in example:
+        example["text"] = fill(example["text"])
+        return example
+    for m in example["messages"]:
+        m["content"] = fill(m["content"])
+    for key in ("chosen", "rejected"):
+        if example.get(key):
+            example[key]["content"] = fill(example[key]["content"])
+    return example
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def _check_stage(name: str, spec: _Spec, stage: str) -> None:
+    if stage in RANKING_STAGES and not spec.ranking:
+        raise DatasetError(f"stage '{stage}' needs a ranking dataset (\"ranking\": true with chosen/rejected "
+                           f"columns); dataset '{name}' is not one")
+    if stage not in RANKING_STAGES and spec.ranking:
+        raise DatasetError(f"dataset '{name}' is a ranking dataset (chosen/rejected pairs): use it with stage "
+                           f"{'/'.join(RANKING_STAGES)}, not '{stage}'")
+    if stage == "kto" and "kto_tag" not in spec.columns:
+        raise DatasetError(f"stage 'kto' needs a dataset with a 'columns.kto_tag' column (true/false per row); "
+                           f"dataset '{name}' has none")
+    media = [k for k in MEDIA_COLUMNS if k in spec.columns]
+    if media:
+        raise DatasetError(f"dataset '{name}': multimodal columns ({', '.join(media)}) are not supported yet")
+
+
+def _required_columns(spec: _Spec, stage: str) -> list[str]:
+    """Column keys that must exist in the file: the ones the entry names, plus what the stage needs."""
+    if spec.formatting != "alpaca":
+        need = {"messages"}
+    elif stage == "pt":
+        need = {"text"} if "text" in spec.columns else {"prompt"}
+    else:
+        need = {"prompt"} | ({"chosen", "rejected"} if spec.ranking else {"response"})
+    if spec.ranking:
+        need |= {"chosen", "rejected"}
+    if stage == "kto":
+        need.add("kto_tag")
+    return sorted(need | (spec.declared - set(MEDIA_COLUMNS)))
+
+
+def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, stage: str,
+                max_samples: int | None, seed: int, identity: tuple[str, str]) -> tuple[list[dict], DatasetCounts]:
+    spec = _entry_spec(name, entry)
+    _check_stage(name, spec, stage)
+    files = _data_files(name, entry, dataset_dir, info_path)
+    many = len(files) > 1
+    counts = DatasetCounts(name, [_display(p) for p in files], spec.formatting)
+    rows: list[tuple[Path, int, dict]] = []
+    for path in files:
+        file_rows = read_rows(path, entry.get("split", "train"))
+        present = set(file_rows[0]) if file_rows else set()
+        if file_rows:
+            for key in _required_columns(spec, stage):
+                col = spec.columns[key]
+                if col not in present and not (stage == "pt" and key in ("response", "query")):
+                    raise DatasetError(f"dataset '{name}': {path} has no column '{col}' (columns.{key}); "
+                                       f"its columns are: {', '.join(sorted(present))}")
+        rows += [(path, i, r) for i, r in enumerate(file_rows)]
+    counts.total = len(rows)
+    if not rows:
+        raise DatasetError(f"dataset '{name}': {', '.join(map(str, files))} has no rows")
+
+    order = list(range(len(rows)))
+    if entry.get("num_samples"):
+        # LLaMA-Factory's meaning: draw num_samples rows at random (repeating rows if it exceeds the size)
+        rng = random.Random(seed)
+        target = entry["num_samples"]
+        order = rng.sample(order, min(target, len(order)))
+        if target > len(rows):
+            order += [rng.randrange(len(rows)) for _ in range(target - len(rows))]
+        counts.notes.append(f"{len(order)} sampled (num_samples)")
+    if max_samples is not None and max_samples < len(order):
+        order = order[:max_samples]
+        counts.notes.append(f"first {max_samples} used (max_samples)")
+    counts.used = len(order)
+
+    examples = []
+    for index in order:
+        path, rownum, row = rows[index]
+        try:
+            example = convert_row(row, spec, stage)
+        except RowError as exc:
+            counts.skipped += 1
+            if len(counts.first_skipped) < MAX_REASONS:
+                reason = f"{path.name} row {rownum}: {exc}" if many else str(exc)
+                counts.first_skipped.append(SkippedRow(name, rownum, reason))
+            continue
+        example = _fill_identity(example, *identity)
+        example["_row"], example["_source"] = rownum, name
+        examples.append(example)
+    counts.kept = len(examples)
+    if not examples:
+        reasons = "; ".join(f"row {s.row}: {s.reason}" for s in counts.first_skipped)
+        raise DatasetError(f"dataset '{name}': every one of the {counts.used} rows of "
+                           f"{', '.join(map(str, files))} is unusable (stage {stage}, {spec.formatting}); "
+                           f"first reasons: {reasons}")
+    return examples, counts
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.relative_to(paths.REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _names(names: str | list[str]) -> list[str]:
+    items = names.split(",") if isinstance(names, str) else [n for part in names for n in str(part).split(",")]
+    out = [n.strip() for n in items if n.strip()]
+    if not out:
+        raise DatasetError("no dataset given: set `dataset` to one or more names from dataset_info.json, comma separated")
+    return out
+
+
+def load_examples(names: str | list[str], dataset_dir: str | os.PathLike | None = None, *, stage: str = "sft",
+                  max_samples: int | None = None, identity_name: str = "TuneBoard Assistant",
+                  identity_author: str = "the TuneBoard team", seed: int = 42) -> tuple[list[dict], "DataReport"]:
+    """Load one or more datasets (comma separated names) as normalized examples, in order.
+
+    stage picks the shape: pt -> {"text"}; rm/dpo/orpo/simpo need ranking datasets (chosen/rejected);
+    kto needs a kto_tag column. max_samples keeps the first N rows of each dataset. Bad rows are
+    skipped and counted in the returned DataReport."""
+    if stage not in STAGES:
+        raise DatasetError(f"unknown stage '{stage}' (expected one of {', '.join(STAGES)})")
+    if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1):
+        raise DatasetError(f"max_samples must be a positive integer, got {max_samples!r}")
+    dataset_dir = resolve_dataset_dir(dataset_dir)
+    info_path = dataset_dir / "dataset_info.json"
+    info = load_dataset_info(dataset_dir)
+    report = DataReport()
+    examples: list[dict] = []
+    for name in _names(names):
+        if name not in info:
+            close = difflib.get_close_matches(name, list(info), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise DatasetError(f"unknown dataset '{name}': it is not in {info_path}{hint} "
+                               f"(known: {', '.join(sorted(info)) or 'none'})")
+        got, counts = _load_entry(name, info[name], dataset_dir, info_path, stage=stage, max_samples=max_samples,
+                                  seed=seed, identity=(identity_name, identity_author))
+        examples += got
+        report.datasets.append(counts)
+    return examples, report
+
+
+def split_train_val(examples: list, val_size: float | int | None, seed: int = 42) -> tuple[list, list]:
+    """Hold out a validation set: val_size < 1 is a fraction (rounded up), >= 1 a row count.
+    Both parts keep the original order; which rows go to validation depends only on the seed."""
+    if not val_size:
+        return list(examples), []
+    if isinstance(val_size, bool) or val_size < 0:
+        raise DatasetError(f"val_size must be a fraction in (0, 1) or a row count >= 1, got {val_size!r}")
+    n = len(examples)
+    if val_size < 1:
+        n_val = math.ceil(val_size * n)
+    else:
+        if float(val_size) != int(val_size):
+            raise DatasetError(f"val_size >= 1 is a number of rows and must be a whole number, got {val_size}")
+        n_val = int(val_size)
+    if n_val >= n:
+        raise DatasetError(f"val_size {val_size} takes {n_val} of the {n} rows for validation and leaves "
+                           f"no training rows")
+    chosen = set(random.Random(seed).sample(range(n), n_val))
+    train = [e for i, e in enumerate(examples) if i not in chosen]
+    val = [e for i, e in enumerate(examples) if i in chosen]
+    return train, val
+
+
+# ---------------------------------------------------------------------------------------------
+# Registering a dataset (the web UI's Register form)
+# ---------------------------------------------------------------------------------------------
+def _validation_stages(entry: dict) -> list[str]:
+    if entry.get("ranking"):
+        return ["dpo"]
+    if "kto_tag" in (entry.get("columns") or {}):
+        return ["kto"]
+    if entry.get("formatting", "alpaca") == "alpaca":
+        return ["sft", "pt"]  # a raw-text corpus (pt) is a valid alpaca entry too
+    return ["sft"]
+
+
+def register_dataset(dataset_dir: str | os.PathLike | None, name: str, entry: dict,
+                     overwrite: bool = False) -> DataReport:
+    """Add `entry` as `name` to <dataset_dir>/dataset_info.json, after checking that the entry is
+    valid and that its file loads with at least one good row. The file is replaced atomically
+    (temp file + os.replace), so a failure leaves the old one untouched. Returns the check's report."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip() or "," in name:
+        raise DatasetError(f"dataset name {name!r} must be non-empty, without surrounding spaces or commas "
+                           f"(commas separate dataset names)")
+    problems = entry_problems(name, entry)
+    if problems:
+        raise DatasetError("; ".join(problems))
+    dataset_dir = resolve_dataset_dir(dataset_dir)
+    if not dataset_dir.is_dir():
+        raise DatasetError(f"dataset_dir {dataset_dir} does not exist")
+    info_path = dataset_dir / "dataset_info.json"
+    info = load_dataset_info(dataset_dir) if info_path.exists() else {}
+    if name in info and not overwrite:
+        raise DatasetError(f"dataset '{name}' already exists in {info_path}; choose another name or overwrite it")
+    report = DataReport()
+    first_error = None
+    for stage in _validation_stages(entry):
+        try:
+            _, counts = _load_entry(name, entry, dataset_dir, info_path, stage=stage, max_samples=None, seed=42,
+                                    identity=("{{name}}", "{{author}}"))
+            report.datasets.append(counts)
+            break
+        except DatasetError as exc:
+            first_error = first_error or exc
+    else:
+        raise first_error
+    info[name] = entry
+    _write_json_atomic(info_path, info)
+    return report
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,70 @@
+"""Every recipe under examples/ validates against the real data/ and templates/ (parametrized by glob,
+so a new example is covered without touching this file)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backend import paths
+from backend.spec import load_spec, read_spec_file
+
+EXAMPLES = sorted(paths.EXAMPLES_DIR.glob("*.yaml"))
+
+# Datasets an example names but the repo does not bundle: registered in a temp dataset_dir, exactly as
+# the reference guide's Step 2 registers them, so the recipe itself stays verbatim.
+UNBUNDLED = {
+    "aifetchly_extraction": {
+        "file_name": "aifetchly_extraction.json",
+        "columns": {"prompt": "instruction", "query": "input", "response": "output"},
+    }
+}
+
+
+def test_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"sft_lora_identity.yaml", "sft_qlora_extraction.yaml", "train_qwen_qlora.yaml", "export_qwen.yaml",
+            "pt_lora_demo.yaml", "sft_full_tiny.yaml", "sft_freeze.yaml", "export_lora_merge.yaml",
+            "chat_default.yaml"} <= names
+
+
+@pytest.fixture
+def real_or_promised_templates(monkeypatch, tmp_path):
+    """The real templates/ once it holds templates; while it is still empty (the templates land in
+    parallel work), a stand-in folder with the names the contract promises, so the examples' other
+    checks still run. The stand-in is never used once templates/*.yaml exists."""
+    if any(Path(paths.TEMPLATES_DIR).glob("*.yaml")):
+        return
+    tdir = tmp_path / "templates"
+    tdir.mkdir()
+    for name in ("default", "qwen", "chatml", "llama3", "smollm2"):
+        (tdir / f"{name}.yaml").write_text("")
+    monkeypatch.setattr(paths, "TEMPLATES_DIR", tdir)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_validates(path, tmp_path, real_or_promised_templates):
+    data = read_spec_file(path)
+    overrides = []
+    wanted = [n.strip() for n in str(data.get("dataset") or "").split(",") if n.strip()]
+    extra = {n: UNBUNDLED[n] for n in wanted if n in UNBUNDLED}
+    if extra:
+        assert "dataset_dir" not in data, "an example with its own dataset_dir must point at bundled data"
+        ddir = tmp_path / "data"
+        ddir.mkdir()
+        (ddir / "dataset_info.json").write_text(json.dumps(extra))
+        overrides.append(f"dataset_dir={ddir}")
+    spec = load_spec(path, overrides)
+    assert spec.model_name_or_path
+
+
+def test_bundled_examples_use_bundled_data():
+    """Apart from the guide's verbatim recipe, examples must run on what the repo ships."""
+    info = json.loads((paths.DATA_DIR / "dataset_info.json").read_text())
+    for path in EXAMPLES:
+        data = read_spec_file(path)
+        for name in str(data.get("dataset") or "").split(","):
+            name = name.strip()
+            if name and name not in UNBUNDLED:
+                assert name in info, f"{path.name}: dataset {name!r} is not bundled"

@@ -880,6 +880,27 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, first: int, second: int):
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice (PyYAML would silently keep the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            if isinstance(key, str):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_spec_file(path: str | Path) -> dict[str, Any]:
     """Read a flat YAML spec file into a dict; SpecError names the file (and line) on any problem."""
     p = Path(path)
@@ -890,7 +911,9 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError([(str(p), f"cannot read: {exc}")]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _DuplicateKey as exc:
+        raise SpecError([(exc.key, f"duplicate key in {p} (lines {exc.first} and {exc.second})")]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

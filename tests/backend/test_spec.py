@@ -522,3 +522,11 @@ def test_spec_imports_no_heavy_libraries():
     """)
     result = subprocess.run([sys.executable, "-c", code], cwd=paths.REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and "clean" in result.stdout, result.stderr
+
+
+def test_duplicate_key_names_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("lora_rank: 8\nstage: sft\nlora_rank: 16\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert info.value.errors == [("lora_rank", f"duplicate key in {path} (lines 1 and 3)")]

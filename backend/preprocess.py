@@ -91,24 +91,18 @@ def _tokenize_with_offsets(segments: Sequence[Any], tokenizer) -> _Tokenized:
     ids = list(enc["input_ids"])
     offsets = enc["offset_mapping"]
     starts: list[int] = []
-    # trained_prefix[i] = number of trained characters in text[:i]
-    trained_prefix = [0]
     pos = 0
     for seg in segments:
         starts.append(pos)
         pos += len(seg.text)
-        last = trained_prefix[-1]
-        trained_prefix.extend(last + k + 1 if seg.trained else last for k in range(len(seg.text)))
+    last = len(segments) - 1
     trained: list[bool] = []
     segment_of: list[int] = []
     for begin, end in offsets:
-        seg_idx = max(bisect.bisect_right(starts, begin) - 1, 0)
-        seg_idx = min(seg_idx, len(segments) - 1)
-        segment_of.append(seg_idx)
-        if end > begin:
-            trained.append(trained_prefix[min(end, len(text))] - trained_prefix[begin] > 0)
-        else:
-            trained.append(bool(segments[seg_idx].trained))
+        first_seg = min(max(bisect.bisect_right(starts, begin) - 1, 0), last)
+        last_seg = min(max(bisect.bisect_right(starts, end - 1) - 1, first_seg), last)
+        segment_of.append(first_seg)
+        trained.append(any(segments[k].trained for k in range(first_seg, last_seg + 1)))
     return _Tokenized(ids, trained, segment_of)
 
 

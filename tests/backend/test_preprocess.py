@@ -68,6 +68,17 @@ class ChatML:
         return out
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4."}, {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6."}],
+])
+def test_chatml_helper_matches_the_tokenizers_own_template(smol_tokenizer, messages):
+    """Grounds the hand-written renderer these tests use in SmolLM2's official chat template."""
+    rendered = "".join(s.text for s in ChatML().render(messages))
+    assert rendered == smol_tokenizer.apply_chat_template(messages, tokenize=False)
+
+
 def trained_spans(tokenizer, enc) -> list[str]:
     """Decode each run of consecutive trained labels."""
     spans, run = [], []

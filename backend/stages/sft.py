@@ -42,7 +42,7 @@ def run(spec, run_dir, stop) -> StageResult:
     if len(train_rows) == 0:
         raise RunError("no training rows left after preprocessing (see the warnings above)")
     eval_rows = build_sft_dataset(val_examples, **encode)[0] if val_examples else None
-    if spec.packing:
+    if spec.resolved_packing:
         train_rows = pack_rows(train_rows, spec.cutoff_len)
         run_dir.log(f"packed into {len(train_rows)} sequences of <= {spec.cutoff_len} tokens")
         collator = PackedCollator()

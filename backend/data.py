@@ -670,7 +670,10 @@ def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, s
     counts = DatasetCounts(name, [_display(p) for p in files], spec.formatting)
     rows: list[tuple[Path, int, dict]] = []
     for path in files:
-        file_rows = read_rows(path, entry.get("split", "train"))
+        try:
+            file_rows = read_rows(path, entry.get("split", "train"))
+        except DatasetError as exc:
+            raise DatasetError(f"dataset '{name}': {exc}") from None
         present = set(file_rows[0]) if file_rows else set()
         if file_rows:
             for key in _required_columns(spec, stage):
@@ -796,8 +799,10 @@ def _validation_stages(entry: dict) -> list[str]:
         return ["dpo"]
     if "kto_tag" in (entry.get("columns") or {}):
         return ["kto"]
-    if entry.get("formatting", "alpaca") == "alpaca":
-        return ["sft", "pt"]  # a raw-text corpus (pt) is a valid alpaca entry too
+    columns = entry.get("columns") or {}
+    if entry.get("formatting", "alpaca") == "alpaca" and ("prompt" in columns or "text" in columns) \
+            and not {"response", "query", "history"} & set(columns):
+        return ["sft", "pt"]  # a raw-text corpus ({"prompt": "text"}) is a valid alpaca entry too
     return ["sft"]
 
 

@@ -1,0 +1,701 @@
+"""Models: find them, load them, make them trainable.
+
+    resolve_model(name)                  hub id / local folder / .gguf file -> ResolvedModel (no weights read)
+    materialize_gguf(path)               GGUF -> a cached plain HF folder (dequantized once, then ~1 s loads)
+    load_tokenizer(resolved)             tokenizer with a pad token
+    load_model(spec, resolved, ...)      dtype, attention, liger, bitsandbytes quantization, checkpointing
+    apply_finetuning(model, spec, ...)   lora / freeze / full (+ existing adapters)
+    count_parameters(model)              (trainable, total)
+
+Nothing here is ever downloaded: a hub id only resolves if it is already in the local Hugging Face cache.
+Requested accelerations this machine cannot provide (bf16, flash-attn, liger) are not errors: they go to
+the `warn` callback once each (the stage writes them to running_log.txt and status.json) and the run
+continues on the fallback. `spec` is only read through attributes, so any object with LLaMA-Factory's
+field names works (backend.spec.RunSpec, or a SimpleNamespace in tests).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from backend.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
+
+logger = logging.getLogger("tuneboard.models")
+Warn = Callable[[str], None]
+
+REGISTRY_FILE = Path(__file__).with_name("model_registry.yaml")
+
+# Methods the spec accepts (LLaMA-Factory names) that a later issue implements.
+_NOT_YET = ("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon", "use_llama_pro", "use_unsloth")
+
+
+def _get(spec: Any, name: str, default: Any = None) -> Any:
+    value = getattr(spec, name, default)
+    return default if value is None else value
+
+
+def _default_warn(message: str) -> None:
+    logger.warning(message)
+
+
+# --------------------------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class RegistryEntry:
+    model_id: str
+    family: str
+    template: str | None
+    instruct: bool
+
+
+@functools.lru_cache(maxsize=1)
+def load_registry() -> dict[str, RegistryEntry]:
+    """model_registry.yaml as {lowercased id: entry}."""
+    groups = yaml.safe_load(REGISTRY_FILE.read_text(encoding="utf-8"))
+    entries: dict[str, RegistryEntry] = {}
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "family" not in group:
+            raise ValueError(f"{REGISTRY_FILE}: group {i} needs a 'family' key")
+        for key, instruct in (("base", False), ("instruct", True)):
+            for model_id in group.get(key) or []:
+                entries[model_id.lower()] = RegistryEntry(model_id, group["family"], group.get("template"), instruct)
+    return entries
+
+
+def lookup_registry(name: str) -> RegistryEntry | None:
+    """Registry entry for a hub id (case-insensitive), or for a folder / file name that contains an id's
+    last component, e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf' -> HuggingFaceTB/SmolLM2-135M-Instruct.
+    The longest such component wins, so '...-Instruct' beats the base id it starts with."""
+    registry = load_registry()
+    key = name.strip().lower().rstrip("/")
+    if key in registry:
+        return registry[key]
+    base = key.replace("\\", "/").rsplit("/", 1)[-1]
+    best: RegistryEntry | None = None
+    for model_id, entry in registry.items():
+        last = model_id.rsplit("/", 1)[-1]
+        # whole-word match: "qwen2.5-7b" must not match inside "qwen2.5-7b0" or "xqwen2.5-7b"
+        if re.search(rf"(?<![a-z0-9]){re.escape(last)}(?![a-z0-9])", base):
+            if best is None or len(last) > len(best.model_id.rsplit("/", 1)[-1]):
+                best = entry
+    return best
+
+
+# --------------------------------------------------------------------------------------------- resolve
+@dataclass
+class ResolvedModel:
+    """Where a model's files are, without reading its weights. For a GGUF model `path` is the file's
+    folder and `gguf_file` its name; load_* functions go through materialize_gguf()."""
+    path: Path
+    gguf_file: str | None
+    model_id: str
+    family: str | None
+    template: str | None
+    instruct: bool | None
+    is_default: bool = False
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return self.path / self.gguf_file if self.gguf_file else None
+
+
+def _offline_error(name: str) -> ValueError:
+    return ValueError(
+        f"model '{name}' is not available offline: give a local folder or .gguf file path "
+        "(nothing can be downloaded here)"
+    )
+
+
+def _looks_like_path(name: str) -> bool:
+    return (
+        name.startswith((".", "/", "~", "\\"))
+        or name.count("/") > 1
+        or name.lower().endswith(".gguf")
+        or (len(name) > 1 and name[1] == ":")  # C:\...
+    )
+
+
+def _family_from_folder(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _family_from_gguf(path: Path) -> str | None:
+    """general.architecture from the GGUF header. Read by hand because gguf.GGUFReader indexes every
+    tensor and vocabulary entry first (~10 s for the default model); this reads a few hundred bytes."""
+    import struct
+
+    def read(f, fmt):
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise EOFError
+        return struct.unpack(fmt, data)[0]
+
+    def read_string(f):
+        return f.read(read(f, "<Q")).decode("utf-8", "replace")
+
+    def skip_value(f, kind):
+        if kind == 8:
+            f.seek(read(f, "<Q"), 1)
+        elif kind == 9:
+            item, count = read(f, "<I"), read(f, "<Q")
+            if item in _GGUF_SCALARS:
+                f.seek(struct.calcsize(_GGUF_SCALARS[item]) * count, 1)
+            else:
+                for _ in range(count):
+                    skip_value(f, item)
+        else:
+            f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF" or read(f, "<I") < 2:
+                return None
+            read(f, "<Q")  # tensor count
+            for _ in range(read(f, "<Q")):
+                key, kind = read_string(f), read(f, "<I")
+                if key == "general.architecture" and kind == 8:
+                    return read_string(f)
+                skip_value(f, kind)
+    except (OSError, EOFError, KeyError, struct.error):  # a damaged file is reported when it is loaded
+        return None
+    return None
+
+
+def _resolved(path: Path, gguf_file: str | None, name: str, family: str | None, is_default=False) -> ResolvedModel:
+    """Fill family / template / instruct from the registry (by id, else by the folder or file name)."""
+    entry = lookup_registry(name) or lookup_registry(gguf_file or path.name)
+    if entry:
+        model_id = entry.model_id
+    elif gguf_file:
+        model_id = Path(gguf_file).stem
+    else:
+        model_id = path.name
+    return ResolvedModel(
+        path=path,
+        gguf_file=gguf_file,
+        model_id=model_id,
+        family=entry.family if entry else family,
+        template=entry.template if entry else None,
+        instruct=entry.instruct if entry else None,
+        is_default=is_default,
+    )
+
+
+def resolve_model(name_or_path: str) -> ResolvedModel:
+    """A local HF folder (has config.json), a .gguf file, a folder holding exactly one .gguf, a hub id
+    already in the local HF cache, or DEFAULT_MODEL_ID (-> the bundled GGUF)."""
+    name = str(name_or_path).strip()
+    if not name:
+        raise ValueError("model_name_or_path is empty: give a local folder, a .gguf file or a known model id")
+    if name.lower() == DEFAULT_MODEL_ID.lower():
+        gguf = default_model_file()
+        return _resolved(gguf.parent, gguf.name, DEFAULT_MODEL_ID, "llama", is_default=True)
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file: give a .gguf file or a model folder")
+        path = path.resolve()
+        return _resolved(path.parent, path.name, name, _family_from_gguf(path))
+    if path.is_dir():
+        path = path.resolve()
+        if (path / "config.json").is_file():
+            return _resolved(path, None, name, _family_from_folder(path))
+        if (path / "adapter_config.json").is_file():
+            raise ValueError(
+                f"{path} is a LoRA adapter, not a model: set it as adapter_name_or_path and give its base "
+                "model as model_name_or_path"
+            )
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _resolved(path, ggufs[0], name, _family_from_gguf(path / ggufs[0]))
+        if ggufs:
+            raise ValueError(f"model folder {path} holds several .gguf files ({', '.join(ggufs)}): give one file")
+        raise ValueError(f"model folder {path} has no config.json and no .gguf file")
+    if _looks_like_path(name):
+        raise ValueError(f"model path '{name}' does not exist")
+
+    # A hub id: only what is already in the local Hugging Face cache.
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        snapshot = Path(snapshot_download(name, local_files_only=True))
+    except HFValidationError as exc:
+        raise ValueError(f"model '{name}' is neither an existing path nor a valid hub id ({exc})") from None
+    except Exception:
+        raise _offline_error(name) from None
+    if not (snapshot / "config.json").is_file():
+        ggufs = sorted(p.name for p in snapshot.glob("*.gguf"))
+        if len(ggufs) == 1:
+            resolved = _resolved(snapshot, ggufs[0], name, _family_from_gguf(snapshot / ggufs[0]))
+            resolved.model_id = name
+            return resolved
+        raise _offline_error(name)
+    resolved = _resolved(snapshot, None, name, _family_from_folder(snapshot))
+    resolved.model_id = name
+    return resolved
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+def _gguf_cache_folder(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    return cache_dir() / "models" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def materialize_gguf(gguf_path: str | os.PathLike) -> Path:
+    """Dequantize a GGUF file once into a plain HF folder (safetensors + config + tokenizer with its chat
+    template + generation_config) under cache_dir()/models/<stem>-<size>-<mtime_ns>/ and return it.
+
+    Why: transformers dequantizes GGUF on every load (~35 s for the 135M default) and refuses
+    save_pretrained on a GGUF-loaded model (it carries a GGUF hf_quantizer). The cached folder loads in
+    ~1 s, is an ordinary fp32 model, so full / merged models derived from it save normally. It is written
+    to a temp folder and renamed into place, so a reader never sees half a folder and two processes
+    converting at once both end with the same complete folder."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    target = _gguf_cache_folder(gguf_path)
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        logger.info("converting %s to a cached HF folder (one time)", gguf_path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        except Exception as exc:
+            raise ValueError(f"cannot load GGUF file {gguf_path}: {exc}") from exc
+        # The weights are already dequantized; what blocks save_pretrained is the GGUF quantizer marker.
+        model.hf_quantizer = None
+        for holder in (model.config, getattr(model.config, "get_text_config", lambda: None)()):
+            if holder is not None and hasattr(holder, "quantization_config"):
+                delattr(holder, "quantization_config")
+        model.config._name_or_path = str(target)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process got there first: its folder is complete (renamed atomically)
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_folder(resolved: ResolvedModel) -> Path:
+    """The HF folder to load from (the materialized cache for GGUF models)."""
+    return materialize_gguf(resolved.gguf_path) if resolved.gguf_file else resolved.path
+
+
+# --------------------------------------------------------------------------------------------- loading
+def load_tokenizer(resolved: ResolvedModel, *, trust_remote_code: bool = False):
+    """The model's tokenizer, with a pad token (eos when it has none). Padding is only used for batching:
+    labels come from explicit spans, never from pad ids, so pad == eos does not unlearn the stop token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(resolved), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {resolved.model_id} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def bf16_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def compute_dtype(spec: Any, warn: Warn | None = None) -> torch.dtype:
+    """bf16 / fp16 where the spec asks and a GPU supports it, else fp32. On CPU a bf16 request falls back
+    to fp32 (this kind of CPU has no fast bf16 matmul, and fp32 is what every test measures); the stage
+    must then pass bf16=False to the Trainer: call this without `warn` to ask again silently."""
+    if _get(spec, "bf16", False) or _get(spec, "pure_bf16", False):
+        if bf16_supported():
+            return torch.bfloat16
+        if warn:
+            warn("bf16 requested but not supported on this machine: training in fp32")
+        return torch.float32
+    if _get(spec, "fp16", False):
+        if torch.cuda.is_available():
+            return torch.float16
+        if warn:
+            warn("fp16 requested but not supported on this machine: training in fp32")
+        return torch.float32
+    return torch.float32
+
+
+def _supports_sdpa(folder: Path, trust_remote_code: bool = False) -> bool:
+    """Whether the model class behind config.json has an SDPA path (Gemma 2, for one, has not)."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True))
+    except Exception:  # remote code or an unknown class: let transformers decide when loading
+        return True
+
+
+def attention_implementation(spec: Any, warn: Warn | None = None, *, supports_sdpa: bool = True) -> str:
+    """flash_attn: auto -> sdpa where the model has it (else eager), sdpa -> sdpa, disabled -> eager,
+    fa2/fa3 -> flash_attention_2/3 if the package imports and a GPU is there, else the auto choice with
+    a warning."""
+    fallback = "sdpa" if supports_sdpa else "eager"
+    choice = str(_get(spec, "flash_attn", "auto")).lower()
+    if choice == "auto":
+        return fallback
+    if choice == "sdpa":
+        if not supports_sdpa and warn:
+            warn("flash_attn=sdpa requested but this model has no SDPA attention: using eager")
+        return fallback
+    if choice == "disabled":
+        return "eager"
+    if choice in ("fa2", "fa3"):
+        package = "flash_attn" if choice == "fa2" else "flash_attn_interface"
+        try:
+            importlib.import_module(package)
+            if torch.cuda.is_available():
+                return "flash_attention_2" if choice == "fa2" else "flash_attention_3"
+        except Exception:  # not installed, or built against another torch/CUDA
+            pass
+        if warn:
+            warn(f"flash_attn={choice} requested but flash-attn is not installed / no GPU: "
+                 f"using {'SDPA' if supports_sdpa else 'eager attention'}")
+        return fallback
+    raise ValueError(f"flash_attn: unknown value '{choice}' (choose auto, sdpa, fa2, fa3, disabled)")
+
+
+def _liger_usable() -> bool:
+    # liger's own availability check says yes without a GPU, then the first forward fails.
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _apply_liger(model, warn: Warn) -> None:
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    try:
+        _apply_liger_kernel_to_instance(model=model)
+    except Exception as exc:  # an unsupported family must not kill the run
+        warn(f"enable_liger_kernel: liger could not patch {model.config.model_type} ({exc}): using plain ops")
+
+
+def quantization_config(spec: Any, dtype: torch.dtype):
+    """BitsAndBytesConfig for quantization_bit 4|8, or None."""
+    bits = _get(spec, "quantization_bit", None)
+    if bits in (None, 0):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    bits = int(bits)
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if bits == 4:
+        quant_type = str(_get(spec, "quantization_type", "nf4")).lower()
+        if quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"quantization_type: '{quant_type}' is not one of nf4, fp4")
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant_type,
+            bnb_4bit_use_double_quant=bool(_get(spec, "double_quantization", True)),
+            bnb_4bit_compute_dtype=dtype,
+        )
+    raise ValueError(f"quantization_bit: {bits} is not supported (choose 4 or 8, through bitsandbytes)")
+
+
+def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True, warn: Warn | None = None):
+    """The base model, ready for apply_finetuning(): dtype from bf16/fp16 (fp32 fallback), attention from
+    flash_attn, liger patches where a GPU can run them, bitsandbytes 4/8-bit + prepare_model_for_kbit_training
+    for QLoRA, gradient checkpointing. GGUF models load from their materialized folder."""
+    from transformers import AutoModelForCausalLM
+
+    warn = warn or _default_warn
+    folder = model_folder(resolved)
+    remote = bool(_get(spec, "trust_remote_code", False))
+    dtype = compute_dtype(spec, warn)
+    attn = attention_implementation(spec, warn, supports_sdpa=_supports_sdpa(folder, remote))
+    quant = quantization_config(spec, dtype)
+    if quant is not None and str(_get(spec, "finetuning_type", "lora")) != "lora" and for_training:
+        raise ValueError(
+            f"quantization_bit={_get(spec, 'quantization_bit')} needs finetuning_type: lora (QLoRA); "
+            f"got '{_get(spec, 'finetuning_type')}'"
+        )
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
+    if remote:
+        kwargs["trust_remote_code"] = True
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except ImportError as exc:
+        if attn == "flash_attention_2":
+            raise
+        raise ValueError(f"cannot load {resolved.model_id} from {folder}: {exc}") from exc
+
+    if _get(spec, "enable_liger_kernel", False):
+        if _liger_usable():
+            _apply_liger(model, warn)
+        else:
+            warn("enable_liger_kernel requested but liger-kernel is not installed / no GPU: using plain ops")
+
+    if not for_training:
+        model.eval()
+        return model
+
+    model.config.use_cache = False  # caching is for generation; with checkpointing it is an error
+    checkpointing = bool(_get(spec, "gradient_checkpointing", False))
+    if quant is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        # adapters on frozen embeddings need an input that requires grad for the backward to reach them
+        model.enable_input_require_grads()
+    return model
+
+
+# --------------------------------------------------------------------------------------------- finetuning
+def _split(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        items = value
+    else:
+        items = str(value).split(",")
+    return [s.strip() for s in items if str(s).strip()]
+
+
+def find_all_linear_modules(model) -> list[str]:
+    """Short names of every linear layer (nn.Linear, bitsandbytes Linear4bit/8bitLt, GPT-2 Conv1D) except
+    the output head, found by identity (model.get_output_embeddings()) so tied or renamed heads are
+    excluded too. Our own rather than peft's "all-linear": we also need the list for error messages."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    names = set()
+    for name, module in model.named_modules():
+        if module is head or not name:
+            continue
+        if isinstance(module, (torch.nn.Linear, Conv1D)) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            names.add(name.rsplit(".", 1)[-1])
+    head_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head and n}
+    return sorted(names - head_names)
+
+
+def _module_short_names(model) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+
+
+def _check_names(field: str, wanted: list[str], available: list[str] | set[str]) -> None:
+    unknown = [w for w in wanted if w not in available]
+    if unknown:
+        raise ValueError(
+            f"{field}: unknown module{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}; "
+            f"available: {', '.join(sorted(available))}"
+        )
+
+
+def _check_not_yet(spec: Any) -> None:
+    for name in _NOT_YET:
+        if _get(spec, name, False):
+            raise NotImplementedError(f"not implemented yet: {name}")
+
+
+def _upcast_trainable(model, spec: Any) -> None:
+    """fp32 master weights for what we train (the frozen rest may stay bf16/fp16 under autocast),
+    unless pure_bf16 asks to train in bf16 itself."""
+    if _get(spec, "pure_bf16", False):
+        return
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+def apply_finetuning(model, spec: Any, *, for_training: bool = True, warn: Warn | None = None):
+    """Make the right parameters trainable for spec.finetuning_type and return the (maybe wrapped) model.
+    `lora` returns a peft model; `freeze` and `full` return the model itself."""
+    warn = warn or _default_warn
+    _check_not_yet(spec)
+    method = str(_get(spec, "finetuning_type", "lora")).lower()
+    if method == "lora":
+        model = _setup_lora(model, spec, for_training)
+    elif method == "freeze":
+        if _get(spec, "adapter_name_or_path", None):
+            raise ValueError("adapter_name_or_path needs finetuning_type: lora")
+        if for_training:
+            _setup_freeze(model, spec)
+    elif method == "full":
+        if _get(spec, "adapter_name_or_path", None):
+            raise ValueError("adapter_name_or_path needs finetuning_type: lora")
+        if for_training:
+            for param in model.parameters():
+                param.requires_grad_(True)
+            _upcast_trainable(model, spec)
+    elif method in ("oft",):
+        raise NotImplementedError(f"not implemented yet: finetuning_type={method}")
+    else:
+        raise ValueError(f"finetuning_type: unknown value '{method}' (choose lora, freeze, full)")
+    if for_training:
+        trainable, total = count_parameters(model)
+        logger.info("trainable params: %s || all params: %s || trainable%%: %.4f", f"{trainable:,}", f"{total:,}",
+                    100 * trainable / max(total, 1))
+    return model
+
+
+def _is_quantized(model) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+                or getattr(model, "quantization_method", None))
+
+
+def _check_adapter(path: str) -> str:
+    folder = Path(path).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise ValueError(f"adapter_name_or_path: '{path}' is not a LoRA adapter folder (no adapter_config.json)")
+    return str(folder)
+
+
+def _setup_lora(model, spec: Any, for_training: bool):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    adapters = [_check_adapter(p) for p in _split(_get(spec, "adapter_name_or_path", None))]
+    create_new = bool(_get(spec, "create_new_adapter", False))
+    quantized = _is_quantized(model)
+    if quantized and adapters and (len(adapters) > 1 or (for_training and create_new)):
+        raise ValueError(
+            "a quantized model takes a single adapter, to resume or to run (merging into a 4/8-bit base is "
+            "lossy): merge the adapters into a full-precision model first (tuneboard export)"
+        )
+    if adapters and ((for_training and not create_new) or quantized):
+        to_merge, to_resume = adapters[:-1], adapters[-1]  # keep training (or run) the last one
+    else:
+        to_merge, to_resume = adapters, None  # bake them all into the base
+    for path in to_merge:
+        model = PeftModel.from_pretrained(model, path).merge_and_unload()
+    if to_resume is not None:
+        model = PeftModel.from_pretrained(model, to_resume, is_trainable=for_training)
+        return model
+    if not for_training:
+        return model
+
+    target = _split(_get(spec, "lora_target", "all")) or ["all"]
+    available = find_all_linear_modules(model)
+    if target == ["all"]:
+        target = available
+    else:
+        _check_names("lora_target", target, available)
+    modules_to_save = _split(_get(spec, "additional_target", None)) or None
+    if modules_to_save:
+        _check_names("additional_target", modules_to_save, _module_short_names(model))
+
+    rank = int(_get(spec, "lora_rank", 8))
+    init: Any = True
+    if _get(spec, "pissa_init", False):
+        niter = int(_get(spec, "pissa_iter", 16))
+        init = f"pissa_niter_{niter}" if niter > 0 else "pissa"
+    config = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=rank,
+        lora_alpha=int(_get(spec, "lora_alpha", None) or 2 * rank),
+        lora_dropout=float(_get(spec, "lora_dropout", 0.0)),
+        target_modules=target,
+        modules_to_save=modules_to_save,
+        use_dora=bool(_get(spec, "use_dora", False)),
+        use_rslora=bool(_get(spec, "use_rslora", False)),
+        init_lora_weights=init,
+    )
+    return get_peft_model(model, config)
+
+
+def _decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
+    """The ModuleList of decoder layers (name, list): the first one as long as num_hidden_layers."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "num_hidden_layers", None)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return name, module
+    raise ValueError(f"freeze: cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def _setup_freeze(model, spec: Any) -> None:
+    """Train the last N decoder layers (freeze_trainable_layers > 0) or the first N (< 0), only their
+    freeze_trainable_modules ("all" or e.g. "mlp,self_attn"), plus freeze_extra_modules outside the
+    layers (e.g. "embed_tokens,norm"). Everything else is frozen."""
+    layers_name, layers = _decoder_layers(model)
+    n = len(layers)
+    count = int(_get(spec, "freeze_trainable_layers", 2))
+    if count == 0:
+        raise ValueError("freeze_trainable_layers: 0 trains nothing; give N > 0 (last N layers) or N < 0 (first N)")
+    ids = range(max(0, n - count), n) if count > 0 else range(min(-count, n))
+
+    inner = sorted({name.split(".", 1)[0] for name, _ in layers[0].named_children()})
+    wanted = _split(_get(spec, "freeze_trainable_modules", "all")) or ["all"]
+    if wanted != ["all"]:
+        _check_names("freeze_trainable_modules", wanted, inner)
+        inner = wanted
+    prefixes = [f"{layers_name}.{i}.{m}." for i in ids for m in inner]
+
+    outer: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if not name or name == layers_name or name.startswith(layers_name + "."):
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            outer.setdefault(name.rsplit(".", 1)[-1], []).append(name + ".")
+    extra = _split(_get(spec, "freeze_extra_modules", None))
+    _check_names("freeze_extra_modules", extra, set(outer))
+    prefixes += [p for e in extra for p in outer[e]]
+
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(name.startswith(p) for p in prefixes))
+    _upcast_trainable(model, spec)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit packed weights count as the values they hold."""
+    trainable = total = 0
+    for param in model.parameters():
+        num = param.numel()
+        if type(param).__name__ == "Params4bit":
+            storage = getattr(param, "quant_storage", None)
+            num = num * 2 * (getattr(storage, "itemsize", 1) or 1)
+        total += num
+        if param.requires_grad:
+            trainable += num
+    return trainable, total

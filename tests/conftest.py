@@ -1,0 +1,109 @@
+"""Shared test setup: an offline environment and tiny random models of four families."""
+import os
+
+# Offline and quiet before anything imports huggingface_hub / gradio. TUNEBOARD_CACHE is deliberately left
+# alone: the default model converted from GGUF is cached there and reused across test runs.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import pytest  # noqa: E402
+
+# ======================================================================== tiny model fixtures (models)
+# Tiny random Llama / Qwen2 / Gemma2 / Mistral models (hidden 64, 2 layers, 4 heads, 2 kv heads), built
+# once per test session in a temp dir. Their tokenizers are the SmolLM2 tokenizer (from the bundled GGUF)
+# plus each family's special tokens, so templates and masks see the real markers. Only the qwen2 one
+# carries a chat template (ChatML): the others exercise the registry / named-template path.
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# family -> (added special tokens, bos, eos, pad, chat template)
+TINY_FAMILIES = {
+    "llama": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+              "<|begin_of_text|>", "<|eot_id|>", None, None),
+    "qwen2": (["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
+    "gemma2": (["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>"], "<bos>", "<eos>", "<pad>", None),
+    "mistral": (["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", None, None),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The bundled SmolLM2-135M-Instruct GGUF as a plain HF folder (converted once, cached across runs)."""
+    from backend.models import materialize_gguf
+    from backend.paths import default_model_file
+
+    return materialize_gguf(default_model_file())
+
+
+def _tiny_config(family: str, tokenizer):
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma2": Gemma2Config, "mistral": MistralConfig}[family]
+    return cls(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _build_tiny(family: str, base_tokenizer_dir, out_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    added, bos, eos, pad, chat_template = TINY_FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(base_tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": added}, replace_extra_special_tokens=False)
+    tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = bos, eos, pad
+    tokenizer.chat_template = chat_template
+    torch.manual_seed(0)
+    config = _tiny_config(family, tokenizer)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_dir):
+    """{family: folder} for llama, qwen2, gemma2, mistral."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {family: _build_tiny(family, default_model_dir, root / f"tiny_{family}") for family in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_models):
+    return tiny_models["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tiny_models):
+    return tiny_models["gemma2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tiny_models):
+    return tiny_models["mistral"]
+
+
+# ==================================================================== end of tiny model fixtures (models)

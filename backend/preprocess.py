@@ -129,6 +129,9 @@ def _truncate(tok: _Tokenized, segments: Sequence[Any], cutoff_len: int) -> tupl
         answer_seg = _last_index(segments, lambda s: s.trained and s.role != "bos")
     if answer_seg is None:  # nothing trained anyway: keep the start
         return ids[:cutoff_len], trained[:cutoff_len]
+    # the answer may be several trained assistant segments (content, then the end-of-turn marker)
+    while answer_seg > 0 and segments[answer_seg - 1].role == segments[answer_seg].role and segments[answer_seg - 1].trained:
+        answer_seg -= 1
     # first token carrying text of the answer segment (it may start in the scaffold before it)
     answer_start = next((i for i in range(n) if seg_of[i] >= answer_seg), n)
     prev = answer_start - 1
@@ -216,8 +219,11 @@ def encode_example(example: dict, template, tokenizer, cutoff_len: int | None, *
     tools = example.get("tools")
 
     def encode(msgs: list[dict]) -> Encoded:
-        segments = template.render(msgs, tools=tools, train_on_prompt=train_on_prompt,
-                                   mask_history=mask_history)
+        try:
+            segments = template.render(msgs, tools=tools, train_on_prompt=train_on_prompt,
+                                       mask_history=mask_history)
+        except ValueError as exc:
+            raise ValueError(f"{_row_name(example)}: {exc}") from exc
         return encode_segments(segments, tokenizer, cutoff_len, return_tokens=return_tokens)
 
     enc = encode(messages)
@@ -272,14 +278,24 @@ class Stats:
     truncated: int = 0
     dropped: int = 0
     dropped_ids: list[str] = field(default_factory=list)  # first few "<source> row <n>"
+    failed: int = 0  # rows the template refused (e.g. a conversation that does not end with an answer)
+    failed_reasons: list[str] = field(default_factory=list)  # first few "<source> row <n>: <error>"
     total_tokens: int = 0
     trained_tokens: int = 0
     cutoff_len: int | None = None
 
     MAX_IDS = 5
 
+    def __str__(self) -> str:
+        return (f"{self.rows} rows from {self.rows_in} ({self.truncated} truncated, {self.dropped} dropped, "
+                f"{self.failed} skipped), {self.total_tokens:,} tokens, {self.trained_tokens:,} trained")
+
     def warnings(self) -> list[str]:
         lines = []
+        if self.failed:
+            more = "; ..." if self.failed > len(self.failed_reasons) else ""
+            lines.append(f"{self.failed} rows could not be rendered and were skipped: "
+                         f"{'; '.join(self.failed_reasons)}{more}")
         if self.truncated:
             lines.append(f"{self.truncated} rows truncated to cutoff_len={self.cutoff_len}")
         if self.dropped:
@@ -299,8 +315,9 @@ def _finish(rows: list[dict], stats: Stats, log: Callable[[str], Any] | None, wh
         if log is not None:
             log(line)
     if not rows:
-        raise ValueError(f"no usable rows in the {what} dataset: all {stats.rows_in} rows were dropped "
-                         f"({', '.join(stats.dropped_ids)}{', ...' if stats.dropped > len(stats.dropped_ids) else ''})")
+        examples = stats.failed_reasons + stats.dropped_ids
+        raise ValueError(f"no usable rows in the {what} dataset: all {stats.rows_in} rows were dropped or skipped "
+                         f"({'; '.join(examples[:Stats.MAX_IDS])}{'; ...' if len(examples) > Stats.MAX_IDS else ''})")
     return rows, stats
 
 
@@ -314,8 +331,14 @@ def build_sft_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len:
     rows: list[dict] = []
     for example in examples:
         stats.rows_in += 1
-        enc = encode_example(example, template, tokenizer, cutoff_len,
-                             train_on_prompt=train_on_prompt, mask_history=mask_history)
+        try:
+            enc = encode_example(example, template, tokenizer, cutoff_len,
+                                 train_on_prompt=train_on_prompt, mask_history=mask_history)
+        except ValueError as exc:  # one bad conversation must not end the run; all bad -> error below
+            stats.failed += 1
+            if len(stats.failed_reasons) < Stats.MAX_IDS:
+                stats.failed_reasons.append(str(exc))
+            continue
         stats.truncated += enc.truncated
         if enc.num_trained == 0:
             stats.dropped += 1

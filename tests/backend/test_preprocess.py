@@ -42,41 +42,12 @@ class Seg:
     role: str
 
 
-class ChatML:
-    """A hand-written ChatML renderer following the contract's Segment rules (role header and the
-    newline after <|im_end|> untrained; assistant content + <|im_end|> trained). It stands in for
-    backend/templates.py, which is not under test here."""
+@pytest.fixture(scope="session")
+def chatml(smol_tokenizer):
+    """SmolLM2's own format (ChatML + its default system prompt) from backend/templates."""
+    from backend.templates import get_template
 
-    def render(self, messages, tools=None, *, add_generation_prompt=False, train_on_prompt=False,
-               mask_history=False):
-        out = []
-        if not messages or messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": SYSTEM}] + list(messages)
-        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        for i, m in enumerate(messages):
-            role = m["role"]
-            out.append(Seg(f"<|im_start|>{role}\n", train_on_prompt, "scaffold"))
-            content = m["content"]
-            for call in m.get("tool_calls") or []:
-                content += "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
-            if role == "assistant":
-                trained = train_on_prompt or not mask_history or i == last_assistant
-                out.append(Seg(content + "<|im_end|>", trained, "assistant"))
-            else:
-                out.append(Seg(content + "<|im_end|>", train_on_prompt, role))
-            out.append(Seg("\n", train_on_prompt, "scaffold"))
-        return out
-
-
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4."}, {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6."}],
-])
-def test_chatml_helper_matches_the_tokenizers_own_template(smol_tokenizer, messages):
-    """Grounds the hand-written renderer these tests use in SmolLM2's official chat template."""
-    rendered = "".join(s.text for s in ChatML().render(messages))
-    assert rendered == smol_tokenizer.apply_chat_template(messages, tokenize=False)
+    return get_template("smollm2", smol_tokenizer)
 
 
 def trained_spans(tokenizer, enc) -> list[str]:
@@ -95,10 +66,10 @@ def whole_ids(tokenizer, segments) -> list[int]:
     return tokenizer("".join(s.text for s in segments), add_special_tokens=False)["input_ids"]
 
 
-def test_single_turn_trains_answer_and_stop_token(smol_tokenizer):
+def test_single_turn_trains_answer_and_stop_token(smol_tokenizer, chatml):
     tok = smol_tokenizer
     assert tok.pad_token_id == tok.eos_token_id  # the case this design exists for
-    segments = ChatML().render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}])
+    segments = chatml.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}])
     enc = encode_segments(segments, tok, 1024, return_tokens=True)
     assert enc.input_ids == whole_ids(tok, segments)
     assert trained_spans(tok, enc) == ["Hello there!<|im_end|>"]
@@ -120,33 +91,33 @@ MULTI = [
 ]
 
 
-def test_multi_turn_every_assistant_turn_trained(smol_tokenizer):
-    enc = encode_example({"messages": MULTI}, ChatML(), smol_tokenizer, 1024)
+def test_multi_turn_every_assistant_turn_trained(smol_tokenizer, chatml):
+    enc = encode_example({"messages": MULTI}, chatml, smol_tokenizer, 1024)
     assert trained_spans(smol_tokenizer, enc) == ["4.<|im_end|>", "6, of course.<|im_end|>"]
-    assert enc.input_ids == whole_ids(smol_tokenizer, ChatML().render(MULTI))
+    assert enc.input_ids == whole_ids(smol_tokenizer, chatml.render(MULTI))
 
 
-def test_mask_history_trains_only_last_turn(smol_tokenizer):
-    enc = encode_example({"messages": MULTI}, ChatML(), smol_tokenizer, 1024, mask_history=True)
+def test_mask_history_trains_only_last_turn(smol_tokenizer, chatml):
+    enc = encode_example({"messages": MULTI}, chatml, smol_tokenizer, 1024, mask_history=True)
     assert trained_spans(smol_tokenizer, enc) == ["6, of course.<|im_end|>"]
 
 
-def test_train_on_prompt_trains_everything(smol_tokenizer):
-    enc = encode_example({"messages": MULTI}, ChatML(), smol_tokenizer, 1024, train_on_prompt=True)
+def test_train_on_prompt_trains_everything(smol_tokenizer, chatml):
+    enc = encode_example({"messages": MULTI}, chatml, smol_tokenizer, 1024, train_on_prompt=True)
     assert enc.labels == enc.input_ids
     assert enc.num_trained == len(enc.input_ids) - 1  # position 0 is never predicted
 
 
-def test_system_prompt_is_not_trained(smol_tokenizer):
+def test_system_prompt_is_not_trained(smol_tokenizer, chatml):
     messages = [{"role": "system", "content": "You speak like a pirate."},
                 {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Arr, ahoy!"}]
-    enc = encode_example({"messages": messages}, ChatML(), smol_tokenizer, 1024)
+    enc = encode_example({"messages": messages}, chatml, smol_tokenizer, 1024)
     assert trained_spans(smol_tokenizer, enc) == ["Arr, ahoy!<|im_end|>"]
     text = smol_tokenizer.decode(enc.input_ids)
     assert text.startswith("<|im_start|>system\nYou speak like a pirate.<|im_end|>\n")
 
 
-def test_tool_call_row(smol_tokenizer):
+def test_tool_call_row(smol_tokenizer, chatml):
     call = {"name": "get_weather", "arguments": {"city": "Paris"}}
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -154,13 +125,27 @@ def test_tool_call_row(smol_tokenizer):
         {"role": "tool", "content": '{"temp_c": 21}'},
         {"role": "assistant", "content": "It is 21 °C in Paris."},
     ]
-    enc = encode_example({"messages": messages, "tools": [{"name": "get_weather"}]}, ChatML(), smol_tokenizer, 1024)
-    assert trained_spans(smol_tokenizer, enc) == [
-        "<tool_call>\n" + json.dumps(call) + "\n</tool_call><|im_end|>",
-        "It is 21 °C in Paris.<|im_end|>",
-    ]
-    # the tool's output is context, never a target
-    assert all('"temp_c"' not in s for s in trained_spans(smol_tokenizer, enc))
+    tools = [{"name": "get_weather", "description": "Current weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    enc = encode_example({"messages": messages, "tools": tools}, chatml, smol_tokenizer, 1024)
+    # the call (smollm2's documented JSON format) and the final answer are targets; the tool schema
+    # in the system prompt and the tool's output are context
+    assert trained_spans(smol_tokenizer, enc) == [json.dumps(call) + "<|im_end|>", "It is 21 °C in Paris.<|im_end|>"]
+    text = smol_tokenizer.decode(enc.input_ids)
+    assert '"temp_c": 21' in text and "get_weather" in text.split("<|im_start|>user")[0]
+
+
+@pytest.mark.parametrize("mask_history", [False, True])
+def test_auto_template_is_id_exact_with_apply_chat_template(smol_tokenizer, mask_history):
+    from backend.templates import get_template
+
+    auto = get_template("auto", smol_tokenizer)
+    enc = encode_example({"messages": MULTI}, auto, smol_tokenizer, 1024, mask_history=mask_history)
+    expected = smol_tokenizer.apply_chat_template(MULTI, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert enc.input_ids == list(expected)
+    spans = ["4.<|im_end|>", "6, of course.<|im_end|>"]
+    assert trained_spans(smol_tokenizer, enc) == (spans[1:] if mask_history else spans)
 
 
 def test_token_straddling_into_the_answer_is_trained(smol_tokenizer):
@@ -174,25 +159,25 @@ def test_token_straddling_into_the_answer_is_trained(smol_tokenizer):
     assert trained_spans(smol_tokenizer, enc) == [" Hello there!"]
 
 
-def test_slow_tokenizer_fallback_tokenizes_per_segment(smol_tokenizer):
+def test_slow_tokenizer_fallback_tokenizes_per_segment(smol_tokenizer, chatml):
     class NoOffsets:  # a tokenizer without offset mapping, as slow tokenizers are
         is_fast = False
 
         def encode(self, text, add_special_tokens=False):
             return smol_tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    segments = ChatML().render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}])
+    segments = chatml.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}])
     enc = encode_segments(segments, NoOffsets(), None)
     assert enc.input_ids == whole_ids(smol_tokenizer, segments)  # ChatML segments meet at special tokens
     assert trained_spans(smol_tokenizer, enc) == ["Hello there!<|im_end|>"]
 
 
-def test_truncation_cuts_the_prompt_and_keeps_the_answer(smol_tokenizer):
+def test_truncation_cuts_the_prompt_and_keeps_the_answer(smol_tokenizer, chatml):
     long_question = " ".join(f"word{i}" for i in range(300))
     messages = [{"role": "user", "content": long_question}, {"role": "assistant", "content": "Short answer."}]
-    full = encode_example({"messages": messages}, ChatML(), smol_tokenizer, None)
+    full = encode_example({"messages": messages}, chatml, smol_tokenizer, None)
     assert len(full.input_ids) > 200
-    enc = encode_example({"messages": messages}, ChatML(), smol_tokenizer, 64, return_tokens=True)
+    enc = encode_example({"messages": messages}, chatml, smol_tokenizer, 64, return_tokens=True)
     assert enc.truncated and len(enc.input_ids) == 64
     assert trained_spans(smol_tokenizer, enc) == ["Short answer.<|im_end|>"]
     text = smol_tokenizer.decode(enc.input_ids)
@@ -202,10 +187,10 @@ def test_truncation_cuts_the_prompt_and_keeps_the_answer(smol_tokenizer):
     assert "word299" in text and "word0 " not in text
 
 
-def test_truncation_keeps_the_beginning_of_a_long_answer(smol_tokenizer):
+def test_truncation_keeps_the_beginning_of_a_long_answer(smol_tokenizer, chatml):
     answer = " ".join(f"step{i}" for i in range(300))
     messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": answer}]
-    enc = encode_example({"messages": messages}, ChatML(), smol_tokenizer, 64)
+    enc = encode_example({"messages": messages}, chatml, smol_tokenizer, 64)
     assert enc.truncated and len(enc.input_ids) == 64
     text = smol_tokenizer.decode(enc.input_ids)
     assert "<|im_start|>user\nCount.<|im_end|>\n<|im_start|>assistant\nstep0 step1" in text  # whole prompt kept
@@ -213,12 +198,12 @@ def test_truncation_keeps_the_beginning_of_a_long_answer(smol_tokenizer):
     assert span.startswith("step0 step1 ") and not span.endswith("<|im_end|>")
 
 
-def test_truncation_drops_oldest_turns_first(smol_tokenizer):
+def test_truncation_drops_oldest_turns_first(smol_tokenizer, chatml):
     old = " ".join(f"old{i}" for i in range(100))
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": old}, {"role": "assistant", "content": "Noted."},
                 {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]
-    enc = encode_example({"messages": messages}, ChatML(), smol_tokenizer, 60)
+    enc = encode_example({"messages": messages}, chatml, smol_tokenizer, 60)
     assert enc.truncated and len(enc.input_ids) <= 60
     text = smol_tokenizer.decode(enc.input_ids)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
@@ -226,7 +211,7 @@ def test_truncation_drops_oldest_turns_first(smol_tokenizer):
     assert trained_spans(smol_tokenizer, enc) == ["6.<|im_end|>"]
 
 
-def test_build_sft_dataset_counts_truncated_and_dropped_rows(smol_tokenizer):
+def test_build_sft_dataset_counts_truncated_and_skipped_rows(smol_tokenizer, chatml):
     rows_in = [
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
          "_source": "demo", "_row": 0},
@@ -235,24 +220,40 @@ def test_build_sft_dataset_counts_truncated_and_dropped_rows(smol_tokenizer):
          "_source": "demo", "_row": 2},
     ]
     lines = []
-    rows, stats = build_sft_dataset(rows_in, ChatML(), smol_tokenizer, 48, log=lines.append)
-    assert (stats.rows_in, stats.rows, stats.truncated, stats.dropped) == (3, 2, 1, 1)
-    assert stats.dropped_ids == ["demo row 1"]
-    assert lines == ["1 rows truncated to cutoff_len=48",
-                     "1 rows left with no trained token were dropped: demo row 1"]
+    rows, stats = build_sft_dataset(rows_in, chatml, smol_tokenizer, 48, log=lines.append)
+    assert (stats.rows_in, stats.rows, stats.truncated, stats.dropped, stats.failed) == (3, 2, 1, 0, 1)
+    assert lines == ["1 rows could not be rendered and were skipped: demo row 1: messages[0]: the conversation "
+                     "ends with a user turn, so there is no assistant turn to train "
+                     "(render with add_generation_prompt=True for a prompt)",
+                     "1 rows truncated to cutoff_len=48"]
     assert all(len(r["input_ids"]) == len(r["labels"]) == len(r["attention_mask"]) <= 48 for r in rows)
     assert stats.total_tokens == sum(len(r["input_ids"]) for r in rows)
     assert stats.trained_tokens == sum(sum(1 for x in r["labels"][1:] if x != IGNORE_INDEX) for r in rows)
     # "Hello!" and "Ok." plus one <|im_end|> each
     assert stats.trained_tokens == sum(len(smol_tokenizer(a)["input_ids"]) + 1 for a in ("Hello!", "Ok."))
+    assert str(stats) == (f"2 rows from 3 (1 truncated, 0 dropped, 1 skipped), {stats.total_tokens:,} tokens, "
+                          f"{stats.trained_tokens} trained")
 
-    with pytest.raises(ValueError, match="all 1 rows were dropped.*demo row 1"):
-        build_sft_dataset([rows_in[1]], ChatML(), smol_tokenizer, 48)
+    with pytest.raises(ValueError, match="all 1 rows were dropped or skipped .demo row 1: messages.0."):
+        build_sft_dataset([rows_in[1]], chatml, smol_tokenizer, 48)
 
 
-def test_bad_example_names_the_row(smol_tokenizer):
+def test_rows_without_trained_tokens_are_dropped_and_counted(smol_tokenizer):
+    """With the "empty" template nothing marks the end of a turn: an empty answer trains nothing."""
+    from backend.templates import get_template
+
+    empty = get_template("empty", smol_tokenizer)
+    rows_in = [{"messages": [{"role": "user", "content": "Who are you?\n"}, {"role": "assistant", "content": a}],
+                "_source": "identity", "_row": i} for i, a in enumerate(["I am Tune.", "", "A bot.", ""])]
+    lines = []
+    rows, stats = build_sft_dataset(rows_in, empty, smol_tokenizer, 64, log=lines.append)
+    assert (stats.rows, stats.dropped, stats.dropped_ids) == (2, 2, ["identity row 1", "identity row 3"])
+    assert lines == ["2 rows left with no trained token were dropped: identity row 1, identity row 3"]
+
+
+def test_bad_example_names_the_row(smol_tokenizer, chatml):
     with pytest.raises(ValueError, match="alpaca_en_demo row 7: 'messages'"):
-        encode_example({"messages": [], "_source": "alpaca_en_demo", "_row": 7}, ChatML(), smol_tokenizer, 64)
+        encode_example({"messages": [], "_source": "alpaca_en_demo", "_row": 7}, chatml, smol_tokenizer, 64)
 
 
 def test_pt_text_is_chunked_not_cut(smol_tokenizer):

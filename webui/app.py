@@ -1,0 +1,206 @@
+"""TuneBoard web UI: `create_app()` builds the page; `main(argv)` is `tuneboard webui`.
+
+The UI process only builds specs, launches `tuneboard train` processes and tails their run directories:
+it never imports torch/transformers/peft/trl/accelerate/datasets (tests/webui/test_import_boundary.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import gradio as gr  # noqa: E402
+
+from backend import paths  # noqa: E402
+from webui import choices, jobs  # noqa: E402
+from webui import fields as F  # noqa: E402
+from webui.i18n import LANG_NAMES, LANGS  # noqa: E402
+from webui.tabs import data as data_tab  # noqa: E402
+from webui.tabs import runs as runs_tab  # noqa: E402
+from webui.tabs import train as train_tab  # noqa: E402
+from webui.ui import Registry  # noqa: E402
+
+LOGO = paths.ASSETS_DIR / "logo.svg"
+CSS_FILE = paths.ASSETS_DIR / "style.css"
+
+
+def _header_html() -> str:
+    return (
+        '<div id="tb-header">'
+        f'<img src="/gradio_api/file={LOGO}" alt="TuneBoard logo">'
+        '<div><div class="tb-title">TuneBoard</div>'
+        '<div class="tb-tagline">Fine-tune open LLMs from your browser — runs survive the tab.</div></div>'
+        "</div>"
+    )
+
+
+def build_topbar(reg: Registry) -> dict:
+    """The bar shared by all tabs: language, model, method, adapter, quantization, template, booster."""
+    top: dict = {}
+    table = F.rows_by_name()
+    with gr.Row(elem_id="tb-topbar", equal_height=True):
+        top["lang"] = reg.dropdown("top-lang", list(LANGS), value="en", scale=1, min_width=110)
+        top["lang"].choices = [(LANG_NAMES[code], code) for code in LANGS]
+        top["model_name_or_path"] = reg.dropdown(
+            "top-model_name_or_path", choices.model_ids(), value=paths.DEFAULT_MODEL_ID,
+            allow_custom_value=True, scale=3, min_width=260, info=table["model_name_or_path"].description)
+        ft = table["finetuning_type"]
+        top["finetuning_type"] = reg.dropdown("top-finetuning_type", F.dropdown_ids(ft),
+                                              value=F.PRESET["finetuning_type"], scale=1, min_width=110)
+        top["adapter_name_or_path"] = reg.dropdown(
+            "top-adapter_name_or_path", [""] + choices.adapter_choices(), value="", allow_custom_value=True,
+            scale=2, min_width=200)
+        q = table["quantization_bit"]
+        top["quantization_bit"] = reg.dropdown("top-quantization_bit", F.dropdown_ids(q), value=F.NONE_ID,
+                                               scale=1, min_width=110)
+        top["template"] = reg.dropdown("top-template", choices.template_names(), value="auto",
+                                       allow_custom_value=True, scale=1, min_width=120)
+        top["booster"] = reg.dropdown("top-booster", list(F.BOOSTERS), value="auto", scale=1, min_width=110)
+    top["note"] = gr.Markdown("", elem_id="top-note", elem_classes=["tb-section-note"])
+    return top
+
+
+def wire_topbar(top: dict) -> None:
+    def on_model(model):
+        """Picking a known model sets its template and warns about a chat template on a base model.
+        Inputs: model. Outputs: template, note."""
+        info = choices.model_info(model)
+        if info is None:
+            return gr.skip(), ""
+        if not info["instruct"]:
+            return "default", (f"`{model}` is a base model: its template is set to `default`; a chat template "
+                               "on a base model teaches it a format it has never seen.")
+        return "auto", ""
+
+    top["model_name_or_path"].change(on_model, [top["model_name_or_path"]], [top["template"], top["note"]])
+
+    def on_template(model, template):
+        """Warns when a chat template is put on a base model. Inputs: model, template. Outputs: note."""
+        info = choices.model_info(model)
+        if info and not info["instruct"] and template not in ("default", "empty", "auto"):
+            return f"⚠ `{template}` is a chat template and `{model}` is a base model."
+        return ""
+
+    top["template"].change(on_template, [top["model_name_or_path"], top["template"]], [top["note"]])
+
+
+def create_app() -> gr.Blocks:
+    """The whole page. Per-browser state lives in gr.State; durable state in run directories."""
+    reg = Registry("en")
+    with gr.Blocks(title="TuneBoard") as demo:
+        gr.HTML(_header_html(), elem_id="tb-header-block")
+        top = build_topbar(reg)
+        state = gr.State(train_tab.attach(None))
+        with gr.Tabs(elem_id="tb-tabs") as tabs:
+            with reg.tab("tab-train", id="train"):
+                train = train_tab.build(reg, top)
+            with reg.tab("tab-runs", id="runs"):
+                runs = runs_tab.build(reg)
+            with reg.tab("tab-data", id="data"):
+                data = data_tab.build(reg)
+        wire_topbar(top)
+        train_tab.wire(train, state)
+        runs_tab.wire(runs, state=state, train=train, tabs=tabs)
+        data_tab.wire(data, top=top, train=train)
+
+        comps = reg.components()
+        top["lang"].change(lambda lang: reg.relabel(lang), [top["lang"]], comps, show_progress="hidden")
+
+        def on_load():
+            """Re-attach to the newest live run (page reload or UI restart). Outputs: state, timer."""
+            run_dir = jobs.find_active_run()
+            if run_dir is None:
+                return train_tab.attach(None), gr.Timer(active=False)
+            return train_tab.attach(run_dir), gr.Timer(active=True)
+
+        demo.load(on_load, None, [state, train["timer"]])
+    demo.tb_registry = reg  # for tests: the locale keys this page uses
+    return demo
+
+
+def launch_kwargs() -> dict:
+    """What `launch()` needs besides host/port (Gradio 6 takes theme/css at launch time)."""
+    return {"css_paths": [CSS_FILE], "allowed_paths": [str(paths.ASSETS_DIR)], "favicon_path": str(LOGO),
+            "theme": gr.themes.Soft(primary_hue="indigo", secondary_hue="sky"),
+            "footer_links": []}
+
+
+# ------------------------------------------------------------------ command line
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tuneboard webui", description="Serve the TuneBoard web UI.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860, help="port; the next free one is used if it is taken")
+    p.add_argument("--auth", help="USER:PASS required to open the page")
+    p.add_argument("--auth-file", help="file with one USER:PASS per line")
+    p.add_argument("--root-path", default=None, help="URL prefix when served behind a reverse proxy")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without a login (anyone on the network can train)")
+    p.add_argument("--max-concurrent", type=int, default=None, help="runs allowed at once (queue setting)")
+    return p.parse_args(argv)
+
+
+def read_auth(opts) -> list[tuple[str, str]]:
+    pairs = []
+    if opts.auth:
+        pairs.append(_split_auth(opts.auth, "--auth"))
+    if opts.auth_file:
+        with open(opts.auth_file, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip() and not line.lstrip().startswith("#"):
+                    pairs.append(_split_auth(line.strip(), f"{opts.auth_file} line {n}"))
+    return pairs
+
+
+def _split_auth(text: str, where: str) -> tuple[str, str]:
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise SystemExit(f"error: {where}: expected USER:PASS")
+    return user, password
+
+
+def free_port(host: str, start: int, tries: int = 100) -> int:
+    for port in range(start, start + tries):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    raise SystemExit(f"error: no free port in {start}..{start + tries - 1} on {host}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(list(sys.argv[1:] if argv is None else argv))
+    auth = read_auth(opts)
+    if opts.host not in LOOPBACK and not auth and not opts.insecure_no_auth:
+        print(f"error: refusing to serve on {opts.host} without a login: anyone who can reach this machine "
+              "could run jobs on it. Add --auth USER:PASS (or --auth-file F), or pass --insecure-no-auth "
+              "if you really mean it.", file=sys.stderr)
+        return 2
+    port = free_port(opts.host, opts.port)
+    if port != opts.port:
+        print(f"port {opts.port} is taken: using {port}", flush=True)
+    if opts.max_concurrent:
+        jobs.JobQueue().set_max_concurrent(opts.max_concurrent)
+    worker = jobs.QueueWorker().start()
+    demo = create_app()
+    print(f"TuneBoard: http://{opts.host}:{port}{opts.root_path or ''}/", flush=True)
+    try:
+        demo.launch(server_name=opts.host, server_port=port, auth=auth or None, root_path=opts.root_path,
+                    show_error=True, **launch_kwargs())
+    finally:
+        worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

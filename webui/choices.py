@@ -1,0 +1,69 @@
+"""Dynamic choice lists read from the repository and the saves folder (plain YAML/JSON, no heavy imports)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from backend import paths
+from webui import jobs
+
+
+def model_ids() -> list[str]:
+    """The bundled default model first, then every id in backend/model_registry.yaml."""
+    ids = [paths.DEFAULT_MODEL_ID]
+    try:
+        groups = yaml.safe_load((paths.REPO_ROOT / "backend" / "model_registry.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        groups = []
+    for g in groups if isinstance(groups, list) else []:
+        for key in ("instruct", "base"):
+            for mid in g.get(key) or []:
+                if mid not in ids:
+                    ids.append(mid)
+    return ids
+
+
+def model_info(model: str) -> dict | None:
+    """Registry entry of a model id: {"family", "template", "instruct"} (case-insensitive match)."""
+    try:
+        groups = yaml.safe_load((paths.REPO_ROOT / "backend" / "model_registry.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return None
+    low = (model or "").lower()
+    for g in groups if isinstance(groups, list) else []:
+        for key, instruct in (("instruct", True), ("base", False)):
+            if any(m.lower() == low for m in g.get(key) or []):
+                return {"family": g.get("family"), "template": g.get("template"), "instruct": instruct}
+    return None
+
+
+def template_names() -> list[str]:
+    names = sorted(p.stem for p in paths.TEMPLATES_DIR.glob("*.yaml"))
+    return ["auto"] + [n for n in names if n != "auto"]
+
+
+def adapter_choices(root: Path | None = None) -> list[str]:
+    """Run dirs that hold an adapter, and their checkpoint-N folders (newest run first)."""
+    out = []
+    for d in jobs.iter_run_dirs(root):
+        if (d / "adapter_config.json").exists() or (d / "adapter_model.safetensors").exists():
+            out.append(str(d))
+        for ck in sorted(d.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
+                         if p.name.split("-")[-1].isdigit() else 0, reverse=True):
+            out.append(str(ck))
+    return out
+
+
+def dataset_info(dataset_dir: str | Path | None = None) -> dict:
+    path = Path(dataset_dir or paths.DATA_DIR) / "dataset_info.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def dataset_names(dataset_dir: str | Path | None = None) -> list[str]:
+    return list(dataset_info(dataset_dir))

@@ -1,0 +1,172 @@
+"""Dataset preview and registration for the Data tab, without importing `datasets` in the UI process:
+rendering goes through `tuneboard preview --json` subprocesses (the same code that trains), and the
+registration writes dataset_info.json with a validating, atomic, pure-JSON writer."""
+from __future__ import annotations
+
+import csv
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from backend import paths
+from webui import jobs
+
+FORMATS = ("alpaca", "sharegpt", "openai")
+COLUMN_KEYS = ("prompt", "query", "response", "history", "system", "messages", "tools")
+SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class RegisterError(ValueError):
+    pass
+
+
+def run_preview(args: list[str], timeout: float = 300) -> dict:
+    """`tuneboard preview ... --json` -> its JSON (or {"error": ...})."""
+    argv = jobs.tuneboard_argv() + ["preview", *args, "--json"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=str(paths.REPO_ROOT))
+    except subprocess.TimeoutExpired:
+        return {"error": f"preview took longer than {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip().startswith("{")]
+    if lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    return {"error": "\n".join(tail) or f"preview exited with {proc.returncode}"}
+
+
+def render_segments(segments: list[dict]) -> str:
+    """Trained spans in colour, masked spans dim, as HTML (escaped)."""
+    out = []
+    for s in segments:
+        cls = "tb-trained" if s.get("trained") else "tb-masked"
+        out.append(f'<span class="{cls}">{html.escape(s.get("text", ""))}</span>')
+    return '<div class="tb-preview-text" id="data-rendered">' + "".join(out) + "</div>"
+
+
+def row_summary(row: dict) -> str:
+    parts = [f"**{row.get('source', '')} row {row.get('row', '')}**"]
+    if row.get("num_tokens") is not None:
+        parts.append(f"{row['num_tokens']} tokens, {row.get('num_trained', 0)} trained")
+    if row.get("truncated"):
+        parts.append("⚠ truncated at cutoff_len")
+    if row.get("num_trained") == 0:
+        parts.append("⚠ no trained token")
+    return " · ".join(parts)
+
+
+# ------------------------------------------------------------------ reading a file to register
+
+def read_rows(path: Path, limit: int = 5) -> list[dict]:
+    """First rows of a JSON / JSONL / CSV / Parquet file, to check the column mapping."""
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, list):
+            raise RegisterError(f"{path.name}: a JSON dataset must be a list of rows")
+        return data[:limit]
+    if suffix == ".jsonl":
+        rows = []
+        with open(path, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise RegisterError(f"{path.name} line {n}: bad JSON ({exc.msg})") from None
+                if len(rows) >= limit:
+                    break
+        return rows
+    if suffix == ".csv":
+        with open(path, encoding="utf-8", newline="") as fh:
+            return [row for _, row in zip(range(limit), csv.DictReader(fh))]
+    if suffix == ".parquet":
+        import pandas as pd  # already loaded by gradio; pyarrow does the reading
+
+        return pd.read_parquet(path).head(limit).to_dict("records")
+    raise RegisterError(f"{path.name}: unsupported file type (use {', '.join(SUFFIXES)})")
+
+
+def make_entry(file_name: str, formatting: str, columns: dict) -> dict:
+    entry: dict = {"file_name": file_name}
+    if formatting != "alpaca":
+        entry["formatting"] = formatting
+    cols = {k: v.strip() for k, v in columns.items() if v and v.strip()}
+    if cols:
+        entry["columns"] = cols
+    return entry
+
+
+def check_entry(name: str, path: Path, formatting: str, columns: dict, existing: dict) -> list[dict]:
+    """Validates a new entry; returns the first rows. Raises RegisterError naming the problem."""
+    if not name or not NAME_RE.match(name):
+        raise RegisterError("name: use letters, digits, '_', '-', '.' (e.g. my_data)")
+    if name in existing:
+        raise RegisterError(f"name: '{name}' is already registered in dataset_info.json")
+    if formatting not in FORMATS:
+        raise RegisterError(f"formatting: must be one of {', '.join(FORMATS)}")
+    if not path.is_file():
+        raise RegisterError(f"file: {path} does not exist")
+    rows = read_rows(path)
+    if not rows:
+        raise RegisterError(f"{path.name}: no rows")
+    defaults = ({"prompt": "instruction", "query": "input", "response": "output"} if formatting == "alpaca"
+                else {"messages": "conversations" if formatting == "sharegpt" else "messages"})
+    wanted = {**defaults, **{k: v.strip() for k, v in columns.items() if v and v.strip()}}
+    keys = set().union(*(r.keys() for r in rows if isinstance(r, dict)))
+    required = ("prompt", "response") if formatting == "alpaca" else ("messages",)
+    for key in required:
+        if wanted[key] not in keys:
+            raise RegisterError(f"columns.{key}: column '{wanted[key]}' is not in the file "
+                                f"(columns: {', '.join(sorted(keys))})")
+    for key, col in wanted.items():
+        if key not in required and key in columns and columns[key] and col not in keys:
+            raise RegisterError(f"columns.{key}: column '{col}' is not in the file")
+    return rows
+
+
+def stage_file(src: Path, name: str, data_dir: Path) -> str:
+    """Copies an uploaded file into the dataset folder (never overwriting); returns its file_name."""
+    dest = data_dir / f"{name}{src.suffix.lower()}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = data_dir / f"{name}_{n}{src.suffix.lower()}"
+    shutil.copyfile(src, dest)
+    return dest.name
+
+
+def preview_entry(name: str, entry: dict, count: int = 3) -> dict:
+    """Renders the first rows of an unsaved entry through the real backend: a temporary dataset_info.json
+    pointing at the file by absolute path."""
+    with tempfile.TemporaryDirectory(prefix="tb-register-") as tmp:
+        (Path(tmp) / "dataset_info.json").write_text(json.dumps({name: entry}), encoding="utf-8")
+        return run_preview(["--dataset", name, "--dataset-dir", tmp, "--count", str(count)])
+
+
+def write_entry(name: str, entry: dict, data_dir: Path | None = None) -> Path:
+    """Adds one entry to dataset_info.json: re-read, refuse duplicates, write a temp file, os.replace.
+    A malformed existing file is an error, never overwritten."""
+    data_dir = Path(data_dir or paths.DATA_DIR)
+    target = data_dir / "dataset_info.json"
+    try:
+        current = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
+    except json.JSONDecodeError as exc:
+        raise RegisterError(f"{target}: not valid JSON (line {exc.lineno}): fix it first") from None
+    if not isinstance(current, dict):
+        raise RegisterError(f"{target}: the top level must be an object")
+    if name in current:
+        raise RegisterError(f"name: '{name}' is already registered")
+    current[name] = entry
+    tmp = target.with_name(f".dataset_info.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(current, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, target)
+    return target

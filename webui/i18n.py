@@ -1,0 +1,40 @@
+"""UI strings: locales/<lang>.yaml, keys = component ids (elem_id), plus `<field-id>.<choice-id>` keys for
+the labels of dropdown choices. English is the reference; a test checks every locale has its key set."""
+from __future__ import annotations
+
+import functools
+
+import yaml
+
+from backend.paths import LOCALES_DIR
+
+LANGS = ("en", "zh", "ja", "ko", "ru", "de", "fr", "es")
+LANG_NAMES = {"en": "English", "zh": "简体中文", "ja": "日本語", "ko": "한국어", "ru": "Русский",
+              "de": "Deutsch", "fr": "Français", "es": "Español"}
+
+
+@functools.lru_cache(maxsize=None)
+def strings(lang: str) -> dict[str, str]:
+    """The string table of one language (read once per process; the files ship with the code)."""
+    path = LOCALES_DIR / f"{lang}.yaml"
+    if not path.is_file():
+        return {}
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return {str(k): str(v) for k, v in data.items()}
+
+
+def humanize(key: str) -> str:
+    """Fallback label for a key with no entry: `train-lora_rank` -> `Lora rank`."""
+    tail = key.split("-", 1)[-1].split(".")[-1]
+    return tail.replace("_", " ").strip().capitalize()
+
+
+def t(lang: str, key: str) -> str:
+    return strings(lang).get(key) or strings("en").get(key) or humanize(key)
+
+
+def choice_pairs(lang: str, elem_id: str, ids: list[str]) -> list[tuple[str, str]]:
+    """(label, id) pairs for a dropdown: a label from the locale if there is one, else the id itself
+    (technical ids such as `adamw_torch` or `cosine` read the same in every language)."""
+    table, en = strings(lang), strings("en")
+    return [(table.get(f"{elem_id}.{i}") or en.get(f"{elem_id}.{i}") or i, i) for i in ids]

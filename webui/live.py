@@ -1,0 +1,147 @@
+"""Turns what the tailer read from a run directory into what the live view shows: plot frames, a
+progress bar, a status line. Pure functions of (records, status), so they are tested without a browser."""
+from __future__ import annotations
+
+import html
+import math
+from datetime import datetime
+
+import pandas as pd
+
+MAX_POINTS = 2000  # a LinePlot value is sent whole each tick: thin long runs instead of sending 100k points
+
+
+def _num(value) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def smooth(values: list[float], weight: float = 0.6) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's), so the first points are not pulled to 0."""
+    out, last, n = [], 0.0, 0
+    for v in values:
+        n += 1
+        last = last * weight + (1 - weight) * v
+        out.append(last / (1 - weight ** n))
+    return out
+
+
+def _thin(df: pd.DataFrame) -> pd.DataFrame:
+    if len(df) <= MAX_POINTS:
+        return df
+    stride = math.ceil(len(df) / MAX_POINTS)
+    return pd.concat([df.iloc[::stride], df.iloc[[-1]]]).drop_duplicates()
+
+
+def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | None = None) -> pd.DataFrame:
+    """Long-format frame (step, value, series) for the loss plot: loss, its smoothed curve, eval loss.
+    Zero losses are real values and are kept (on a log axis they are drawn at 1e-8)."""
+    loss = [(int(r["step"]), _num(r.get("loss"))) for r in records if _num(r.get("step")) is not None]
+    loss = [(s, v) for s, v in loss if v is not None]
+    evals = [(int(r["step"]), _num(r.get("eval_loss"))) for r in records if _num(r.get("step")) is not None]
+    evals = [(s, v) for s, v in evals if v is not None]
+    rows = []
+    prefix = f"{run_label} " if run_label else ""
+    if loss:
+        steps, values = zip(*loss)
+        rows += [(s, v, prefix + "loss") for s, v in loss]
+        if run_label is None:
+            rows += [(s, v, "smoothed") for s, v in zip(steps, smooth(list(values)))]
+    rows += [(s, v, prefix + "eval_loss") for s, v in evals]
+    df = pd.DataFrame(rows, columns=["step", "value", "series"])
+    if log_scale and len(df):
+        df["value"] = [math.log10(max(v, 1e-8)) for v in df["value"]]
+    return _thin(df)
+
+
+def lr_frame(records: list[dict]) -> pd.DataFrame:
+    rows = [(int(r["step"]), _num(r.get("lr"))) for r in records if _num(r.get("step")) is not None]
+    return _thin(pd.DataFrame([(s, v) for s, v in rows if v is not None], columns=["step", "lr"]))
+
+
+def fmt_duration(seconds) -> str:
+    s = _num(seconds)
+    if s is None:
+        return "–"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def _parse_time(value) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value:
+        try:
+            return datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def progress(records: list[dict], status: dict, now: float | None = None) -> dict:
+    """step/total, fraction, elapsed, ETA and tokens/s from the newest log record and status.json."""
+    last = records[-1] if records else {}
+    step = _num(status.get("step")) or _num(last.get("step")) or 0
+    if records and (_num(last.get("step")) or 0) > step:
+        step = _num(last.get("step"))
+    total = _num(status.get("total_steps")) or _num(last.get("total_steps"))
+    elapsed = _num(last.get("elapsed_s"))
+    started = _parse_time(status.get("started_at"))
+    finished = _parse_time(status.get("finished_at"))
+    if started is not None:
+        end = finished if finished else (now if now is not None else datetime.now().timestamp())
+        if status.get("state") in ("running", "pending") or finished:
+            elapsed = max(elapsed or 0.0, end - started)
+    eta = _num(last.get("eta_s"))
+    if eta is None and total and step and elapsed:
+        eta = elapsed / step * max(total - step, 0)
+    if status.get("state") not in (None, "running", "pending", "starting"):
+        eta = 0.0 if status.get("state") == "completed" else None
+    frac = min(step / total, 1.0) if total else 0.0
+    return {"step": int(step), "total": int(total) if total else None, "fraction": frac,
+            "elapsed": elapsed, "eta": eta, "tokens_per_s": _num(last.get("tokens_per_s")),
+            "epoch": _num(last.get("epoch"))}
+
+
+STATE_CLASS = {"running": "running", "starting": "running", "pending": "running", "completed": "ok",
+               "aborted": "warn", "queued": "queued"}
+
+
+def progress_html(p: dict, state: str, run_name: str = "") -> str:
+    """The progress bar and its numbers, as one small HTML block (one component update per tick)."""
+    pct = round(100 * p["fraction"], 1)
+    total = p["total"] if p["total"] else "?"
+    tps = f"{p['tokens_per_s']:.0f}" if p.get("tokens_per_s") is not None else "–"
+    epoch = f"{p['epoch']:.2f}" if p.get("epoch") is not None else "–"
+    cls = STATE_CLASS.get(state, "bad" if state.startswith("failed") else "idle")
+    return (
+        f'<div class="tb-progress" data-state="{html.escape(state)}" data-step="{p["step"]}">'
+        f'<div class="tb-progress-head"><span class="tb-badge tb-{cls}">{html.escape(state)}</span>'
+        f'<span class="tb-run-name">{html.escape(run_name)}</span></div>'
+        f'<div class="tb-bar"><div class="tb-bar-fill" style="width:{pct}%"></div></div>'
+        f'<div class="tb-stats"><span>step <b>{p["step"]}</b> / {total}</span>'
+        f'<span>{pct}%</span><span>epoch {epoch}</span>'
+        f'<span>elapsed {fmt_duration(p["elapsed"])}</span><span>ETA {fmt_duration(p["eta"])}</span>'
+        f'<span>{tps} tokens/s</span></div></div>'
+    )
+
+
+def final_metrics_md(status: dict) -> str:
+    metrics = status.get("final_metrics") or {}
+    lines = []
+    if status.get("error"):
+        lines.append(f"**Error:** {status['error']}")
+    for w in status.get("warnings") or []:
+        lines.append(f"⚠ {w}")
+    if metrics:
+        lines.append("| metric | value |\n|---|---|")
+        for k, v in metrics.items():
+            lines.append(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""Pre-flight memory estimate: will this run fit the machine? A rough, documented formula (no model is
+loaded in the UI process): parameters from the model name (e.g. "135M", "7B") or the registry, bytes per
+weight from the quantization, trainable-state bytes from the method, activations from batch x cutoff."""
+from __future__ import annotations
+
+import re
+
+import psutil
+
+from backend.paths import DEFAULT_MODEL_ID
+
+KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
+
+
+def param_count(model: str) -> float | None:
+    name = (model or "").lower()
+    for key, n in KNOWN_PARAMS.items():
+        if key.split("/")[-1] in name:
+            return n
+    m = re.search(r"(\d+(?:\.\d+)?)\s*([bm])(?![a-z])", name.split("/")[-1])
+    if not m:
+        return None
+    return float(m.group(1)) * (1e9 if m.group(2) == "b" else 1e6)
+
+
+def estimate(flat: dict) -> dict:
+    """Bytes needed, by part. Full fine-tuning keeps fp32 weights + grads + 2 Adam moments (16 B/param);
+    LoRA/freeze keep frozen weights at their dtype and ~1-5% trainable state; activations ~ batch x
+    cutoff x hidden x layers, approximated from the parameter count."""
+    n = param_count(flat.get("model_name_or_path", ""))
+    if n is None:
+        return {"known": False}
+    qbit = flat.get("quantization_bit")
+    half = bool(flat.get("bf16") or flat.get("fp16"))
+    weight_b = {4: 0.55, 8: 1.05}.get(qbit, 2.0 if half else 4.0)
+    method = flat.get("finetuning_type", "lora")
+    trainable = {"full": 1.0, "freeze": 0.15, "lora": 0.02}.get(method, 1.0)
+    weights = n * weight_b
+    state = n * trainable * 16
+    hidden = max(512.0, (n / 1e6) ** 0.5 * 60)
+    tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024)
+    layers = max(12.0, n / 12 / hidden ** 2)
+    acts = tokens * hidden * layers * 34 * (2 if half else 4) / (8 if flat.get("gradient_checkpointing") else 1)
+    total = (weights + state + acts) * 1.2
+    return {"known": True, "params": n, "weights": weights, "state": state, "activations": acts, "total": total,
+            "available": psutil.virtual_memory().available, "machine": psutil.virtual_memory().total}
+
+
+def summary_md(flat: dict) -> str:
+    e = estimate(flat)
+    if not e["known"]:
+        return "Memory estimate: unknown model size (name has no size such as 7B or 135M)."
+    gib = 1024 ** 3
+    fits = e["total"] < e["available"]
+    cls = "tb-mem-ok" if fits else "tb-mem-warn"
+    verdict = "fits" if fits else "⚠ will likely NOT fit in free memory"
+    return (f'<span class="{cls}">Memory estimate: <b>{e["total"] / gib:.1f} GiB</b> '
+            f'({e["params"] / 1e6:.0f}M params: weights {e["weights"] / gib:.1f}, trainable state '
+            f'{e["state"] / gib:.1f}, activations {e["activations"] / gib:.1f}) — '
+            f'{e["available"] / gib:.1f} GiB free of {e["machine"] / gib:.1f}: {verdict}</span>')

@@ -1,0 +1,154 @@
+"""Data tab: page through a registered dataset's rows rendered by the chosen template, trained spans in
+colour; dataset statistics; register a new dataset (upload or path, format, column mapping, preview, save)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from backend import paths
+from webui import choices
+from webui import datasets as D
+
+LEGEND = ('<div class="tb-legend"><span class="tb-trained">trained (the model learns these tokens)</span>'
+          '<span class="tb-masked">masked (context only)</span></div>')
+
+
+def build(reg) -> dict:
+    c: dict = {}
+    with gr.Row():
+        c["dir"] = reg.comp(gr.Textbox, "data-dir", value=str(paths.DATA_DIR), scale=3)
+        c["dataset"] = reg.dropdown("data-dataset", choices.dataset_names(), value="identity",
+                                    allow_custom_value=True, scale=2)
+        c["index"] = reg.comp(gr.Number, "data-index", value=0, precision=0, minimum=0, scale=1)
+    with gr.Row():
+        c["prev"] = reg.button("data-prev", size="sm")
+        c["show"] = reg.button("data-show", size="sm", variant="primary")
+        c["next"] = reg.button("data-next", size="sm")
+        c["stats"] = reg.button("data-stats", size="sm")
+    c["summary"] = gr.Markdown("", elem_id="data-summary")
+    c["legend"] = gr.HTML(LEGEND, elem_id="data-legend")
+    c["rendered"] = gr.HTML("", elem_id="data-preview")
+    c["stats_md"] = gr.Markdown("", elem_id="data-stats_md")
+    c["hist"] = reg.comp(gr.BarPlot, "data-hist", value=pd.DataFrame({"tokens": [], "rows": []}), x="tokens",
+                         y="rows", height=220, visible=False)
+    with reg.accordion("data-group-register", open=False):
+        with gr.Row():
+            c["reg_file"] = reg.comp(gr.File, "data-reg_file", file_types=list(D.SUFFIXES), type="filepath",
+                                     scale=2)
+            with gr.Column(scale=2):
+                c["reg_path"] = reg.comp(gr.Textbox, "data-reg_path", value="")
+                c["reg_name"] = reg.comp(gr.Textbox, "data-reg_name", value="")
+                c["reg_format"] = reg.dropdown("data-reg_format", list(D.FORMATS), value="alpaca")
+        with gr.Row():
+            c["reg_cols"] = {k: reg.comp(gr.Textbox, f"data-reg_col_{k}", value="", min_width=120)
+                             for k in D.COLUMN_KEYS}
+        with gr.Row():
+            c["reg_preview"] = reg.button("data-reg_preview", size="sm")
+            c["reg_save"] = reg.button("data-reg_save", size="sm", variant="primary")
+        c["reg_message"] = gr.Markdown("", elem_id="data-reg_message")
+        c["reg_rows"] = gr.HTML("", elem_id="data-reg_rows")
+    return c
+
+
+def _preview_args(dataset, index, top_vals, cutoff, dataset_dir) -> list[str]:
+    model, template = top_vals
+    args = ["--dataset", dataset, "--index", str(int(index or 0)), "--template", template or "auto",
+            "--model", model or paths.DEFAULT_MODEL_ID, "--cutoff-len", str(int(cutoff or 1024))]
+    if dataset_dir:
+        args += ["--dataset-dir", dataset_dir]
+    return args
+
+
+def show_row(dataset_dir, dataset, index, model, template, cutoff):
+    """Inputs: dataset folder, dataset, row, model, template, cutoff_len. Outputs: summary, rendered row."""
+    if not dataset:
+        return "Pick a dataset.", ""
+    res = D.run_preview(_preview_args(dataset, index, (model, template), cutoff, dataset_dir))
+    if "error" in res:
+        return f"⛔ {res['error']}", ""
+    warn = "".join(f"\n\n⚠ {w}" for w in res.get("warnings") or [])
+    return D.row_summary(res) + f" · template `{res.get('template', template)}`" + warn, \
+        D.render_segments(res.get("segments") or [])
+
+
+def stats(dataset_dir, dataset, model, template, cutoff):
+    """Inputs: as show_row. Outputs: stats markdown, histogram."""
+    args = _preview_args(dataset, 0, (model, template), cutoff, dataset_dir) + ["--stats"]
+    res = D.run_preview(args, timeout=600)
+    if "error" in res:
+        return f"⛔ {res['error']}", gr.update(visible=False)
+    lengths = res.get("lengths") or []
+    lines = [f"**{res.get('num_rows', 0)} rows** · mean {res.get('mean_length')} tokens · "
+             f"max {res.get('max_length')} tokens",
+             f"truncated at cutoff_len: {len(res.get('truncated_rows') or [])} rows",
+             f"rows with no trained token: {len(res.get('rows_without_trained_tokens') or [])}"]
+    lines += [f"- {line}" for line in res.get("report") or []]
+    hist = pd.DataFrame({"tokens": [], "rows": []})
+    if lengths:
+        bins = pd.cut(pd.Series(lengths), bins=min(20, max(1, len(set(lengths)))))
+        counts = bins.value_counts(sort=False)
+        hist = pd.DataFrame({"tokens": [str(int(iv.right)) for iv in counts.index], "rows": counts.values})
+    return "\n\n".join(lines), gr.update(value=hist, visible=True)
+
+
+def wire(c: dict, top: dict, train: dict) -> None:
+    cutoff = train["fields"]["cutoff_len"]
+    ins = [c["dir"], c["dataset"], c["index"], top["model_name_or_path"], top["template"], cutoff]
+    c["show"].click(show_row, ins, [c["summary"], c["rendered"]])
+    c["dataset"].change(show_row, ins, [c["summary"], c["rendered"]])
+    c["next"].click(lambda i: int(i or 0) + 1, [c["index"]], [c["index"]]).then(
+        show_row, ins, [c["summary"], c["rendered"]])
+    c["prev"].click(lambda i: max(0, int(i or 0) - 1), [c["index"]], [c["index"]]).then(
+        show_row, ins, [c["summary"], c["rendered"]])
+    c["stats"].click(stats, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff],
+                     [c["stats_md"], c["hist"]])
+    c["dir"].submit(lambda d: gr.update(choices=choices.dataset_names(d)), [c["dir"]], [c["dataset"]])
+
+    col_keys = list(D.COLUMN_KEYS)
+    reg_in = [c["dir"], c["reg_file"], c["reg_path"], c["reg_name"], c["reg_format"],
+              *[c["reg_cols"][k] for k in col_keys]]
+
+    def _entry(data_dir, upload, path, name, fmt, cols, stage: bool):
+        data_dir = Path(data_dir or paths.DATA_DIR)
+        src = Path(upload) if upload else Path(path).expanduser() if path else None
+        if src is None:
+            raise D.RegisterError("file: upload a file or give a path")
+        existing = choices.dataset_info(data_dir)
+        columns = dict(zip(col_keys, cols))
+        rows = D.check_entry(name.strip(), src, fmt, columns, existing)
+        if stage and upload:
+            file_name = D.stage_file(src, name.strip(), data_dir)
+        else:
+            file_name = str(src.resolve())
+        return data_dir, D.make_entry(file_name, fmt, columns), rows
+
+    def reg_preview(data_dir, upload, path, name, fmt, *cols):
+        """Checks the mapping and renders the first rows through the backend. Outputs: message, rows."""
+        try:
+            _, entry, _ = _entry(data_dir, upload, path, name, fmt, cols, stage=False)
+        except (D.RegisterError, OSError, ValueError) as exc:
+            return f"⛔ {exc}", ""
+        res = D.preview_entry(name.strip(), entry)
+        if "error" in res:
+            return f"⛔ {res['error']}", ""
+        rows = res.get("rows") or [res]
+        body = "".join(f"<p>{D.row_summary(r)}</p>{D.render_segments(r['segments'])}" for r in rows)
+        return f"✓ {res.get('num_rows', len(rows))} rows read; the first {len(rows)} rendered below.", body
+
+    c["reg_preview"].click(reg_preview, reg_in, [c["reg_message"], c["reg_rows"]])
+
+    def reg_save(data_dir, upload, path, name, fmt, *cols):
+        """Validates, copies an uploaded file into the dataset folder, adds the entry to dataset_info.json
+        atomically. Outputs: message, dataset picker, train dataset field."""
+        try:
+            data_dir, entry, _ = _entry(data_dir, upload, path, name, fmt, cols, stage=True)
+            D.write_entry(name.strip(), entry, data_dir)
+        except (D.RegisterError, OSError, ValueError) as exc:
+            return f"⛔ {exc}", gr.skip()
+        return (f"✓ Registered `{name.strip()}` in `{data_dir / 'dataset_info.json'}`",
+                gr.update(choices=choices.dataset_names(data_dir), value=name.strip()))
+
+    c["reg_save"].click(reg_save, reg_in, [c["reg_message"], c["dataset"]])
+

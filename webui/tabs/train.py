@@ -1,0 +1,320 @@
+"""Train tab: the field-table form (accordions), Preview / Save / Load / Start / Abort, and the live view
+of the attached run (progress, loss and lr plots, log tail, final metrics). build() lays out; wire() binds.
+
+Per-browser state (`gr.State`): {"run_dir": str | None, "tail": RunTail | None}. Everything else is read
+from the run directory on each timer tick through the incremental tailer."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+import yaml
+
+from backend import paths
+from backend.spec import SpecError, load_spec, validate_spec
+from webui import fields as F
+from webui import jobs, live, preflight
+from webui.tailer import RunTail
+
+TICK_S = 1.5
+
+
+def empty_loss() -> pd.DataFrame:
+    return pd.DataFrame({"step": pd.Series(dtype="int64"), "value": pd.Series(dtype="float64"),
+                         "series": pd.Series(dtype="str")})
+
+
+def empty_lr() -> pd.DataFrame:
+    return pd.DataFrame({"step": pd.Series(dtype="int64"), "lr": pd.Series(dtype="float64")})
+
+
+def _widget(reg, row: F.FieldRow, value):
+    kw = dict(info=row.description, visible=row.visible_for(F.PRESET["stage"], F.PRESET["finetuning_type"]))
+    if row.kind == "checkbox":
+        return reg.comp(gr.Checkbox, row.elem_id, value=value, **kw)
+    if row.kind in ("dropdown", "tristate"):
+        return reg.dropdown(row.elem_id, F.dropdown_ids(row), value=value,
+                            allow_custom_value=row.custom, **kw)
+    if row.kind in ("int", "float"):
+        num = dict(precision=0) if row.kind == "int" else {}
+        if row.ge is not None:
+            num["minimum"] = row.ge
+        if row.le is not None:
+            num["maximum"] = row.le
+        if "step" in F.OVERRIDES.get(row.name, {}):
+            num["step"] = F.OVERRIDES[row.name]["step"]
+        return reg.comp(gr.Number, row.elem_id, value=value, **num, **kw)
+    return reg.comp(gr.Textbox, row.elem_id, value=value, lines=1,
+                    placeholder=F.OVERRIDES.get(row.name, {}).get("placeholder", ""), **kw)
+
+
+def build(reg, top: dict) -> dict:
+    """Layout only. `top`: the shared top-bar components (field name -> component, plus "booster").
+    Returns the components wire() needs."""
+    c: dict = {"top": top}
+    rows = F.form_rows()
+    names = [r.name for r in rows]
+    values = F.preset_values(names)
+    c["fields"] = {}
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=5, min_width=480):
+            for group in F.ACCORDIONS:
+                group_rows = [(r, v) for r, v in zip(rows, values) if r.group == group]
+                if not group_rows:
+                    continue
+                with reg.accordion(f"train-group-{group}", open=group in F.OPEN_ACCORDIONS):
+                    for i in range(0, len(group_rows), 3):
+                        with gr.Row():
+                            for row, value in group_rows[i:i + 3]:
+                                c["fields"][row.name] = _widget(reg, row, value)
+            with reg.accordion("train-group-passthrough", open=False):
+                c["extra_args"] = reg.comp(gr.Code, F.EXTRA_ARGS_ID, language="yaml", value="", lines=4)
+        with gr.Column(scale=4, min_width=420):
+            with gr.Row():
+                c["start"] = reg.button("train-start", variant="primary")
+                c["abort"] = reg.button("train-abort", variant="stop")
+                c["preview"] = reg.button("train-preview", variant="secondary")
+            c["errors"] = gr.Markdown("", elem_id="train-errors", elem_classes=["tb-errors"], visible=False)
+            c["message"] = gr.Markdown("", elem_id="train-message")
+            c["preflight"] = gr.HTML(preflight.summary_md(_preset_flat()), elem_id="train-preflight")
+            c["progress"] = gr.HTML(live.progress_html(live.progress([], {}), "idle"), elem_id="train-progress")
+            c["loss_plot"] = reg.comp(gr.LinePlot, "train-loss_plot", value=empty_loss(), x="step", y="value",
+                                      color="series", height=280, x_title="step", y_title="loss")
+            with gr.Row():
+                c["log_scale"] = reg.comp(gr.Checkbox, "train-log_scale", value=False, scale=1)
+            c["lr_plot"] = reg.comp(gr.LinePlot, "train-lr_plot", value=empty_lr(), x="step", y="lr",
+                                    height=200, x_title="step", y_title="learning rate")
+            c["log"] = reg.comp(gr.Textbox, "train-log", lines=12, max_lines=12, autoscroll=True,
+                                interactive=False, elem_classes=["tb-log"])
+            c["final"] = gr.Markdown("", elem_id="train-final")
+            c["loss_image"] = reg.comp(gr.Image, "train-loss_image", visible=False, interactive=False,
+                                       type="filepath", height=300)
+            with reg.accordion("train-group-preview", open=False) as acc:
+                c["preview_acc"] = acc
+                c["preview_cmd"] = reg.comp(gr.Textbox, "train-preview_cmd", lines=2, interactive=False)
+                c["preview_yaml"] = reg.comp(gr.Code, "train-preview_yaml", language="yaml", interactive=False)
+            with reg.accordion("train-group-files", open=False):
+                c["spec_path"] = reg.comp(gr.Textbox, "train-spec_path",
+                                          value=str(paths.saves_dir() / "specs" / "my_run.yaml"))
+                with gr.Row():
+                    c["save"] = reg.button("train-save", size="sm")
+                    c["load"] = reg.button("train-load", size="sm")
+    c["timer"] = gr.Timer(TICK_S, active=False)
+    c["names"] = names
+    return c
+
+
+def _preset_flat() -> dict:
+    flat = {r.name: r.default for r in F.field_table()}
+    flat.update(F.PRESET)
+    return flat
+
+
+# ------------------------------------------------------------------ handlers (pure where possible)
+
+def collect(names: list[str], top_names: list[str], values: list) -> tuple[dict, list]:
+    """Form values -> flat spec dict. `values` = top-bar values (top_names order) + booster + extra args +
+    form values (names order)."""
+    n_top = len(top_names)
+    top_vals, booster, extra, form_vals = values[:n_top], values[n_top], values[n_top + 1], values[n_top + 2:]
+    flat, errors = F.values_to_flat(top_names + names, list(top_vals) + list(form_vals), extra, booster)
+    return flat, errors
+
+
+def check(flat: dict, pre_errors: list) -> tuple[object | None, list[tuple[str, str]]]:
+    """Validate like the CLI does; returns (spec, []) or (None, [(field, message), ...])."""
+    if pre_errors:
+        return None, pre_errors
+    try:
+        return validate_spec(flat), []
+    except SpecError as exc:
+        return None, list(exc.errors)
+
+
+def error_updates(errors: list[tuple[str, str]], all_names: list[str]) -> list:
+    """One update per field: the error message as the field's info text (red), else its description."""
+    by_field: dict[str, list[str]] = {}
+    for field, message in errors:
+        by_field.setdefault(field, []).append(message)
+    table = F.rows_by_name()
+    out = []
+    for name in all_names:
+        if name in by_field:
+            out.append(gr.update(info="⛔ " + "; ".join(by_field[name]), elem_classes=["tb-field-error"]))
+        else:
+            out.append(gr.update(info=table[name].description, elem_classes=[]))
+    return out
+
+
+def errors_md(errors: list[tuple[str, str]]) -> str:
+    return "**Fix these before starting:**\n\n" + "\n".join(f"- `{f}`: {m}" for f, m in errors)
+
+
+def preview_of(spec) -> tuple[str, str]:
+    """(exact command, YAML) of what Start would run."""
+    spec = spec.with_output_dir()
+    spec_path = Path(spec.output_dir) / jobs.SPEC_FILE
+    return shlex.join(jobs.train_argv(spec_path)), spec.to_yaml()
+
+
+def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
+    """Poll the attached run; returns (state, progress html, loss df|skip, lr df|skip, log, final md,
+    image update, timer update)."""
+    run_dir = st.get("run_dir")
+    if not run_dir:
+        return (st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False))
+    tail: RunTail = st.get("tail") or RunTail(run_dir)
+    st["tail"] = tail
+    before = len(tail.records)
+    status = tail.poll()
+    rs = jobs.run_state(run_dir)
+    queued = any(e.run_dir == run_dir for e in jobs.JobQueue().entries())
+    state = "queued" if queued and not rs.alive else rs.state
+    if state == "unknown" and not Path(run_dir).exists():
+        state = "queued" if queued else "unknown"
+    p = live.progress(tail.records, status)
+    name = _run_name(run_dir)
+    prog = live.progress_html(p, state, name)
+    changed = force_plot or len(tail.records) != before
+    loss = live.loss_frame(tail.records, log_scale) if changed else gr.skip()
+    lr = live.lr_frame(tail.records) if changed else gr.skip()
+    done = not rs.active and state != "queued"
+    final = live.final_metrics_md(status) if done else ""
+    if tail.malformed:
+        final += f"\n\n_{tail.malformed} malformed log line(s) skipped_"
+    png = Path(run_dir) / "training_loss.png"
+    image = gr.update(value=str(png), visible=True) if done and png.exists() else gr.update(visible=False)
+    return (st, prog, loss, lr, tail.log_text(), final, image, gr.Timer(active=not done))
+
+
+def _run_name(run_dir: str) -> str:
+    try:
+        return str(Path(run_dir).relative_to(paths.saves_dir()))
+    except ValueError:
+        return run_dir
+
+
+def attach(run_dir: str | None) -> dict:
+    return {"run_dir": run_dir, "tail": RunTail(run_dir) if run_dir else None}
+
+
+# ------------------------------------------------------------------ wiring
+
+def wire(c: dict, state) -> None:
+    top = c["top"]
+    top_names = [n for n in F.TOPBAR_FIELDS]
+    names = c["names"]
+    all_names = top_names + names
+    inputs = [top[n] for n in top_names] + [top["booster"], c["extra_args"]] + [c["fields"][n] for n in names]
+    field_comps = [top[n] for n in top_names] + [c["fields"][n] for n in names]
+    live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], c["log"], c["final"], c["loss_image"],
+                    c["timer"]]
+
+    def do_preview(*values):
+        """Inputs: top bar, booster, extra args, form fields. Outputs: errors box, per-field errors,
+        command, YAML, preview accordion, pre-flight."""
+        flat, pre = collect(names, top_names, list(values))
+        spec, errors = check(flat, pre)
+        pf = preflight.summary_md(flat)
+        if errors:
+            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
+                    gr.skip(), gr.skip(), gr.skip(), pf)
+        cmd, text = preview_of(spec)
+        return (gr.update(value="", visible=False), *error_updates([], all_names), cmd, text,
+                gr.update(open=True), pf)
+
+    c["preview"].click(do_preview, inputs, [c["errors"], *field_comps, c["preview_cmd"], c["preview_yaml"],
+                                            c["preview_acc"], c["preflight"]])
+
+    def do_start(st, log_scale, *values):
+        """Inputs: state, log-scale, form. Validates first; launches (or queues) `tuneboard train` with
+        run_spec.yaml written into the new run dir. Outputs: errors, per-field errors, message, live view."""
+        flat, pre = collect(names, top_names, list(values))
+        spec, errors = check(flat, pre)
+        if errors:
+            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
+                    "", st, *([gr.skip()] * 6), gr.Timer(active=False))
+        spec = spec.with_output_dir()
+        run_dir = Path(spec.output_dir)
+        if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
+            errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
+                                     "empty for a new one)")]
+            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
+                    "", st, *([gr.skip()] * 6), gr.Timer(active=False))
+        how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
+        msg = (f"Started `{_run_name(run_dir)}`" if how == "started"
+               else f"Queued `{_run_name(run_dir)}`: it starts when a running job finishes (see Runs)")
+        st = attach(run_dir)
+        view = view_updates(st, log_scale, force_plot=True)
+        return (gr.update(value="", visible=False), *error_updates([], all_names), msg, *view[:-1],
+                gr.Timer(active=True))
+
+    c["start"].click(do_start, [state, c["log_scale"], *inputs],
+                     [c["errors"], *field_comps, c["message"], *live_outputs])
+
+    def do_abort(st):
+        """Inputs: state. Asks the attached run to stop (STOP file, then SIGTERM/SIGKILL of its group);
+        removes it from the queue if it has not started. Outputs: message."""
+        run_dir = (st or {}).get("run_dir")
+        if not run_dir:
+            return "No run attached."
+        q = jobs.JobQueue()
+        for e in q.entries():
+            if e.run_dir == run_dir:
+                q.remove(e.id)
+                return f"Removed `{_run_name(run_dir)}` from the queue."
+        if jobs.abort(run_dir):
+            return f"Stopping `{_run_name(run_dir)}`: it saves at the next step, then ends."
+        return f"`{_run_name(run_dir)}` is not running."
+
+    c["abort"].click(do_abort, [state], [c["message"]])
+
+    c["timer"].tick(lambda st, ls: view_updates(st, ls), [state, c["log_scale"]], live_outputs,
+                    show_progress="hidden")
+    c["log_scale"].change(lambda st, ls: view_updates(st, ls, force_plot=True), [state, c["log_scale"]],
+                          live_outputs, show_progress="hidden")
+
+    # visible-when: stage / finetuning type
+    cond = [n for n in names if F.rows_by_name()[n].stages or F.rows_by_name()[n].methods]
+    table = F.rows_by_name()
+
+    def visibility(stage, method):
+        """Inputs: stage, finetuning type. Outputs: visibility of every conditional field."""
+        return [gr.update(visible=table[n].visible_for(stage, method)) for n in cond]
+
+    for trigger in (c["fields"]["stage"], top["finetuning_type"]):
+        trigger.change(visibility, [c["fields"]["stage"], top["finetuning_type"]],
+                       [c["fields"][n] for n in cond], show_progress="hidden")
+
+    def do_save(path, *values):
+        """Writes the validated spec as YAML to `path`. Outputs: message."""
+        flat, pre = collect(names, top_names, list(values))
+        spec, errors = check(flat, pre)
+        if errors:
+            return "Not saved: " + "; ".join(f"{f}: {m}" for f, m in errors)
+        target = Path(path).expanduser()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(spec.to_yaml(include_defaults=False), encoding="utf-8")
+        return f"Saved `{target}`"
+
+    c["save"].click(do_save, [c["spec_path"], *inputs], [c["message"]])
+
+    def do_load(path):
+        """Reads a spec YAML into the form. Outputs: message, then every input (top bar, booster,
+        extra args, form)."""
+        try:
+            spec = load_spec(Path(path).expanduser(), check_files=False)
+        except SpecError as exc:
+            return (f"Not loaded: {exc}", *([gr.skip()] * len(inputs)))
+        return ("Loaded `" + str(path) + "`", *spec_to_inputs(spec, top_names, names))
+
+    c["load"].click(do_load, [c["spec_path"]], [c["message"], *inputs])
+
+
+def spec_to_inputs(spec, top_names: list[str], names: list[str]) -> list:
+    """RunSpec -> values for (top bar fields, booster, extra args, form fields)."""
+    values, extra, booster = F.spec_to_values(spec, top_names + names)
+    n_top = len(top_names)
+    return [*values[:n_top], booster, extra, *values[n_top:]]

@@ -1,0 +1,67 @@
+"""Component registry of one app instance: every labelled component is created through it with a stable
+elem_id, so the language switch can relabel the whole page in place from one list. One Registry per
+create_app() call (never module-level), passed to each tab's build()."""
+from __future__ import annotations
+
+import gradio as gr
+
+from webui.i18n import choice_pairs, t
+
+
+class Registry:
+    def __init__(self, lang: str = "en"):
+        self.lang = lang
+        self.items: dict[str, tuple] = {}  # elem_id -> (component, kind, choice ids or None)
+
+    def _add(self, comp, kind: str, ids=None):
+        if comp.elem_id in self.items:
+            raise ValueError(f"duplicate elem_id {comp.elem_id}")
+        self.items[comp.elem_id] = (comp, kind, ids)
+        return comp
+
+    def label(self, elem_id: str) -> str:
+        return t(self.lang, elem_id)
+
+    # component factories -------------------------------------------------------------
+    def dropdown(self, elem_id: str, ids: list[str], value=None, **kw):
+        comp = gr.Dropdown(choices=choice_pairs(self.lang, elem_id, ids), value=value,
+                           label=self.label(elem_id), elem_id=elem_id, **kw)
+        return self._add(comp, "dropdown", list(ids))
+
+    def button(self, elem_id: str, **kw):
+        return self._add(gr.Button(self.label(elem_id), elem_id=elem_id, **kw), "button")
+
+    def markdown(self, elem_id: str, **kw):
+        return self._add(gr.Markdown(self.label(elem_id), elem_id=elem_id, **kw), "markdown")
+
+    def tab(self, elem_id: str, **kw):
+        return self._add(gr.Tab(self.label(elem_id), elem_id=elem_id, **kw), "tab")
+
+    def accordion(self, elem_id: str, **kw):
+        return self._add(gr.Accordion(self.label(elem_id), elem_id=elem_id, **kw), "accordion")
+
+    def comp(self, cls, elem_id: str, **kw):
+        """Any component whose `label` is translated (Textbox, Number, Checkbox, LinePlot, ...)."""
+        return self._add(cls(label=self.label(elem_id), elem_id=elem_id, **kw), "label")
+
+    # relabelling -----------------------------------------------------------------------
+    def components(self) -> list:
+        return [c for c, _, _ in self.items.values()]
+
+    def relabel(self, lang: str) -> list:
+        """One gr.update per registered component, in `components()` order."""
+        out = []
+        for elem_id, (comp, kind, ids) in self.items.items():
+            text = t(lang, elem_id)
+            if kind == "dropdown":
+                out.append(gr.update(label=text, choices=choice_pairs(lang, elem_id, ids)))
+            elif kind in ("button", "markdown"):
+                out.append(gr.update(value=text))
+            else:
+                out.append(gr.update(label=text))
+        return out
+
+    def keys(self) -> set[str]:
+        """Every locale key this page uses (component ids and dropdown choice keys)."""
+        keys = set(self.items)
+        return keys

@@ -576,3 +576,89 @@ class TokenizerTemplate:
 
     def render_text(self, messages, tools=None, **kw) -> str:
         return "".join(seg.text for seg in self.render(messages, tools, **kw))
+
+
+# --------------------------------------------------------------------------------- export to jinja
+def _lit(s: str) -> str:
+    """A jinja string literal for s (JSON escapes are valid jinja escapes)."""
+    return json.dumps(s)
+
+
+def _split_content(fmt: str, key: str, name: str) -> tuple[str, str]:
+    parts = fmt.split("{content}")
+    if len(parts) != 2:
+        raise NotImplementedError(f"template {name!r}: {key} must contain {{content}} exactly once for jinja export")
+    return parts[0], parts[1]
+
+
+def template_to_jinja(template: Template) -> str:
+    """A Hugging Face chat_template (jinja) that renders plain conversations (system/user/assistant/
+    tool turns, generation prompt) exactly as `template.render_text` does, to save with an exported
+    model. Tool schemas and tool_calls are not rendered by it (assistant content only), and templates
+    with a reasoning block (qwen3) are not exportable: NotImplementedError."""
+    s = template.spec
+    if s["thinking"]:
+        raise NotImplementedError(f"template {template.name!r} has a reasoning block; keep the model's own chat template")
+    strip = set(s["strip"])
+
+    def content(role: str) -> str:
+        return "message['content'] | trim" if role in strip else "message['content']"
+
+    u_pre, u_suf = _split_content(s["user"], "user", template.name)
+    sys_pre, sys_suf = _split_content(s["system"], "system", template.name)
+    a_pre, a_suf = _split_content(s["assistant_content"], "assistant_content", template.name)
+    sys_val = "messages[0]['content'] | trim" if "system" in strip else "messages[0]['content']"
+    default = _lit(s["default_system"]) if s["default_system"] is not None else "none"
+    j = [
+        "{%- if messages[0]['role'] == 'system' -%}",
+        f"{{%- set system_message = {sys_val} -%}}{{%- set loop_messages = messages[1:] -%}}",
+        f"{{%- else -%}}{{%- set system_message = {default} -%}}{{%- set loop_messages = messages -%}}{{%- endif -%}}",
+        "{%- set ns = namespace(fold=-1, first=-1) -%}",
+        "{%- for m in loop_messages -%}{%- if m['role'] == 'user' -%}",
+        "{%- if ns.first == -1 -%}{%- set ns.first = loop.index0 -%}{%- endif -%}",
+        "{%- if ns.fold == -1 or " + ("true" if s["system_fold"] == "last" else "false")
+        + " -%}{%- set ns.fold = loop.index0 -%}{%- endif -%}",
+        "{%- endif -%}{%- endfor -%}",
+        f"{{{{- {_lit(s['bos'])} -}}}}",
+    ]
+    if s["system_style"] == "native":
+        j.append(f"{{%- if system_message is not none -%}}{{{{- {_lit(sys_pre)} + system_message + {_lit(sys_suf)} -}}}}"
+                 "{%- endif -%}")
+    elif s["system_style"] == "none":
+        j.append("{%- if system_message is not none -%}{{- raise_exception('this template has no system role') -}}"
+                 "{%- endif -%}")
+    j.append("{%- for message in loop_messages -%}")
+    # user
+    j.append("{%- if message['role'] == 'user' -%}")
+    if s["bos_each_user_turn"]:
+        j.append(f"{{%- if loop.index0 != ns.first -%}}{{{{- {_lit(s['bos'])} -}}}}{{%- endif -%}}")
+    j.append(f"{{%- set content = {content('user')} -%}}")
+    if s["system_style"] == "fold":
+        j.append("{%- if loop.index0 == ns.fold and system_message is not none -%}"
+                 f"{{%- set content = {_lit(sys_pre)} + system_message + {_lit(sys_suf)} + content -%}}{{%- endif -%}}")
+    j.append(f"{{{{- {_lit(u_pre)} + content + {_lit(u_suf)} -}}}}")
+    # assistant
+    j.append("{%- elif message['role'] == 'assistant' -%}")
+    j.append(f"{{{{- {_lit(s['assistant_prefix'])} + {_lit(a_pre)} + {content('assistant')} + {_lit(a_suf)}"
+             f" + {_lit(s['assistant_suffix'])} -}}}}")
+    if s["trailing_separator"]:
+        j.append(f"{{{{- {_lit(s['separator'])} -}}}}")
+    else:
+        j.append(f"{{%- if not loop.last -%}}{{{{- {_lit(s['separator'])} -}}}}{{%- endif -%}}")
+    # tool
+    j.append("{%- elif message['role'] == 'tool' -%}")
+    if s["tool_group"]:
+        g = {**_TOOL_GROUP_KEYS, **s["tool_group"]}
+        i_pre, i_suf = _split_content(g["item"], "tool_group.item", template.name)
+        j.append("{%- if loop.first or loop_messages[loop.index0 - 1]['role'] != 'tool' -%}"
+                 f"{{{{- {_lit(g['prefix'])} -}}}}{{%- endif -%}}")
+        j.append(f"{{{{- {_lit(i_pre)} + message['content'] + {_lit(i_suf)} -}}}}")
+        j.append("{%- if loop.last or loop_messages[loop.index0 + 1]['role'] != 'tool' -%}"
+                 f"{{{{- {_lit(g['suffix'])} -}}}}{{%- endif -%}}")
+    else:
+        t_pre, t_suf = _split_content(s["tool"] if s["tool"] is not None else s["user"], "tool", template.name)
+        j.append(f"{{{{- {_lit(t_pre)} + message['content'] + {_lit(t_suf)} -}}}}")
+    j.append("{%- endif -%}{%- endfor -%}")
+    j.append(f"{{%- if add_generation_prompt -%}}{{{{- {_lit(template.generation_prompt)} -}}}}"
+             f"{{%- else -%}}{{{{- {_lit(s['end'])} -}}}}{{%- endif -%}}")
+    return "".join(j)

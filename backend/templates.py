@@ -448,7 +448,7 @@ def _resolve_tokens(obj: Any, values: dict[str, str]) -> Any:
 
 
 def list_templates() -> list[str]:
-    """Names of the template files, plus "auto" (the tokenizer's own chat template)."""
+    """Names of the template files (sorted). "auto" (the tokenizer's own chat template) is not a file."""
     return sorted(p.stem for p in TEMPLATES_DIR.glob("*.yaml"))
 
 

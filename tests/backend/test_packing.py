@@ -56,12 +56,8 @@ def test_pack_rows_rejects_a_row_longer_than_cutoff():
         pack_rows([{"input_ids": [1] * 5, "labels": [1] * 5}], 4)
 
 
-def test_packed_equals_unpacked(tiny_model):
-    model = tiny_model
-    rows = make_rows(12, model.config.vocab_size, seed=1)
-    for r in rows[::2]:
-        r["labels"] = list(r["input_ids"])  # train_on_prompt rows: their first label must not leak across
-    packed = pack_rows(rows, 64)
+def assert_packed_equals_unpacked(model, rows, cutoff_len):
+    packed = pack_rows(rows, cutoff_len)
     assert len(packed) < len(rows)
     batch = PackedCollator(flash_attn_kwargs=True)(packed)  # every packed row flattened into one
     assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
@@ -85,6 +81,25 @@ def test_packed_equals_unpacked(tiny_model):
             a = offset_of[tuple(r["input_ids"])].pop()
             torch.testing.assert_close(logits[a:a + ids.shape[1]], single.logits[0], rtol=1e-5, atol=1e-5)
     assert packed_sum == pytest.approx(unpacked_sum, rel=1e-5)
+
+
+def test_packed_equals_unpacked(tiny_model):
+    rows = make_rows(12, tiny_model.config.vocab_size, seed=1)
+    for r in rows[::2]:
+        r["labels"] = list(r["input_ids"])  # train_on_prompt rows: their first label must not leak across
+    assert_packed_equals_unpacked(tiny_model, rows, 64)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mistral"])
+def test_packed_equals_unpacked_across_families(family, request):
+    """The shared tiny models, each with its default attention (gemma2: eager, soft-capping, sliding window)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = request.getfixturevalue(f"tiny_{family}")
+    extra = {"sliding_window": 8} if family == "gemma2" else {}  # shorter than the rows: the window matters
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()  # default attention
+    rows = make_rows(10, model.config.vocab_size, seed=4)
+    assert_packed_equals_unpacked(model, rows, 64)
 
 
 def test_packed_collator_flattens_plain_rows_too(tiny_model):

@@ -20,23 +20,17 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer(tmp_path_factory):
-    """The bundled model's tokenizer; converted from the GGUF once (slow) and cached for the session."""
+def smol_tokenizer(default_model_dir):
+    """The bundled model's own tokenizer (from the shared GGUF -> HF folder fixture in conftest)."""
     from transformers import AutoTokenizer
 
-    from backend.paths import default_model_file
-
-    cache = tmp_path_factory.getbasetemp() / "smollm2_tokenizer"
-    if (cache / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(cache)
-    f = default_model_file()
-    tok = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
-    tok.save_pretrained(cache)
-    return tok
+    return AutoTokenizer.from_pretrained(default_model_dir)
 
 
 @dataclass
 class Seg:
+    """A hand-made segment (text, trained, role), for cases no template produces."""
+
     text: str
     trained: bool
     role: str
@@ -72,6 +66,7 @@ def test_single_turn_trains_answer_and_stop_token(smol_tokenizer, chatml):
     segments = chatml.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}])
     enc = encode_segments(segments, tok, 1024, return_tokens=True)
     assert enc.input_ids == whole_ids(tok, segments)
+    assert tok.decode(enc.input_ids).startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")  # default system
     assert trained_spans(tok, enc) == ["Hello there!<|im_end|>"]
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     # the last <|im_end|> (after the answer) is trained, the earlier ones (system, user) are not

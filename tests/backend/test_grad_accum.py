@@ -37,14 +37,20 @@ def initial_state():
     return config, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def train_one_step(initial_state, tmp_path, rows, collator, batch_size, grad_accum) -> dict:
+def train_one_step(initial_state, tmp_path, rows, collator, batch_size, grad_accum, lora=False) -> dict:
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     config, state = initial_state
     model = LlamaForCausalLM(config)
     model.load_state_dict(state)
+    if lora:  # the default fine-tuning method: the Trainer looks through the peft wrapper
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # same LoRA init in every run
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights="gaussian"))
     args = TrainingArguments(
-        output_dir=str(tmp_path / f"bs{batch_size}_ga{grad_accum}"), per_device_train_batch_size=batch_size,
+        output_dir=str(tmp_path / f"bs{batch_size}_ga{grad_accum}_{len(rows)}"), per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=grad_accum, max_steps=1, learning_rate=1e-6, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True, lr_scheduler_type="constant",
         dataloader_drop_last=False,
@@ -73,7 +79,8 @@ def per_row_losses(initial_state, rows) -> list[tuple[float, int]]:
     return out
 
 
-def test_ga_is_token_weighted(initial_state, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_ga_is_token_weighted(initial_state, tmp_path, lora):
     rows = make_rows()
     per_row = per_row_losses(initial_state, rows)
     token_mean = sum(s for s, _ in per_row) / sum(n for _, n in per_row)
@@ -82,11 +89,11 @@ def test_ga_is_token_weighted(initial_state, tmp_path):
     assert abs(mean_of_means - token_mean) > 1e-2 * token_mean
 
     padding = PaddingCollator(0)
-    one_batch = train_one_step(initial_state, tmp_path, rows, padding, 8, 1)
-    accumulated = train_one_step(initial_state, tmp_path, rows, padding, 1, 8)
-    two_by_four = train_one_step(initial_state, tmp_path, rows, padding, 2, 4)
+    one_batch = train_one_step(initial_state, tmp_path, rows, padding, 8, 1, lora)
+    accumulated = train_one_step(initial_state, tmp_path, rows, padding, 1, 8, lora)
+    two_by_four = train_one_step(initial_state, tmp_path, rows, padding, 2, 4, lora)
     packed_rows = pack_rows(rows, 64)
-    packed = train_one_step(initial_state, tmp_path, packed_rows, PackedCollator(), 1, len(packed_rows))
+    packed = train_one_step(initial_state, tmp_path, packed_rows, PackedCollator(), 1, len(packed_rows), lora)
 
     for run in (one_batch, accumulated, two_by_four, packed):
         assert run["loss"] == pytest.approx(token_mean, rel=1e-4)

@@ -23,13 +23,17 @@ Truncation to ``cutoff_len`` (see ``encode_example`` and ``encode_segments``):
    re-render, so the template formats the shorter conversation exactly as it would any other (BOS,
    folded system prompts, ...). The last exchange is never dropped.
 2. token level (``encode_segments``), if the row is still too long: let A be the first token of the last
-   trained assistant segment and R = everything from A on. The prompt keeps
+   answer (the last run of trained assistant segments: content, then its end-of-turn marker) and
+   R = everything from A on. The prompt keeps
    ``max(cutoff_len - len(R), min(A, cutoff_len // 2))`` tokens: up to half of that budget from the start
    (BOS, system prompt: the tokens before the first user segment) and the rest from the END of the prompt,
    so the role header right before the answer survives; the middle of the prompt is cut. The response is
    then cut from the right to fit. So the beginning of the last answer is always kept, and a long answer
-   keeps at least half the window. ``truncated`` is set whenever anything was cut. If no trained token is
-   left (``num_trained == 0``), the caller drops the row and counts it.
+   keeps at least half the window. ``truncated`` is set whenever anything was cut. Truncation thus never
+   removes every trained token; a row with ``num_trained == 0`` is one that trained nothing to begin with
+   (e.g. an empty answer in a template without end-of-turn marker): the caller drops it and counts it.
+   Rows the template refuses to render are skipped and counted by ``build_sft_dataset`` (one bad row
+   must not end a run; all rows bad is an error naming the first few).
 
 Packing (``pack_rows`` + ``PackedCollator``): whole rows are bin-packed into sequences of at most
 ``cutoff_len`` tokens; ``position_ids`` restart at 0 for every original row and the label at every row
@@ -40,7 +44,9 @@ builds a block-diagonal causal mask for sdpa/eager, and flash-attention derives 
 (``modeling_flash_attention_utils._is_packed_sequence``; it needs batch size 1). That detection only runs
 when the model holds no cache (``_preprocess_mask_arguments``: ``attention_mask is None and cache is
 None``); a model with ``config.use_cache=True`` builds a DynamicCache in forward and then rows DO attend
-to each other, so the collator also passes ``use_cache=False``.
+to each other (measured: logit error ~0.17 on a tiny Llama). The Trainer sets ``config.use_cache`` from
+``TrainingArguments.use_cache`` (False by default), but a recipe may set it, so the collator also passes
+``use_cache=False`` with every batch.
 """
 from __future__ import annotations
 

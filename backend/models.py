@@ -402,11 +402,14 @@ def _liger_usable() -> bool:
 
 
 def _apply_liger(model, warn: Warn) -> None:
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
+    """Patch this model instance with liger's kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)."""
     try:
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        except ImportError:  # older releases keep it in monkey_patch
+            from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
         _apply_liger_kernel_to_instance(model=model)
-    except Exception as exc:  # an unsupported family must not kill the run
+    except Exception as exc:  # an unsupported family or an old liger must not kill the run
         warn(f"enable_liger_kernel: liger could not patch {model.config.model_type} ({exc}): using plain ops")
 
 
@@ -485,7 +488,11 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     elif checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed it; the old name still works but warns
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if checkpointing:
         # adapters on frozen embeddings need an input that requires grad for the backward to reach them
         model.enable_input_require_grads()

@@ -261,6 +261,10 @@ def _gguf_cache_folder(gguf_path: Path) -> Path:
     return cache_dir() / "models" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
 def materialize_gguf(gguf_path: str | os.PathLike) -> Path:
     """Dequantize a GGUF file once into a plain HF folder (safetensors + config + tokenizer with its chat
     template + generation_config) under cache_dir()/models/<stem>-<size>-<mtime_ns>/ and return it.
@@ -274,8 +278,10 @@ def materialize_gguf(gguf_path: str | os.PathLike) -> Path:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     target = _gguf_cache_folder(gguf_path)
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if _is_complete(target):
         return target
+    if target.exists():  # damaged by hand (our own writes are atomic): convert again
+        shutil.rmtree(target, ignore_errors=True)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -299,7 +305,7 @@ def materialize_gguf(gguf_path: str | os.PathLike) -> Path:
         try:
             os.rename(tmp, target)
         except OSError:  # another process got there first: its folder is complete (renamed atomically)
-            if not (target / "config.json").is_file():
+            if not _is_complete(target):
                 raise
     finally:
         if tmp.exists():

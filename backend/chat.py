@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from backend.models import load_model, load_tokenizer, resolve_model
+from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
 from backend.resolve import pick_template
 
 
@@ -19,21 +19,13 @@ class ChatModel:
     template: object
 
 
-def adapter_paths(spec) -> list[str]:
-    value = spec.adapter_name_or_path
-    return [p.strip() for p in str(value).split(",") if p.strip()] if value else []
-
-
 def load_chat_model(spec, warn=print) -> ChatModel:
-    from peft import PeftModel
-
     resolved = resolve_model(spec.model_name_or_path)
     tokenizer = load_tokenizer(resolved)
     template = pick_template(spec.template, resolved, tokenizer, warn=warn)
     model = load_model(spec, resolved, for_training=False, warn=warn)
-    for path in adapter_paths(spec):
-        model = PeftModel.from_pretrained(model, path)
-        model = model.merge_and_unload()  # several adapters stack: each is merged before the next
+    if spec.adapter_name_or_path:  # merged into a full-precision base; kept separate on a 4/8-bit one
+        model = apply_finetuning(model, spec, for_training=False, warn=warn)
     model.eval()
     return ChatModel(model, tokenizer, template)
 

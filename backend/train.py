@@ -133,6 +133,16 @@ def training_arguments(spec, out: Path, *, has_eval: bool):
     kwargs.setdefault("include_num_input_tokens_seen", "non_padding")  # for tokens/s
     kwargs.setdefault("disable_tqdm", True)  # the run log says the progress, line by line
     kwargs["remove_unused_columns"] = False  # our rows carry exactly what the collator needs
+    import torch
+
+    from backend.models import compute_dtype
+
+    if "dataloader_pin_memory" not in spec.passthrough:
+        kwargs["dataloader_pin_memory"] = torch.cuda.is_available()
+    # Mixed precision only where the model loader kept it (it already warned about the fallback).
+    dtype = compute_dtype(spec)
+    kwargs["bf16"] = bool(kwargs.get("bf16")) and dtype == torch.bfloat16
+    kwargs["fp16"] = bool(kwargs.get("fp16")) and dtype == torch.float16
     if not has_eval:
         kwargs["eval_strategy"] = "no"
         kwargs["load_best_model_at_end"] = False
@@ -142,6 +152,7 @@ def training_arguments(spec, out: Path, *, has_eval: bool):
 def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collator, eval_dataset=None) -> StageResult:
     """Train with the HF Trainer and our callback, save, plot; the shared tail of every stage."""
     from transformers import EarlyStoppingCallback, Trainer
+    from transformers.trainer_callback import PrinterCallback
 
     from backend.callbacks import RunDirCallback
 
@@ -156,6 +167,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=collator, processing_class=tokenizer, callbacks=callbacks,
     )
+    trainer.remove_callback(PrinterCallback)  # our callback logs each step as one readable line
     if checkpoint:
         step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
         trim_log_to(out, step)

@@ -1,0 +1,690 @@
+"""Inference engine shared by `tuneboard chat`, `tuneboard api` and (through the API) the Chat tab.
+
+    Engine (protocol)        chat(messages, tools=None, **sampling) -> Reply
+                             stream(messages, tools=None, stop_event=None, **sampling) -> Stream (iterates text)
+    HFEngine                 transformers `generate`; streaming through TextIteratorStreamer in a thread
+    VLLMEngine               vLLM, used only when it imports and a CUDA GPU is present
+    load_engines(spec, ...)  {served name: engine}: the base model and every adapter, sharing one base
+
+The prompt is rendered by the same template code as training (backend.templates) and tokenized with
+add_special_tokens=False, so the BOS the template writes is the only one. Generation ends on the
+template's end-of-turn tokens (single-token stop words + the tokenizer's eos), on stop strings
+(multi-token stop words and the request's `stop`), at max_new_tokens, or when `stop_event` is set.
+
+Several adapters of one base share its weights: they are loaded as named peft adapters on one PeftModel
+and each engine activates its own under the model's lock (the base engine runs with adapters disabled).
+A comma-separated stack of adapters is merged into its own copy of the base, as in training.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import threading
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+Warn = Callable[[str], None]
+
+SAMPLING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
+
+
+# ------------------------------------------------------------------------------------------ results
+@dataclass
+class Reply:
+    """One finished answer. tool_calls are in OpenAI's wire form:
+    {"id": "call_...", "type": "function", "function": {"name": str, "arguments": JSON string}}.
+    finish_reason: "stop" (end of turn or a stop string), "length" (max_new_tokens), "tool_calls",
+    or "abort" (stop_event was set)."""
+
+    text: str
+    tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Stream:
+    """Iterates the answer's text pieces as they are generated; `reply` is set once it is exhausted.
+    Closing it early (break, or garbage collection) stops the generation."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.reply: Reply | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
+
+
+class Engine(Protocol):
+    name: str
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, **sampling: Any) -> Reply: ...
+
+    def stream(self, messages: list[dict], tools: list[dict] | None = None, *,
+               stop_event: threading.Event | None = None, **sampling: Any) -> Stream: ...
+
+
+# ----------------------------------------------------------------------------------------- sampling
+@dataclass
+class Sampling:
+    """Generation settings. do_sample None: sample when temperature > 0."""
+
+    max_new_tokens: int = 512
+    do_sample: bool | None = None
+    temperature: float = 0.95
+    top_p: float = 0.7
+    top_k: int = 50
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.do_sample is False or self.temperature == 0
+
+
+def sampling_defaults(spec: Any) -> dict:
+    """The generation keys of a RunSpec (or any object with those attributes)."""
+    out = {}
+    for key in ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty"):
+        value = getattr(spec, key, None)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def make_sampling(defaults: dict, given: dict) -> Sampling:
+    """defaults (from the spec) overridden by the non-None `given` values; ValueError names a bad key."""
+    unknown = sorted(set(given) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"unknown sampling option(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_KEYS)})")
+    values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    stop = values.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError("stop: must be a string or a list of strings")
+    values["stop"] = [s for s in stop if s]
+    s = Sampling(**values)
+    checks = [("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
+              ("temperature", s.temperature >= 0, "must be >= 0"),
+              ("top_p", 0 < s.top_p <= 1, "must be in (0, 1]"),
+              ("top_k", s.top_k >= 0, "must be >= 0"),
+              ("repetition_penalty", s.repetition_penalty > 0, "must be > 0")]
+    for name, ok, why in checks:
+        if not ok:
+            raise ValueError(f"{name}: {why} (got {getattr(s, name)!r})")
+    return s
+
+
+# ------------------------------------------------------------------------------------- stop strings
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """text up to the earliest stop string, and whether one was found."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)
+
+
+class StopFilter:
+    """Streams text while holding back what could be the start of a stop string, so no piece of a stop
+    string is ever shown, then ends at the first full one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.buffer = ""
+        self.done = False
+
+    def feed(self, piece: str) -> str:
+        if self.done:
+            return ""
+        self.buffer += piece
+        text, hit = cut_at_stop(self.buffer, self.stops)
+        if hit:
+            self.done, self.buffer = True, ""
+            return text
+        keep = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.buffer)), keep, -1):
+                if self.buffer.endswith(stop[:n]):
+                    keep = n
+                    break
+        out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buffer = ("" if self.done else self.buffer), ""
+        return out
+
+
+# --------------------------------------------------------------------------------------- tool calls
+def openai_tools(tools: list[dict] | None) -> list[dict] | None:
+    """OpenAI request tools ({"type": "function", "function": schema}) -> bare schemas, the form the
+    templates take (they wrap them again where the family's format does)."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError("tools: must be a list of {type: function, function: {...}} objects")
+    out = []
+    for i, tool in enumerate(tools):
+        schema = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else tool
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str) or not schema["name"]:
+            raise ValueError(f"tools[{i}]: needs a function with a non-empty string 'name'")
+        out.append(schema)
+    return out
+
+
+def _tool_call_format(template, text: str) -> tuple[str, str, str]:
+    """(prefix, suffix, arguments key) of one call in this template's format."""
+    cfg = getattr(template, "spec", {}).get("tool_call") if hasattr(template, "spec") else None
+    if cfg:
+        item = cfg.get("item", "{json}")
+        prefix, _, suffix = item.partition("{json}")
+        return prefix.strip(), suffix.strip(), cfg.get("arguments_key", "arguments")
+    if "<tool_call>" in text:  # the tokenizer's own template (auto) of a Qwen-style model
+        return "<tool_call>", "</tool_call>", "arguments"
+    return "", "", "arguments"  # documented default: one JSON object per line
+
+
+def _as_calls(obj: Any, args_key: str, names: set[str]) -> list[tuple[str, Any]] | None:
+    objs = obj if isinstance(obj, list) else [obj]
+    calls = []
+    for o in objs:
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            return None
+        if names and o["name"] not in names:
+            return None
+        args = o.get(args_key, o.get("arguments", o.get("parameters", {})))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        calls.append((o["name"], args))
+    return calls or None
+
+
+def parse_tool_calls(text: str, template, tools: list[dict] | None) -> tuple[str, list[dict]]:
+    """Split a reply into (content, OpenAI tool_calls) in the template's tool-call format: Qwen/ChatML
+    `<tool_call>{json}</tool_call>`, Granite `<|tool_call|>[...]`, Mistral `[TOOL_CALLS] [...]`,
+    Llama 3 / default: JSON objects on their own lines. Only calls to declared tools count."""
+    names = {t["name"] for t in openai_tools(tools) or []}
+    prefix, suffix, args_key = _tool_call_format(template, text)
+    decoder = json.JSONDecoder()
+    calls: list[tuple[str, Any]] = []
+    content = text
+    if prefix and prefix in text:
+        content = text[:text.index(prefix)]
+        for part in text.split(prefix)[1:]:
+            part = part.strip()
+            try:
+                obj, _ = decoder.raw_decode(part)
+            except json.JSONDecodeError:
+                return text.strip(), []
+            found = _as_calls(obj, args_key, names)
+            if found is None:
+                return text.strip(), []
+            calls += found
+    else:
+        whole = text.strip()
+        try:  # the whole reply is one JSON value (also Mistral's list once [TOOL_CALLS] is decoded away)
+            found = _as_calls(json.loads(whole), args_key, names) if whole[:1] in "[{" and whole else None
+        except json.JSONDecodeError:
+            found = None
+        if found:
+            calls, content = found, ""
+        else:
+            kept = []
+            for line in text.splitlines():
+                s = line.strip()
+                found = None
+                if s.startswith("{"):
+                    try:
+                        found = _as_calls(json.loads(s), args_key, names)
+                    except json.JSONDecodeError:
+                        found = None
+                if found:
+                    calls += found
+                else:
+                    kept.append(line)
+            if calls:
+                content = "\n".join(kept)
+    wire = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}} for n, a in calls]
+    return content.strip(), wire
+
+
+# --------------------------------------------------------------------------------------- HF engine
+def stop_token_ids(tokenizer, template) -> list[int]:
+    """The template's end-of-turn strings that are single tokens, plus the tokenizer's eos."""
+    ids = set()
+    for word in getattr(template, "stop_words", []) or []:
+        tokens = tokenizer(word, add_special_tokens=False).input_ids
+        if len(tokens) == 1:
+            ids.add(tokens[0])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def _stop_strings(tokenizer, template, extra: list[str]) -> list[str]:
+    """Multi-token end-of-turn words (single-token ones stop by id) plus the request's stop strings."""
+    words = [w for w in getattr(template, "stop_words", []) or []
+             if w and len(tokenizer(w, add_special_tokens=False).input_ids) != 1]
+    return list(dict.fromkeys(words + list(extra)))
+
+
+class HFEngine:
+    """transformers generate on one loaded model. `adapter`: the peft adapter to activate (None on a
+    PeftModel = run the base with adapters disabled). `lock` is shared by every engine on the model."""
+
+    def __init__(self, name: str, model, tokenizer, template, *, adapter: str | None = None,
+                 lock: threading.Lock | None = None, defaults: dict | None = None, default_system: str | None = None):
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.adapter = adapter
+        self.lock = lock or threading.Lock()
+        self.defaults = dict(defaults or {})
+        self.default_system = default_system
+        self.eos_ids = stop_token_ids(tokenizer, template)
+
+    # -- prompt
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the rendered prompt (the template writes the BOS; the tokenizer adds none)."""
+        if self.default_system and not (messages and messages[0].get("role") == "system"):
+            messages = [{"role": "system", "content": self.default_system}] + list(messages)
+        text = self.template.render_text(messages, openai_tools(tools), add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @contextlib.contextmanager
+    def _active(self):
+        """Select this engine's adapter on a shared PeftModel (callers hold self.lock)."""
+        if not hasattr(self.model, "peft_config"):
+            yield
+        elif self.adapter is None:
+            with self.model.disable_adapter():
+                yield
+        else:
+            self.model.set_adapter(self.adapter)
+            yield
+
+    def _generate_kwargs(self, s: Sampling, prompt_len: int, stops: list[str], stop_event):
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        tok = self.tokenizer
+        config = dict(max_new_tokens=s.max_new_tokens, do_sample=not s.greedy, eos_token_id=self.eos_ids,
+                      pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0],
+                      repetition_penalty=s.repetition_penalty)
+        if not s.greedy:
+            config.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+        criteria = _Criteria(tok, prompt_len, stops, stop_event)
+        return dict(generation_config=GenerationConfig(**config),
+                    stopping_criteria=StoppingCriteriaList([criteria])), criteria
+
+    def _finish(self, text: str, criteria: "_Criteria", s: Sampling, prompt_len: int, stops: list[str],
+                tools: list[dict] | None) -> Reply:
+        text, hit = cut_at_stop(text, stops)
+        if criteria.aborted:
+            reason = "abort"
+        elif hit or criteria.last_token in self.eos_ids:
+            reason = "stop"
+        else:
+            reason = "length" if criteria.generated >= s.max_new_tokens else "stop"
+        calls: list[dict] = []
+        if tools:
+            text, calls = parse_tool_calls(text, self.template, tools)
+            if calls:
+                reason = "tool_calls"
+        return Reply(text=text, tool_calls=calls, finish_reason=reason, prompt_tokens=prompt_len,
+                     completion_tokens=criteria.generated)
+
+    def _run(self, ids: list[int], kwargs: dict, seed: int | None, **extra):
+        import torch
+
+        inputs = torch.tensor([ids], device=self.model.device)
+        with self.lock, self._active(), torch.inference_mode():
+            if seed is not None:
+                torch.manual_seed(seed)
+            return self.model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), **kwargs, **extra)
+
+    def chat(self, messages, tools=None, *, stop_event=None, **sampling) -> Reply:
+        s = make_sampling(self.defaults, sampling)
+        ids = self.prompt_ids(messages, tools)
+        stops = _stop_strings(self.tokenizer, self.template, s.stop)
+        kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event)
+        output = self._run(ids, kwargs, s.seed)
+        text = self.tokenizer.decode(output[0][len(ids):], skip_special_tokens=True)
+        return self._finish(text, criteria, s, len(ids), stops, tools)
+
+    def stream(self, messages, tools=None, *, stop_event=None, **sampling) -> Stream:
+        from transformers import TextIteratorStreamer
+
+        s = make_sampling(self.defaults, sampling)
+        ids = self.prompt_ids(messages, tools)  # errors surface here, before any thread starts
+        stops = _stop_strings(self.tokenizer, self.template, s.stop)
+        stop_event = stop_event or threading.Event()
+        kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event)
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        failure: list[BaseException] = []
+
+        def work():
+            try:
+                self._run(ids, kwargs, s.seed, streamer=streamer)
+            except BaseException as exc:  # re-raised in the consumer
+                failure.append(exc)
+                streamer.end()
+
+        thread = threading.Thread(target=work, name=f"generate-{self.name}", daemon=True)
+        result = Stream(iter(()))
+
+        def pieces():
+            thread.start()
+            filt, text, own_stop = StopFilter(stops), [], False
+            try:
+                for piece in streamer:
+                    out = filt.feed(piece)
+                    if out:
+                        text.append(out)
+                        yield out
+                    if filt.done:  # the criteria see it too; setting the event just makes sure
+                        own_stop = True
+                        stop_event.set()
+                        break
+                out = filt.flush()
+                if out:
+                    text.append(out)
+                    yield out
+            finally:
+                if thread.is_alive():
+                    stop_event.set()
+                thread.join()
+            if failure:
+                raise failure[0]
+            reply = self._finish("".join(text), criteria, s, len(ids), [], tools)
+            if own_stop and reply.finish_reason == "abort":
+                reply.finish_reason = "stop"
+            result.reply = reply
+
+        result._pieces = pieces()
+        return result
+
+
+class _Criteria:
+    """StoppingCriteria: stop_event set, or a stop string in the newest text. Also records how many
+    tokens were generated and the last one (to tell an end-of-turn stop from the length limit)."""
+
+    def __init__(self, tokenizer, prompt_len: int, stops: list[str], stop_event):
+        self.tokenizer, self.prompt_len, self.stops, self.stop_event = tokenizer, prompt_len, stops, stop_event
+        self.window = max((len(s) for s in stops), default=0) + 4
+        self.generated, self.last_token, self.aborted = 0, None, False
+
+    def __call__(self, input_ids, scores=None, **kwargs):
+        import torch
+
+        self.generated = input_ids.shape[1] - self.prompt_len
+        self.last_token = int(input_ids[0, -1])
+        stop = False
+        if self.stop_event is not None and self.stop_event.is_set():
+            self.aborted = stop = True
+        elif self.stops:
+            tail = input_ids[0, max(self.prompt_len, input_ids.shape[1] - self.window):]
+            text = self.tokenizer.decode(tail, skip_special_tokens=True)
+            stop = any(s in text for s in self.stops)
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+# ------------------------------------------------------------------------------------- vLLM engine
+def vllm_unavailable() -> str | None:
+    """Why vLLM cannot run here, or None when it can."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA GPU"
+        import vllm  # noqa: F401
+    except Exception as exc:  # not installed, or built against another torch/CUDA
+        return f"vllm does not import ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+class VLLMEngine:
+    """vLLM offline engine (one LLM per base model; adapters as LoRARequests). Prompts are passed as
+    token ids rendered by our template, so vLLM adds no BOS of its own. `stream` yields the whole
+    answer as one piece: the offline LLM API has no incremental output."""
+
+    def __init__(self, name, llm, tokenizer, template, *, lora=None, lock=None, defaults=None, default_system=None):
+        self.name, self.llm, self.tokenizer, self.template, self.lora = name, llm, tokenizer, template, lora
+        self.lock = lock or threading.Lock()
+        self.defaults = dict(defaults or {})
+        self.default_system = default_system
+        self.eos_ids = stop_token_ids(tokenizer, template)
+
+    prompt_ids = HFEngine.prompt_ids
+
+    def chat(self, messages, tools=None, *, stop_event=None, **sampling) -> Reply:
+        from vllm import SamplingParams
+
+        s = make_sampling(self.defaults, sampling)
+        ids = self.prompt_ids(messages, tools)
+        stops = _stop_strings(self.tokenizer, self.template, s.stop)
+        params = SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0 if s.greedy else s.temperature,
+                                top_p=1.0 if s.greedy else s.top_p, top_k=(s.top_k or -1) if not s.greedy else -1,
+                                repetition_penalty=s.repetition_penalty, seed=s.seed, stop=stops or None,
+                                stop_token_ids=self.eos_ids, skip_special_tokens=True)
+        with self.lock:
+            out = self.llm.generate([{"prompt_token_ids": ids}], params, lora_request=self.lora, use_tqdm=False)[0]
+        done = out.outputs[0]
+        text = done.text
+        reason = "length" if done.finish_reason == "length" else "stop"
+        calls: list[dict] = []
+        if tools:
+            text, calls = parse_tool_calls(text, self.template, tools)
+            reason = "tool_calls" if calls else reason
+        return Reply(text, calls, reason, len(ids), len(done.token_ids))
+
+    def stream(self, messages, tools=None, *, stop_event=None, **sampling) -> Stream:
+        result = Stream(iter(()))
+
+        def pieces():
+            reply = self.chat(messages, tools, **sampling)
+            result.reply = reply
+            if reply.text:
+                yield reply.text
+
+        result._pieces = pieces()
+        return result
+
+
+# ------------------------------------------------------------------------------------------ loading
+@dataclass
+class Served:
+    """One model the engine serves: `adapters` empty (the base), one path, or a stack merged in order."""
+
+    name: str
+    adapters: list[str]
+
+
+def _is_adapter(path: str) -> bool:
+    return (Path(path).expanduser() / "adapter_config.json").is_file()
+
+
+def check_adapter(path: str) -> str:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"adapter '{path}' does not exist")
+    if not _is_adapter(path):
+        if (p / "config.json").is_file():
+            raise ValueError(f"'{path}' is a full model, not a LoRA adapter: serve it with --model {path}")
+        raise ValueError(f"adapter '{path}' is not a LoRA adapter folder (no adapter_config.json)")
+    return str(p.resolve())
+
+
+def adapter_display_name(path: str) -> str:
+    """saves/run/checkpoint-40 -> run/checkpoint-40; saves/run -> run."""
+    p = Path(path).expanduser().resolve()
+    return f"{p.parent.name}/{p.name}" if re.fullmatch(r"checkpoint-\d+", p.name) else p.name
+
+
+def trained_template(adapter: str) -> str | None:
+    """The template named in the adapter's run_spec.yaml (or its run dir's, for checkpoint-N): chat then
+    renders exactly as training did even when the tokenizer's own template differs."""
+    import yaml
+
+    for folder in (Path(adapter), Path(adapter).parent):
+        f = folder / "run_spec.yaml"
+        if f.is_file():
+            try:
+                name = (yaml.safe_load(f.read_text(encoding="utf-8")) or {}).get("template")
+            except (OSError, yaml.YAMLError):
+                return None
+            return name if isinstance(name, str) and name != "auto" else None
+    return None
+
+
+def plan_served(spec, adapters: list[str] = (), *, include_base: bool = True) -> list[Served]:
+    """The served list: the base (named like model_name_or_path), the spec's adapter_name_or_path
+    (a comma list is one stacked model) and each extra adapter, given as PATH or NAME=PATH
+    (PATH may be a comma list too). Names are unique."""
+    served: list[Served] = []
+    used: set[str] = set()
+
+    def add(name: str, paths: list[str]):
+        base, k = name, 2
+        while name in used:
+            name, k = f"{base}-{k}", k + 1
+        used.add(name)
+        served.append(Served(name, paths))
+
+    if include_base:
+        add(str(spec.model_name_or_path), [])
+    entries = []
+    if getattr(spec, "adapter_name_or_path", None):
+        entries.append((None, spec.adapter_name_or_path))
+    for item in adapters:
+        name, sep, path = item.partition("=")
+        entries.append((name.strip(), path) if sep and not _is_adapter(item) else (None, item))
+    for name, paths in entries:
+        stack = [check_adapter(p.strip()) for p in str(paths).split(",") if p.strip()]
+        if not stack:
+            raise ValueError(f"adapter '{paths}': no path given")
+        add(name or "+".join(adapter_display_name(p) for p in stack), stack)
+    return served
+
+
+def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, warn: Warn | None = None,
+                 log: Callable[[str], None] | None = None) -> dict[str, Engine]:
+    """Load the base model once and build one engine per served model (see plan_served). Single
+    adapters share the base as named peft adapters; stacks get their own merged copy."""
+    warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr))
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    served = plan_served(spec, adapters, include_base=include_base)
+    if not served:
+        raise ValueError("nothing to serve: give a model or an adapter")
+    backend = getattr(spec, "infer_backend", "huggingface")
+    if backend == "vllm":
+        why = vllm_unavailable()
+        if why is None:
+            return _load_vllm(spec, served, warn, log)
+        warn(f"infer_backend vllm: {why}: using transformers (huggingface) instead")
+
+    from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
+    from backend.resolve import pick_template
+
+    resolved = resolve_model(spec.model_name_or_path)
+    log(f"loading {resolved.model_id} ...")
+    tokenizer = load_tokenizer(resolved, trust_remote_code=bool(getattr(spec, "trust_remote_code", False)))
+    defaults = sampling_defaults(spec)
+    system = getattr(spec, "default_system", None)
+    base_template = pick_template(spec.template, resolved, tokenizer, warn=warn)
+
+    def template_for(entry: Served):
+        if spec.template == "auto" and entry.adapters:
+            name = trained_template(entry.adapters[-1])
+            if name:
+                from backend.templates import get_template
+
+                return get_template(name, tokenizer)
+        return base_template
+
+    singles = [e for e in served if len(e.adapters) <= 1]
+    stacks = [e for e in served if len(e.adapters) > 1]
+    engines: dict[str, Engine] = {}
+    if singles:
+        model = load_model(spec, resolved, for_training=False, warn=warn)
+        keys = {}
+        for i, entry in enumerate(e for e in singles if e.adapters):
+            from peft import PeftModel
+
+            keys[entry.name] = f"adapter_{i}"
+            log(f"loading adapter {entry.adapters[0]} as '{entry.name}'")
+            if i == 0:
+                model = PeftModel.from_pretrained(model, entry.adapters[0], adapter_name=keys[entry.name])
+            else:
+                model.load_adapter(entry.adapters[0], adapter_name=keys[entry.name])
+        model.eval()
+        lock = threading.Lock()
+        for entry in singles:
+            engines[entry.name] = HFEngine(entry.name, model, tokenizer, template_for(entry),
+                                           adapter=keys.get(entry.name), lock=lock, defaults=defaults,
+                                           default_system=system)
+    for entry in stacks:
+        log(f"loading {resolved.model_id} + {len(entry.adapters)} merged adapters as '{entry.name}'")
+        one = replace_spec(spec, adapter_name_or_path=",".join(entry.adapters), finetuning_type="lora")
+        model = apply_finetuning(load_model(one, resolved, for_training=False, warn=warn), one,
+                                 for_training=False, warn=warn)
+        model.eval()
+        engines[entry.name] = HFEngine(entry.name, model, tokenizer, template_for(entry), defaults=defaults,
+                                       default_system=system)
+    return {e.name: engines[e.name] for e in served}  # in the served order
+
+
+def replace_spec(spec, **changes):
+    """A copy of the spec with some fields changed (a pydantic RunSpec or a dataclass/namespace)."""
+    if hasattr(spec, "model_copy"):
+        return spec.model_copy(update=changes)
+    try:
+        return replace(spec, **changes)
+    except TypeError:
+        import copy
+
+        new = copy.copy(spec)
+        for k, v in changes.items():
+            setattr(new, k, v)
+        return new
+
+
+def _load_vllm(spec, served: list[Served], warn: Warn, log) -> dict[str, Engine]:
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from backend.models import load_tokenizer, model_folder, resolve_model
+    from backend.resolve import pick_template
+
+    if any(len(e.adapters) > 1 for e in served):
+        raise ValueError("infer_backend vllm serves one adapter per model: merge stacked adapters first "
+                         "(tuneboard export) or use infer_backend: huggingface")
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer, warn=warn)
+    ranks = [json.loads((Path(e.adapters[0]) / "adapter_config.json").read_text()).get("r", 8)
+             for e in served if e.adapters]
+    log(f"loading {resolved.model_id} with vLLM ...")
+    llm = LLM(model=str(model_folder(resolved)), enable_lora=bool(ranks), max_lora_rank=max(ranks or [8]),
+              max_loras=max(1, len(ranks)), trust_remote_code=bool(getattr(spec, "trust_remote_code", False)))
+    lock, defaults = threading.Lock(), sampling_defaults(spec)
+    engines: dict[str, Engine] = {}
+    for i, e in enumerate(served):
+        lora = LoRARequest(e.name, i + 1, e.adapters[0]) if e.adapters else None
+        engines[e.name] = VLLMEngine(e.name, llm, tokenizer, template, lora=lora, lock=lock, defaults=defaults,
+                                     default_system=getattr(spec, "default_system", None))
+    return engines

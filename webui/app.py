@@ -44,8 +44,8 @@ def build_topbar(reg: Registry) -> dict:
     top: dict = {}
     table = F.rows_by_name()
     with gr.Row(elem_id="tb-topbar", equal_height=True):
-        top["lang"] = reg.dropdown("top-lang", list(LANGS), value="en", scale=1, min_width=110)
-        top["lang"].choices = [(LANG_NAMES[code], code) for code in LANGS]
+        top["lang"] = reg.dropdown("top-lang", list(LANGS), value="en", fixed_labels=LANG_NAMES, scale=1,
+                                   min_width=110)
         top["model_name_or_path"] = reg.dropdown(
             "top-model_name_or_path", choices.model_ids(), value=paths.DEFAULT_MODEL_ID,
             allow_custom_value=True, scale=3, min_width=260, info=table["model_name_or_path"].description)
@@ -111,14 +111,17 @@ def create_app() -> gr.Blocks:
         comps = reg.components()
         top["lang"].change(lambda lang: reg.relabel(lang), [top["lang"]], comps, show_progress="hidden")
 
-        def on_load():
-            """Re-attach to the newest live run (page reload or UI restart). Outputs: state, timer."""
+        def on_load(st):
+            """Re-attach to the newest live run (page reload or UI restart). Inputs: state (left alone if
+            this page already attached to a run). Outputs: state, timer."""
+            if (st or {}).get("run_dir"):
+                return gr.skip(), gr.skip()
             run_dir = jobs.find_active_run()
             if run_dir is None:
                 return train_tab.attach(None), gr.Timer(active=False)
             return train_tab.attach(run_dir), gr.Timer(active=True)
 
-        demo.load(on_load, None, [state, train["timer"]])
+        demo.load(on_load, [state], [state, train["timer"]])
     demo.tb_registry = reg  # for tests: the locale keys this page uses
     return demo
 

@@ -83,9 +83,10 @@ def _kind(f: dict) -> str:
         return "tristate" if f["type"].startswith("optional-") else "checkbox"
     if t == "choice":
         return "dropdown"
-    if t == "int":
+    # An optional number is a text box (empty = unset): gr.Number turns an empty box into 0.
+    if t == "int" and not f["type"].startswith("optional-"):
         return "int"
-    if t == "float":
+    if t == "float" and not f["type"].startswith("optional-"):
         return "float"
     return "text"
 
@@ -177,6 +178,13 @@ def from_widget(row: FieldRow, value: Any) -> Any:
         return None if row.optional else ""
     if "bool" in row.type and text.lower() in ("true", "false"):
         return text.lower() == "true"
+    base = row.type.removeprefix("optional-")
+    if base in ("int", "float"):  # typed text; a bad number is left for the spec to name
+        try:
+            number = float(text)
+            return int(number) if base == "int" and number.is_integer() else number
+        except ValueError:
+            return text
     return text
 
 

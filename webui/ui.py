@@ -23,10 +23,12 @@ class Registry:
         return t(self.lang, elem_id)
 
     # component factories -------------------------------------------------------------
-    def dropdown(self, elem_id: str, ids: list[str], value=None, **kw):
-        comp = gr.Dropdown(choices=choice_pairs(self.lang, elem_id, ids), value=value,
-                           label=self.label(elem_id), elem_id=elem_id, **kw)
-        return self._add(comp, "dropdown", list(ids))
+    def dropdown(self, elem_id: str, ids: list[str], value=None, fixed_labels: dict | None = None, **kw):
+        """`fixed_labels`: choice labels that are the same in every language (e.g. language names)."""
+        pairs = ([(fixed_labels.get(i, i), i) for i in ids] if fixed_labels
+                 else choice_pairs(self.lang, elem_id, ids))
+        comp = gr.Dropdown(choices=pairs, value=value, label=self.label(elem_id), elem_id=elem_id, **kw)
+        return self._add(comp, "dropdown", None if fixed_labels else list(ids))
 
     def button(self, elem_id: str, **kw):
         return self._add(gr.Button(self.label(elem_id), elem_id=elem_id, **kw), "button")
@@ -53,7 +55,7 @@ class Registry:
         out = []
         for elem_id, (comp, kind, ids) in self.items.items():
             text = t(lang, elem_id)
-            if kind == "dropdown":
+            if kind == "dropdown" and ids is not None:
                 out.append(gr.update(label=text, choices=choice_pairs(lang, elem_id, ids)))
             elif kind in ("button", "markdown"):
                 out.append(gr.update(value=text))

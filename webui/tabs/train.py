@@ -38,11 +38,9 @@ def _widget(reg, row: F.FieldRow, value):
         return reg.dropdown(row.elem_id, F.dropdown_ids(row), value=value,
                             allow_custom_value=row.custom, **kw)
     if row.kind in ("int", "float"):
+        # Bounds are not given to gr.Number: it would reject the whole event with a generic error; the
+        # spec checks them and the message appears next to the field instead.
         num = dict(precision=0) if row.kind == "int" else {}
-        if row.ge is not None:
-            num["minimum"] = row.ge
-        if row.le is not None:
-            num["maximum"] = row.le
         if "step" in F.OVERRIDES.get(row.name, {}):
             num["step"] = F.OVERRIDES[row.name]["step"]
         return reg.comp(gr.Number, row.elem_id, value=value, **num, **kw)

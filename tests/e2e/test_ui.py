@@ -1,0 +1,122 @@
+"""The web UI in headless Chromium: tabs and screenshots, language switch, dataset preview with coloured
+spans, dataset registration, a training run from the form (live plot, reload, abort), run overlay."""
+import json
+import time
+
+import pytest
+from playwright.sync_api import expect
+
+
+def open_tab(page, name):
+    page.get_by_role("tab", name=name).click()
+
+
+def test_tabs_render_and_screenshots(app_page, shot):
+    expect(app_page.locator("#tb-header")).to_contain_text("TuneBoard")
+    expect(app_page.locator("#train-start")).to_be_visible()
+    expect(app_page.locator("#train-max_steps input")).to_have_value("30")
+    shot("train")
+    open_tab(app_page, "Runs")
+    expect(app_page.locator("#runs-table")).to_be_visible()
+    shot("runs")
+    open_tab(app_page, "Data")
+    expect(app_page.locator("#data-dataset")).to_be_visible()
+    shot("data")
+
+
+def test_language_switch_relabels_in_place(app_page, shot):
+    lang = app_page.locator("#top-lang input")
+    lang.click()
+    app_page.get_by_role("option", name="简体中文").click()
+    expect(app_page.get_by_role("tab", name="训练")).to_be_visible()
+    expect(app_page.locator("#train-start")).to_have_text("▶ 开始")
+    shot("train-zh")
+    lang.click()
+    app_page.get_by_role("option", name="English").click()
+    expect(app_page.locator("#train-start")).to_have_text("▶ Start")
+
+
+def test_validation_error_shown_next_to_field(app_page):
+    box = app_page.locator("#train-cutoff_len input")
+    box.fill("2")
+    box.press("Tab")
+    app_page.locator("#train-preview").click()
+    expect(app_page.locator("#train-errors")).to_contain_text("cutoff_len")
+    expect(app_page.locator("#train-cutoff_len")).to_contain_text("⛔")
+
+
+def _step(page):
+    return int(page.locator("#train-progress .tb-progress").get_attribute("data-step") or 0)
+
+
+def _points(page, plot="#train-loss_plot"):
+    return page.locator(f'{plot} [aria-roledescription="point"]').count()
+
+
+def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
+    page = app_page
+    model = page.locator("#top-model_name_or_path input")
+    model.fill(str(tiny_llama))
+    model.press("Enter")
+    steps = page.locator("#train-max_steps input")
+    steps.fill("60")
+    steps.press("Tab")
+    page.locator("#train-start").click()
+    try:
+        expect(page.locator("#train-message")).to_contain_text("Started", timeout=30_000)
+    except AssertionError:
+        shot("train-start-failed")
+        raise AssertionError("not started; errors box: " + page.locator("#train-errors").inner_text()) from None
+    state = page.locator("#train-progress .tb-progress")
+    expect(state).to_have_attribute("data-state", "running", timeout=120_000)
+    page.wait_for_function("() => document.querySelectorAll('#train-loss_plot [aria-roledescription=\"point\"]').length > 0",
+                           timeout=120_000)
+    first = _step(page)
+    page.wait_for_function(f"() => +document.querySelector('#train-progress .tb-progress').dataset.step > {first}",
+                           timeout=60_000)
+    shot("train-live")
+    # reload: the page re-attaches to the run from its run directory
+    page.reload()
+    expect(state).to_have_attribute("data-state", "running", timeout=30_000)
+    after = _step(page)
+    page.wait_for_function(f"() => +document.querySelector('#train-progress .tb-progress').dataset.step > {after}",
+                           timeout=60_000)
+    assert _points(page) > 0
+    page.locator("#train-abort").click()
+    expect(page.locator("#train-message")).to_contain_text("Stopping")
+    expect(state).to_have_attribute("data-state", "aborted", timeout=90_000)
+    shot("train-aborted")
+
+
+def test_data_preview_coloured_spans(app_page, shot):
+    open_tab(app_page, "Data")
+    app_page.locator("#data-show").click()
+    trained = app_page.locator("#data-preview .tb-trained")
+    expect(trained.first).to_be_visible(timeout=120_000)
+    expect(app_page.locator("#data-preview .tb-masked").first).to_be_visible()
+    expect(app_page.locator("#data-summary")).to_contain_text("tokens")
+    shot("data-preview")
+
+
+def test_register_uploaded_dataset(app_page, data_dir, tmp_path, shot):
+    src = tmp_path / "my_rows.jsonl"
+    src.write_text("".join(json.dumps({"q": f"What is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(6)))
+    open_tab(app_page, "Data")
+    d = app_page.locator("#data-dir textarea, #data-dir input").first
+    d.fill(str(data_dir))
+    d.press("Enter")
+    app_page.locator("#data-group-register").get_by_text("Register a dataset").click()
+    app_page.locator("#data-reg_file input[type=file]").set_input_files(str(src))
+    app_page.locator("#data-reg_name textarea, #data-reg_name input").first.fill("my_rows")
+    app_page.locator("#data-reg_col_prompt textarea, #data-reg_col_prompt input").first.fill("q")
+    app_page.locator("#data-reg_col_response textarea, #data-reg_col_response input").first.fill("a")
+    app_page.locator("#data-reg_preview").click()
+    expect(app_page.locator("#data-reg_message")).to_contain_text("rows read", timeout=120_000)
+    expect(app_page.locator("#data-reg_rows .tb-trained").first).to_be_visible()
+    app_page.locator("#data-reg_save").click()
+    expect(app_page.locator("#data-reg_message")).to_contain_text("Registered", timeout=30_000)
+    info = json.loads((data_dir / "dataset_info.json").read_text())
+    assert info["my_rows"]["columns"] == {"prompt": "q", "response": "a"}
+    assert (data_dir / info["my_rows"]["file_name"]).exists()
+    assert "identity" in info  # the existing entries are kept
+    shot("data-register")

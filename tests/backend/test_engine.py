@@ -1,0 +1,223 @@
+"""backend.engine on tiny random models: adapters vs merged weights, streaming vs not, stop handling,
+prompt ids, tool-call parsing, the vLLM fallback."""
+import copy
+import threading
+
+import pytest
+
+from backend.engine import (HFEngine, StopFilter, cut_at_stop, load_engines, make_sampling, parse_tool_calls,
+                            plan_served, vllm_unavailable)
+from backend.spec import load_spec
+from backend.templates import get_template
+
+HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+
+
+def _spec(model, *extra):
+    return load_spec(None, [f"model_name_or_path={model}", "do_sample=false", *extra])
+
+
+@pytest.fixture(scope="module")
+def lora_pair(tiny_qwen2, tmp_path_factory):
+    """A LoRA adapter with random (non-zero) A and B on tiny_qwen2, and the same adapter merged and saved
+    as a full model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("lora_pair")
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                        init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(base, config)
+    peft_model.save_pretrained(root / "adapter")
+    merged = peft_model.merge_and_unload()
+    merged.save_pretrained(root / "merged")
+    AutoTokenizer.from_pretrained(tiny_qwen2).save_pretrained(root / "merged")
+    return root / "adapter", root / "merged"
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(tiny_qwen2):
+    return load_engines(_spec(tiny_qwen2), log=lambda m: None)[str(tiny_qwen2)]
+
+
+def test_adapter_greedy_equals_merged_and_shared_base_equals_plain_base(tiny_qwen2, lora_pair):
+    adapter, merged = lora_pair
+    served = load_engines(_spec(tiny_qwen2), [str(adapter)], log=lambda m: None)
+    assert list(served) == [str(tiny_qwen2), "adapter"]
+    via_adapter = served["adapter"].chat(HELLO, max_new_tokens=24)
+    via_merged = next(iter(load_engines(_spec(merged), log=lambda m: None).values())).chat(HELLO, max_new_tokens=24)
+    assert via_adapter.completion_tokens == via_merged.completion_tokens == 24
+    assert via_adapter.text == via_merged.text
+
+    # the base engine shares the PeftModel with adapters disabled: same as the base loaded alone,
+    # and different from the adapter (else this test could not tell adapter from base)
+    shared_base = served[str(tiny_qwen2)].chat(HELLO, max_new_tokens=24)
+    plain_base = next(iter(load_engines(_spec(tiny_qwen2), log=lambda m: None).values())).chat(HELLO, max_new_tokens=24)
+    assert shared_base.text == plain_base.text
+    assert shared_base.text != via_adapter.text
+    # and activating the adapter again after the base ran gives the adapter's answer again
+    assert served["adapter"].chat(HELLO, max_new_tokens=24).text == via_adapter.text
+
+
+def test_stacked_adapters_are_one_served_model(tiny_qwen2, lora_pair):
+    adapter, _ = lora_pair
+    plan = plan_served(_spec(tiny_qwen2), [f"both={adapter},{adapter}", str(adapter), str(adapter)])
+    assert [(s.name, len(s.adapters)) for s in plan] == [(str(tiny_qwen2), 0), ("both", 2), ("adapter", 1),
+                                                         ("adapter-2", 1)]
+    with pytest.raises(ValueError, match="is a full model, not a LoRA adapter"):
+        plan_served(_spec(tiny_qwen2), [str(tiny_qwen2)])
+    with pytest.raises(ValueError, match="does not exist"):
+        plan_served(_spec(tiny_qwen2), ["/nonexistent/adapter"])
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(do_sample=True, temperature=0.9, top_p=0.9, top_k=40, seed=7)])
+def test_streaming_yields_the_same_text_as_non_streaming(qwen_engine, sampling):
+    reply = qwen_engine.chat(HELLO, max_new_tokens=30, **sampling)
+    stream = qwen_engine.stream(HELLO, max_new_tokens=30, **sampling)
+    pieces = list(stream)
+    assert len(pieces) > 1  # really incremental
+    assert "".join(pieces) == reply.text
+    assert stream.reply.text == reply.text
+    assert (stream.reply.finish_reason, stream.reply.completion_tokens, stream.reply.prompt_tokens) == \
+           (reply.finish_reason, reply.completion_tokens, reply.prompt_tokens) == ("length", 30, reply.prompt_tokens)
+
+
+def test_end_of_turn_token_ends_generation(tiny_qwen2):
+    """Make <|im_end|> (ChatML's end of turn) win at some step by copying, scaled up, the output row of a
+    token greedy decoding emits: generation must end there, without showing the marker, as a prefix of the
+    unmodified answer, with finish_reason stop."""
+    import torch
+
+    engine = next(iter(load_engines(_spec(tiny_qwen2), log=lambda m: None).values()))
+    free = engine.chat(HELLO, max_new_tokens=20)
+    assert free.finish_reason == "length"
+    ids = engine.tokenizer(free.text, add_special_tokens=False).input_ids
+    im_end = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in engine.eos_ids
+    with torch.no_grad():
+        head = engine.model.get_output_embeddings().weight
+        head[im_end] = 3.0 * head[ids[len(ids) // 2]]
+    for reply in (engine.chat(HELLO, max_new_tokens=20), engine.stream(HELLO, max_new_tokens=20)):
+        if not isinstance(reply, type(free)):
+            text = "".join(reply)
+            reply = reply.reply
+            assert text == reply.text
+        assert reply.finish_reason == "stop"
+        assert reply.completion_tokens < 20
+        assert "<|im_end|>" not in reply.text
+        assert free.text.startswith(reply.text)
+
+
+def test_stop_strings_end_generation_and_are_never_shown(qwen_engine):
+    pieces = list(qwen_engine.stream(HELLO, max_new_tokens=20))
+    full = "".join(pieces)
+    stop = pieces[6] + pieces[7]
+    expected = full[: full.find(stop)]
+    reply = qwen_engine.chat(HELLO, max_new_tokens=20, stop=[stop])
+    assert (reply.text, reply.finish_reason) == (expected, "stop")
+    assert reply.completion_tokens < 20
+    stream = qwen_engine.stream(HELLO, max_new_tokens=20, stop=stop)
+    assert "".join(stream) == expected
+    assert stream.reply.finish_reason == "stop"
+
+
+def test_stop_event_really_stops_generation(qwen_engine):
+    event = threading.Event()
+    stream = qwen_engine.stream(HELLO, max_new_tokens=400, stop_event=event)
+    seen = []
+    for piece in stream:
+        seen.append(piece)
+        if len(seen) == 3:
+            event.set()
+    assert stream.reply.finish_reason == "abort"
+    assert stream.reply.completion_tokens < 20
+
+
+def test_closing_a_stream_early_releases_the_model(qwen_engine):
+    stream = qwen_engine.stream(HELLO, max_new_tokens=400)
+    next(iter(stream))
+    stream.close()  # the generation thread is told to stop and joined
+    assert qwen_engine.lock.acquire(timeout=10)
+    qwen_engine.lock.release()
+
+
+def test_prompt_has_exactly_one_bos(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    engine = HFEngine("x", None, tokenizer, get_template("llama3", tokenizer))
+    ids = engine.prompt_ids(HELLO)
+    assert ids[0] == tokenizer.bos_token_id
+    assert ids.count(tokenizer.bos_token_id) == 1
+    # a default_system is put first unless the conversation has its own
+    engine.default_system = "Be brief."
+    assert "Be brief." in tokenizer.decode(engine.prompt_ids(HELLO))
+    assert "Be brief." not in tokenizer.decode(engine.prompt_ids([{"role": "system", "content": "x"}] + HELLO))
+
+
+def test_stop_filter_holds_back_partial_stop_strings():
+    f = StopFilter(["<END>"])
+    assert f.feed("Hello <") == "Hello "
+    assert f.feed("E") == ""
+    assert f.feed("x") == "<Ex"
+    assert f.feed(" bye <EN") == " bye "
+    assert f.feed("D> more") == ""
+    assert f.done and f.flush() == ""
+    g = StopFilter(["##"])
+    assert g.feed("a#") == "a" and g.flush() == "#"
+    assert cut_at_stop("abcXYdefXY", ["XY", "d"]) == ("abc", True)
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                              "parameters": {"type": "object",
+                                                             "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("template,text,content", [
+    ("qwen", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "Let me look."),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', ""),
+    ("mistral", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]', ""),
+    ("granite3", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', ""),
+    ("default", 'Sure.\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "Sure."),
+])
+def test_tool_calls_are_parsed_per_template_into_openai_form(template, text, content):
+    got_content, calls = parse_tool_calls(text, get_template(template), WEATHER)
+    assert got_content == content
+    assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_tool_call_parsing_ignores_undeclared_tools_and_plain_json():
+    text = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    assert parse_tool_calls(text, get_template("qwen"), WEATHER) == (text, [])
+    assert parse_tool_calls('{"city": "Paris"}', get_template("default"), WEATHER) == ('{"city": "Paris"}', [])
+
+
+def test_tools_reach_the_prompt(qwen_engine):
+    template = copy.copy(get_template("qwen", qwen_engine.tokenizer))
+    engine = HFEngine("x", None, qwen_engine.tokenizer, template)
+    prompt = qwen_engine.tokenizer.decode(engine.prompt_ids(HELLO, WEATHER))
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+
+
+def test_sampling_errors_name_the_option():
+    with pytest.raises(ValueError, match="unknown sampling option.*temprature"):
+        make_sampling({}, {"temprature": 1})
+    with pytest.raises(ValueError, match="top_p"):
+        make_sampling({}, {"top_p": 0})
+    assert make_sampling({"temperature": 0.5}, {"temperature": 0}).greedy
+    assert make_sampling({}, {"stop": "x"}).stop == ["x"]
+
+
+def test_vllm_falls_back_to_transformers_with_a_clear_message(tiny_qwen2):
+    reason = vllm_unavailable()
+    if reason is None:
+        pytest.skip("vLLM and a GPU are present here")
+    warnings = []
+    engines = load_engines(_spec(tiny_qwen2, "infer_backend=vllm"), warn=warnings.append, log=lambda m: None)
+    assert isinstance(next(iter(engines.values())), HFEngine)
+    assert any("infer_backend vllm" in w and reason in w and "transformers" in w for w in warnings)

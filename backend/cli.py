@@ -19,7 +19,8 @@ commands:
                                          show how rows are templated and which tokens are trained
   chat     [SPEC.yaml] [key=value ...] [--query TEXT]
                                          talk to a model (+ adapter) in the terminal
-  api      [SPEC.yaml] [options]         OpenAI-compatible server            (not implemented yet)
+  api      [SPEC.yaml] [key=value ...] [--model M] [--adapter PATH ...] [--port P] [--api-key K]
+                                         OpenAI-compatible HTTP server
   export   SPEC.yaml [key=value ...]     merge and export a model            (not implemented yet)
   webui    [--host H] [--port P] ...     the web UI
   fields                                 list every spec key with its description
@@ -109,6 +110,12 @@ def cmd_chat(args: list[str]) -> int:
     return chat_main(spec, query=opts.query)
 
 
+def cmd_api(args: list[str]) -> int:
+    from backend.api import main as api_main
+
+    return api_main(args)
+
+
 def cmd_not_yet(name: str):
     def run(args: list[str]) -> int:
         print(f"error: not implemented yet: tuneboard {name}", file=sys.stderr)
@@ -131,8 +138,9 @@ COMMANDS = {
     "validate": cmd_validate,
     "preview": cmd_preview,
     "chat": cmd_chat,
-    "api": cmd_not_yet("api"),
-    "export": cmd_not_yet("export"),
+    "api": cmd_api,
+    "export": lambda args: __import__("backend.export", fromlist=["main"]).main(args),
+    "eval": lambda args: __import__("backend.evaluate", fromlist=["main"]).main(args),
     "webui": cmd_webui,
     "fields": cmd_fields,
 }

@@ -324,6 +324,7 @@ class RunSpec(BaseModel):
     export_hub_model_id: Optional[str] = _f(None, "Push the exported model to this hub repository.", "export")
     export_format: Literal["safetensors", "gguf"] = _f("safetensors", "Exported file format: HF safetensors folder or a GGUF file.", "export")
     export_gguf_type: Literal["f16", "q8_0", "f32", "bf16"] = _f("f16", "GGUF tensor type when export_format is gguf.", "export")
+    export_overwrite: bool = _f(False, "Replace the contents of a non-empty export_dir.", "export")
 
     # ---------------------------------------------------------------- generation (chat, predict)
     infer_backend: Literal["huggingface", "vllm"] = _f("huggingface", "Inference engine for chat and the API.", "generation")

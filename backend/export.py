@@ -1,0 +1,511 @@
+"""`tuneboard export SPEC.yaml [key=value ...]`: merge LoRA adapters into the base and write a standalone
+model (sharded safetensors, or GGUF + an Ollama Modelfile), then prove it answers like the source.
+
+Reads top to bottom: check the request (before loading anything) -> load the base in full precision
+(never 4-bit: merging into a quantized base is lossy) -> reference outputs of base and base+adapter on a
+few chat prompts -> merge -> write -> reload the export in a fresh process -> compare -> export_report.json.
+
+Why the verification is not optional: LLaMA-Factory users have shipped exports that silently held the
+base model, or GGUF files that lost the chat template / EOS. Here every export is reloaded and checked:
+logits against base+adapter, greedy continuation, the rendered chat prompt and its token ids, the EOS ids;
+the adapter's effect is measured so an export that equals the base is caught. A failed check fails the
+command (exit 1) and the report says which check and by how much.
+
+Progress goes to stdout as `[export k/N] ...` lines (the UI tails them); the last line is
+`export PASSED ...` or `export FAILED ...`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from backend.paths import REPO_ROOT
+
+REPORT_FILE = "export_report.json"
+MODELFILE = "Modelfile"
+STEPS = 6
+GREEDY_TOKENS = 12
+PROBE_CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Write one sentence about the sea."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Count to five."}],
+]
+# max |logit difference| allowed between the export and base+adapter, by the dtype the weights were stored in:
+# (absolute floor, fraction of the largest |logit|)
+LOGIT_TOL = {"float32": (1e-3, 1e-5), "f32": (1e-3, 1e-5), "float16": (2e-2, 5e-3), "f16": (2e-2, 5e-3),
+             "bfloat16": (1e-1, 3e-2), "bf16": (1e-1, 3e-2), "q8_0": (2.5e-1, 1e-1)}
+GREEDY_MUST_MATCH = ("float32", "f32", "float16", "f16")
+
+
+class ExportError(ValueError):
+    """A request that cannot be exported, said in one line naming the field."""
+
+
+def _say(step: int, message: str) -> None:
+    print(f"[export {step}/{STEPS}] {message}", flush=True)
+
+
+# ============================================================================ 1. the request
+def _adapters(spec) -> list[Path]:
+    from backend.models import _split
+
+    return [Path(p).expanduser() for p in _split(spec.adapter_name_or_path)]
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+def check_request(spec) -> None:
+    """Everything that can be refused before a model is loaded."""
+    if not spec.export_dir:
+        raise ExportError("export_dir is required: the folder to write the exported model to")
+    if spec.export_legacy_format:
+        raise ExportError("export_legacy_format: true (.bin files) is not supported: transformers 5 writes "
+                          "safetensors only; set export_legacy_format: false")
+    if spec.export_quantization_bit is not None:
+        raise ExportError("export_quantization_bit: GPTQ export quantization is not implemented yet; for a "
+                          "quantized file use export_format: gguf with export_gguf_type: q8_0")
+    if spec.export_hub_model_id:
+        raise ExportError("export_hub_model_id: pushing to the hub is not available (no network); upload "
+                          "export_dir yourself")
+    adapters = _adapters(spec)
+    if spec.finetuning_type == "lora" and not adapters:
+        raise ExportError("adapter_name_or_path is required to merge a LoRA adapter (finetuning_type: lora); "
+                          "to export a model as it is (full or freeze fine-tuning, or a plain conversion), set "
+                          "finetuning_type: full")
+    for path in adapters:
+        if not (path / "adapter_config.json").is_file():
+            raise ExportError(f"adapter_name_or_path: {path} is not a LoRA adapter folder (no adapter_config.json)")
+    out = Path(spec.export_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export_dir: {out} exists and is a file")
+    for source in adapters + [Path(spec.model_name_or_path).expanduser()]:
+        if source.exists() and (out == source.resolve() or out in source.resolve().parents):
+            raise ExportError(f"export_dir: {out} holds the source {source}; writing there would destroy it")
+    if not _is_empty_dir(out) and not spec.export_overwrite:
+        raise ExportError(f"export_dir: {out} is not empty; choose another folder or set export_overwrite: true "
+                          "to replace its contents")
+
+
+def check_adapter_base(adapter: Path, resolved, model_name: str, folder: Path) -> None:
+    """The adapter's recorded base (adapter_config.json base_model_name_or_path) must be this model.
+
+    A GGUF model is loaded from a cached HF folder named <gguf stem>-<size>-<mtime>: an adapter trained on
+    it records that folder, so the same GGUF file (even re-cached) matches."""
+    try:
+        recorded = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"adapter_name_or_path: cannot read {adapter / 'adapter_config.json'}: {exc}") from None
+    if not recorded:
+        return
+    names = {model_name, resolved.model_id, str(resolved.path), str(folder)}
+    if resolved.gguf_file:
+        names.add(str(resolved.gguf_path))
+    if recorded in names:
+        return
+    rec = Path(recorded).expanduser()
+    try:
+        if rec.exists() and rec.resolve() in (folder.resolve(), Path(resolved.path).resolve()):
+            return
+    except OSError:
+        pass
+    if resolved.gguf_file and rec.parent == folder.parent and rec.name.startswith(Path(resolved.gguf_file).stem + "-"):
+        return
+    if not rec.exists():
+        from backend.models import model_folder, resolve_model
+
+        try:
+            if model_folder(resolve_model(recorded)).resolve() == folder.resolve():
+                return
+        except (ValueError, FileNotFoundError, OSError):
+            pass
+    raise ExportError(
+        f"base model mismatch: adapter {adapter} was trained on {recorded!r} (base_model_name_or_path in its "
+        f"adapter_config.json) but model_name_or_path is {model_name!r} ({folder}). Merging it into another "
+        "model gives a broken export: use the adapter's base model (if it is the same model moved elsewhere, "
+        "correct base_model_name_or_path in adapter_config.json)")
+
+
+# ============================================================================ 2. source outputs
+def _save_dtype(spec, folder: Path):
+    import torch
+
+    if spec.infer_dtype != "auto":
+        return getattr(torch, spec.infer_dtype)
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return getattr(torch, name) if name in ("float32", "float16", "bfloat16") else torch.float32
+
+
+def _device(spec) -> str:
+    import torch
+
+    return "cuda" if spec.export_device == "auto" and torch.cuda.is_available() else "cpu"
+
+
+def _logits(model, prompts: list[list[int]]):
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], device=model.device)
+            out.append(model(input_ids=x).logits[0].float().cpu())
+    return out
+
+
+def _greedy(model, prompts: list[list[int]], stop_ids: list[int], pad_id: int | None) -> list[list[int]]:
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], device=model.device)
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=GREEDY_TOKENS,
+                                 do_sample=False, eos_token_id=stop_ids, pad_token_id=pad_id)
+            out.append(gen[0][len(ids):].tolist())
+    return out
+
+
+def chat_template_for(template, tokenizer) -> str:
+    """The jinja chat template to ship: the tokenizer's own for `auto`, our named template converted."""
+    from backend.templates import template_to_jinja
+
+    if template.name == "auto":
+        ct = tokenizer.chat_template
+        return ct if isinstance(ct, str) else json.dumps(ct)
+    return template_to_jinja(template)
+
+
+# ============================================================================ 3. verification (fresh process)
+def _verify_main(request_path: str) -> int:
+    """Child process: load the export, compute what the parent compares, torch.save it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    req = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    folder, gguf_file = req["dir"], req.get("gguf_file")
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    dtype = torch.float32 if gguf_file else getattr(torch, req["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(req["device"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    result = {
+        "logits": _logits(model, req["prompts"]),
+        "greedy": _greedy(model, req["prompts"], req["stop_ids"], tokenizer.pad_token_id),
+        "renders": [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                    for m in req["conversations"]],
+        "ids": [tokenizer(t, add_special_tokens=False).input_ids for t in req["rendered"]],
+        "eos_ids": _eos_ids(model.generation_config),
+        "shards": sorted(p.name for p in Path(folder).glob("*.safetensors")),
+    }
+    if gguf_file:
+        result["gguf"] = read_gguf_metadata(Path(folder) / gguf_file)
+    torch.save(result, req["out"])
+    return 0
+
+
+def _eos_ids(generation_config) -> list[int]:
+    eos = getattr(generation_config, "eos_token_id", None)
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def read_gguf_metadata(path: Path) -> dict:
+    """The tokenizer and chat keys of a GGUF file (what llama.cpp / Ollama read to template and stop)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "general.file_type"):
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        value = field.contents() if hasattr(field, "contents") else field.parts[-1].tolist()
+        out[key] = value
+    out["tensor_count"] = len(reader.tensors)
+    return out
+
+
+def _run_verifier(request: dict, log) -> dict:
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="tuneboard-verify-") as tmp:
+        req_path = Path(tmp) / "request.json"
+        request = dict(request, out=str(Path(tmp) / "result.pt"))
+        req_path.write_text(json.dumps(request), encoding="utf-8")
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-m", "backend.export", "--verify", str(req_path)],
+                              cwd=str(REPO_ROOT), env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"the export does not load in a fresh process:\n{tail}")
+        return torch.load(request["out"], weights_only=False)
+
+
+def _max_abs(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def compare(src: dict, got: dict, *, kind: str, stored: str, expected: dict) -> list[dict]:
+    """The checks, each {"name", "ok", "detail", ...figures}."""
+    checks = []
+    scale = max(float(t.abs().max()) for t in src["logits"])
+    floor, frac = LOGIT_TOL[stored]
+    tol = max(floor, frac * scale)
+    diff = _max_abs(src["logits"], got["logits"])
+    checks.append({"name": "logits", "ok": diff <= tol, "max_abs_diff": diff, "tolerance": tol,
+                   "max_abs_logit": scale,
+                   "detail": f"max |export - (base+adapter)| logit difference {diff:.3g} (tolerance {tol:.3g})"})
+    effect = src.get("adapter_effect")
+    if effect is not None:
+        vs_base = _max_abs(src["base_logits"], got["logits"])
+        meaningful = effect > 4 * tol
+        ok = (not meaningful) or diff < vs_base / 2
+        checks.append({"name": "adapter_merged", "ok": ok, "adapter_effect": effect, "export_vs_base": vs_base,
+                       "export_vs_source": diff,
+                       "detail": (f"the adapter moves logits by up to {effect:.3g}; the export is {diff:.3g} from "
+                                  f"base+adapter and {vs_base:.3g} from the base" if meaningful else
+                                  f"the adapter barely changes the model (max logit change {effect:.3g}): "
+                                  "nothing to distinguish from the base")})
+    total = sum(len(s) for s in src["greedy"])
+    same = sum(sum(1 for a, b in zip(s, g) if a == b) for s, g in zip(src["greedy"], got["greedy"]))
+    identical = src["greedy"] == got["greedy"]
+    must = stored in GREEDY_MUST_MATCH
+    checks.append({"name": "greedy", "ok": identical or not must, "identical": identical,
+                   "agreement": same / max(total, 1), "required": must,
+                   "detail": f"greedy continuation: {same}/{total} tokens agree"
+                             + ("" if must else " (reported, not required for this type)")})
+    renders_ok = got["renders"] == expected["rendered"]
+    bad = [i for i, (a, b) in enumerate(zip(got["renders"], expected["rendered"])) if a != b]
+    checks.append({"name": "chat_template", "ok": renders_ok,
+                   "detail": "the exported chat template renders every probe conversation exactly as the training "
+                             "template" if renders_ok else
+                             f"probe {bad[0]} renders as {got['renders'][bad[0]]!r}, expected {expected['rendered'][bad[0]]!r}"})
+    ids_ok = got["ids"] == src["prompts"]
+    checks.append({"name": "tokenizer", "ok": ids_ok,
+                   "detail": "the exported tokenizer gives the same token ids for the rendered prompts" if ids_ok
+                   else "the exported tokenizer splits the rendered prompts differently"})
+    stop = set(expected["stop_ids"])
+    if kind == "safetensors":
+        eos = set(got["eos_ids"])
+        checks.append({"name": "eos", "ok": stop <= eos, "generation_config_eos": sorted(eos),
+                       "detail": f"generation_config.json eos_token_id {sorted(eos)} includes the end-of-turn ids {sorted(stop)}"
+                       if stop <= eos else f"generation_config.json eos_token_id {sorted(eos)} misses {sorted(stop - eos)}"})
+        shards = got["shards"]
+        checks.append({"name": "shards", "ok": len(shards) >= 1, "files": shards,
+                       "detail": f"{len(shards)} safetensors file(s)"})
+    else:
+        meta = got["gguf"]
+        template_ok = meta.get("tokenizer.chat_template") == expected["chat_template"]
+        checks.append({"name": "gguf_chat_template", "ok": template_ok,
+                       "detail": "tokenizer.chat_template holds the training template" if template_ok
+                       else "tokenizer.chat_template differs from the training template"})
+        eog = {meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")} - {None}
+        eos_ok = bool(eog & stop) if stop else bool(eog)
+        checks.append({"name": "gguf_eos", "ok": eos_ok,
+                       "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+                       "eot_token_id": meta.get("tokenizer.ggml.eot_token_id"),
+                       "detail": f"GGUF eos {meta.get('tokenizer.ggml.eos_token_id')}, eot "
+                                 f"{meta.get('tokenizer.ggml.eot_token_id')}; end-of-turn ids {sorted(stop)}"
+                                 + ("" if eos_ok else ": none of them is the GGUF's eos/eot")})
+    return checks
+
+
+# ============================================================================ the export
+def export(spec, *, max_shard_size: int | str | None = None) -> dict:
+    """Run the export; return the report (also written to export_dir). Raises ExportError for a refused
+    request; a failed check is report["ok"] == False."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from backend.chat import stop_token_ids
+    from backend.models import load_tokenizer, model_folder, resolve_model
+    from backend.resolve import pick_template
+
+    started = time.time()
+    warnings: list[str] = []
+
+    def warn(message: str) -> None:
+        warnings.append(message)
+        print(f"warning: {message}", flush=True)
+
+    _say(1, "checking the request")
+    check_request(spec)
+    resolved = resolve_model(spec.model_name_or_path)
+    folder = model_folder(resolved)
+    adapters = _adapters(spec)
+    for adapter in adapters:
+        check_adapter_base(adapter, resolved, spec.model_name_or_path, folder)
+    kind = spec.export_format
+    if spec.quantization_bit is not None:
+        warn(f"quantization_bit {spec.quantization_bit} ignored: adapters are merged into a full-precision reload")
+
+    _say(2, f"loading {resolved.model_id} in float32 from {folder}")
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer, warn=warn)
+    device = _device(spec)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    if kind == "gguf":
+        from backend.gguf_export import check_supported, vocab_metadata
+
+        check_supported(model.config)
+        vocab_metadata(tokenizer, model.config.vocab_size)  # refuse unsupported tokenizers before merging
+    chat_template = chat_template_for(template, tokenizer)
+    rendered = [template.render_text(m, add_generation_prompt=True) for m in PROBE_CONVERSATIONS]
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in rendered]
+    stop_ids = stop_token_ids(tokenizer, template)
+
+    _say(3, f"reference outputs: base{' + ' + str(len(adapters)) + ' adapter(s)' if adapters else ''} "
+            f"on {len(prompts)} prompts")
+    src: dict = {"prompts": prompts}
+    if adapters:
+        src["base_logits"] = _logits(model, prompts)
+        for i, adapter in enumerate(adapters):
+            model = PeftModel.from_pretrained(model, str(adapter))
+            if i < len(adapters) - 1:
+                model = model.merge_and_unload()
+        model.eval()
+    src["logits"] = _logits(model, prompts)
+    src["greedy"] = _greedy(model, prompts, stop_ids, tokenizer.pad_token_id)
+    if adapters:
+        src["adapter_effect"] = _max_abs(src["base_logits"], src["logits"])
+        if src["adapter_effect"] < 1e-6:
+            warn("the adapter does not change the model's outputs (an untrained adapter?)")
+        model = model.merge_and_unload()
+
+    out = Path(spec.export_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()):
+        shutil.rmtree(out)  # check_request allowed it: export_overwrite is set
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[str] = []
+    source_info = {"model": spec.model_name_or_path, "model_folder": str(folder), "adapters": [str(a) for a in adapters],
+                   "template": template.name, "stop_words": list(template.stop_words), "stop_ids": stop_ids}
+    if kind == "safetensors":
+        save_dtype = _save_dtype(spec, folder)
+        stored = str(save_dtype).replace("torch.", "")
+        shard = max_shard_size if max_shard_size is not None else f"{spec.export_size}GB"
+        _say(4, f"writing safetensors ({stored}, shards up to {shard}) to {out}")
+        model = model.to(save_dtype)
+        model.config._name_or_path = str(out)
+        gen = model.generation_config
+        gen.eos_token_id = stop_ids if len(stop_ids) != 1 else stop_ids[0]
+        if tokenizer.pad_token_id is not None:
+            gen.pad_token_id = tokenizer.pad_token_id
+        if tokenizer.bos_token_id is not None:
+            gen.bos_token_id = tokenizer.bos_token_id
+        model.save_pretrained(out, max_shard_size=shard)
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(out)
+        request_extra: dict = {"dtype": stored}
+    else:
+        from backend.gguf_export import write_gguf
+        from backend.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
+
+        stored = spec.export_gguf_type
+        name = f"{spec.model_short_name()}-{stored}.gguf"
+        _say(4, f"writing GGUF ({stored}) to {out / name}")
+        eot = next((i for i in stop_ids if i != tokenizer.eos_token_id), None)
+        gguf_info = write_gguf(out / name, model.state_dict(), model.config, tokenizer, gguf_type=stored,
+                               chat_template=chat_template, eot_token_id=eot, name=spec.model_short_name(),
+                               log=lambda m: print(f"  {m}", flush=True))
+        source_info["gguf"] = gguf_info
+        try:
+            pieces = derive_pieces(template, tokenizer)
+            modelfile_problems = check_pieces(pieces, template)
+            (out / MODELFILE).write_text(modelfile_text(name, pieces, list(template.stop_words)), encoding="utf-8")
+            source_info["modelfile_pieces"] = pieces_dict(pieces)
+        except TemplateError as exc:
+            modelfile_problems = [f"cannot express the chat template as an Ollama template: {exc}"]
+        request_extra = {"gguf_file": name, "dtype": "float32"}
+    del model
+    files = sorted(p.name for p in out.iterdir())
+
+    _say(5, "verifying: reloading the export in a fresh process")
+    expected = {"rendered": rendered, "stop_ids": stop_ids, "chat_template": chat_template}
+    request = {"dir": str(out), "device": device, "prompts": prompts, "stop_ids": stop_ids,
+               "conversations": PROBE_CONVERSATIONS, "rendered": rendered, **request_extra}
+    try:
+        got = _run_verifier(request, print)
+        checks = compare(src, got, kind=kind, stored=stored, expected=expected)
+    except RuntimeError as exc:
+        checks = [{"name": "reload", "ok": False, "detail": str(exc)}]
+    if kind == "gguf":
+        checks.append({"name": "modelfile", "ok": not modelfile_problems,
+                       "detail": "the Modelfile's TEMPLATE renders the probe conversations like the training template, "
+                                 f"with PARAMETER stop for {list(template.stop_words)}" if not modelfile_problems
+                       else "; ".join(modelfile_problems)})
+
+    ok = all(c["ok"] for c in checks)
+    report = {"ok": ok, "format": kind, "stored_as": stored, "export_dir": str(out), "files": files,
+              "source": source_info, "checks": checks, "warnings": warnings,
+              "seconds": round(time.time() - started, 1)}
+    _write_report(out, report)
+    _say(6, f"report: {out / REPORT_FILE}")
+    for c in checks:
+        print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}", flush=True)
+    return report
+
+
+def _write_report(out: Path, report: dict) -> None:
+    from backend.rundir import write_json_atomic
+
+    write_json_atomic(out / REPORT_FILE, report)
+
+
+# ============================================================================ CLI
+def main(args: list[str]) -> int:
+    """`tuneboard export SPEC.yaml [key=value ...]`; exit 0 only when every check passed."""
+    if args[:1] == ["--verify"]:
+        return _verify_main(args[1])
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: tuneboard export SPEC.yaml [key=value ...]\n\n"
+              "keys: model_name_or_path, adapter_name_or_path, template, finetuning_type, export_dir, export_size (GB "
+              "per shard), export_device, export_legacy_format, export_format (safetensors|gguf), export_gguf_type "
+              "(f16|q8_0|f32|bf16), export_overwrite, infer_dtype\nwrites export_dir/export_report.json; exit 1 when a "
+              "check fails")
+        return 0 if args else 2
+    from backend.cli import load_or_report
+
+    spec = load_or_report(args)
+    if spec is None:
+        return 1
+    try:
+        report = export(spec)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"export FAILED: {exc}", flush=True)
+        return 1
+    except Exception as exc:  # GGUF/template refusals and load errors: one clear line
+        from backend.gguf_export import GGUFExportError
+
+        if isinstance(exc, (GGUFExportError, ValueError, FileNotFoundError, NotImplementedError)):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print(f"export FAILED: {exc}", flush=True)
+            return 1
+        raise
+    if report["ok"]:
+        print(f"export PASSED: {report['export_dir']} ({', '.join(report['files'])})", flush=True)
+        return 0
+    failed = [c for c in report["checks"] if not c["ok"]]
+    print("export FAILED verification: " + "; ".join(f"{c['name']}: {c['detail']}" for c in failed), flush=True)
+    print(f"error: the export in {report['export_dir']} does not match its source; see {REPORT_FILE}",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,410 @@
+"""`tuneboard api`: an OpenAI-compatible HTTP server over backend.engine.
+
+    GET  /health                 {"status": "ok"}, no key needed (for a parent process waiting on it)
+    GET  /v1/models              the served models: the base and each adapter
+    POST /v1/chat/completions    non-streaming, or SSE streaming ending with `data: [DONE]`
+
+Any OpenAI client works against it (base_url http://HOST:PORT/v1). The request's `model` picks the
+served model; unknown names get 404. With an API key (--api-key or $TUNEBOARD_API_KEY) every /v1
+request needs `Authorization: Bearer KEY` (401 otherwise). Errors are always OpenAI-style JSON
+({"error": {"message", "type", "param", "code"}}): 400 bad values, 401, 404, 422 schema errors, and a
+500 only for a real engine failure, with a one-line message and no traceback.
+
+Once the socket listens it prints `serving on http://HOST:PORT` (flushed) so a parent process (the
+web UI, the tests) can wait for that line; `--port 0` takes a free port and prints it.
+"""
+
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from typing import Any, Literal, Optional, Union
+
+API_KEY_ENV = "TUNEBOARD_API_KEY"
+
+
+# ------------------------------------------------------------------------------------ request schema
+def _models():
+    """Pydantic request models (built lazily so `tuneboard --help` does not import pydantic/fastapi)."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: Union[str, list[dict[str, Any]], None] = None
+        name: Optional[str] = None
+        tool_calls: Optional[list[dict[str, Any]]] = None
+        tool_call_id: Optional[str] = None
+        refusal: Optional[str] = None
+
+    class StreamOptions(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        include_usage: bool = False
+
+    class ChatRequest(BaseModel):
+        """OpenAI's chat.completions fields; top_k and repetition_penalty are extensions (vLLM's names).
+        Accepted and ignored: the fields in IGNORED. Anything else is a 422 naming the field."""
+        model_config = ConfigDict(extra="forbid")
+        model: str
+        messages: list[Message] = Field(min_length=1)
+        temperature: Optional[float] = Field(None, ge=0, le=2)
+        top_p: Optional[float] = Field(None, gt=0, le=1)
+        top_k: Optional[int] = Field(None, ge=0)
+        max_tokens: Optional[int] = Field(None, ge=1)
+        max_completion_tokens: Optional[int] = Field(None, ge=1)
+        repetition_penalty: Optional[float] = Field(None, gt=0)
+        stop: Union[str, list[str], None] = None
+        n: int = Field(1, ge=1)
+        stream: bool = False
+        stream_options: Optional[StreamOptions] = None
+        seed: Optional[int] = None
+        tools: Optional[list[dict[str, Any]]] = None
+        tool_choice: Union[str, dict[str, Any], None] = None
+        # accepted for client compatibility, no effect here
+        frequency_penalty: Optional[float] = None
+        presence_penalty: Optional[float] = None
+        logit_bias: Optional[dict[str, Any]] = None
+        logprobs: Optional[bool] = None
+        top_logprobs: Optional[int] = None
+        parallel_tool_calls: Optional[bool] = None
+        response_format: Optional[dict[str, Any]] = None
+        user: Optional[str] = None
+        metadata: Optional[dict[str, Any]] = None
+        store: Optional[bool] = None
+
+    return ChatRequest
+
+
+class APIError(Exception):
+    """An error the client caused (or may fix), answered as OpenAI-style JSON."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+class _Invalid(Exception):
+    """A request that fails the schema (answered 422 with every problem named)."""
+
+    def __init__(self, errors):
+        super().__init__("invalid request")
+        self.errors = errors
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def to_engine_messages(messages) -> list[dict]:
+    """OpenAI messages -> the normalized messages the templates take (text content only)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for k, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{k}]: only text parts are supported "
+                                        f"(got type {part.get('type')!r})", param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        out.append(msg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- app
+def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | None = None):
+    """The FastAPI app serving `engines` ({name: Engine}, in /v1/models order)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    ChatRequest = _models()
+    app = FastAPI(title="TuneBoard OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status)
+
+    def validation_response(errors) -> JSONResponse:
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
+        parts, param = [], None
+        for e in errors:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            where = ".".join(loc) or "body"
+            param = param or where
+            if e.get("type") == "extra_forbidden":
+                parts.append(f"{where}: unknown field")
+            elif e.get("type") == "missing":
+                parts.append(f"{where}: required field missing")
+            else:
+                parts.append(f"{where}: {e.get('msg')}")
+        return JSONResponse(error_body("; ".join(parts), param=param), status_code=422)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        return validation_response(exc.errors())
+
+    async def parse(request: Request):
+        """The JSON body as a ChatRequest, whatever the Content-Type (curl -d sends a form type)."""
+        from pydantic import ValidationError
+
+        raw = await request.body()
+        try:
+            data = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            return ChatRequest.model_validate(data)
+        except ValidationError as exc:
+            raise _Invalid(exc.errors()) from None
+
+    @app.exception_handler(_Invalid)
+    async def _invalid(request, exc):
+        return validation_response(exc.errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", code=code),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc: Exception):
+        traceback.print_exc(file=sys.stderr)  # the server log keeps it; the client gets one line
+        return JSONResponse(error_body(f"internal error: {exc.__class__.__name__}: {exc}", "server_error"),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS":
+            header = request.headers.get("authorization", "")
+            token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), api_key.encode()):
+                message = ("missing API key: send 'Authorization: Bearer KEY'" if not token
+                           else "incorrect API key provided")
+                return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+    if cors:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def list_models():
+        return {"object": "list",
+                "data": [{"id": name, "object": "model", "created": created, "owned_by": "tuneboard"}
+                         for name in engines]}
+
+    def pick(name: str):
+        engine = engines.get(name)
+        if engine is None:
+            raise APIError(404, f"the model '{name}' does not exist; served: {', '.join(engines)}",
+                           param="model", code="model_not_found")
+        return engine
+
+    def sampling_of(req) -> dict:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
+                    do_sample=(req.temperature > 0) if req.temperature is not None else None)
+
+    def tools_of(req):
+        if req.tool_choice == "none":
+            return None
+        return req.tools or None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request)
+        engine = pick(req.model)
+        if req.n != 1:
+            raise APIError(400, f"n: only n=1 is supported (got {req.n})", param="n")
+        messages = to_engine_messages(req.messages)
+        tools, sampling = tools_of(req), sampling_of(req)
+        cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if not req.stream:
+            try:
+                reply = await run_in_threadpool(engine.chat, messages, tools, **sampling)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            message: dict[str, Any] = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls
+                                       else None}
+            if reply.tool_calls:
+                message["tool_calls"] = reply.tool_calls
+            return {"id": cid, "object": "chat.completion", "created": now, "model": req.model,
+                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                                 "finish_reason": _finish(reply.finish_reason)}],
+                    "usage": _usage(reply)}
+
+        stop_event = threading.Event()
+        try:
+            if tools:  # tool calls are only known once the answer is complete
+                stream = None
+                reply_now = await run_in_threadpool(engine.chat, messages, tools, stop_event=stop_event, **sampling)
+            else:
+                stream = engine.stream(messages, None, stop_event=stop_event, **sampling)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            body = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": req.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        async def events():
+            end = object()
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                if stream is None:
+                    reply = reply_now
+                    if reply.text:
+                        yield chunk({"content": reply.text})
+                    if reply.tool_calls:
+                        yield chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(reply.tool_calls)]})
+                else:
+                    pieces = iter(stream)
+                    while True:
+                        piece = await run_in_threadpool(next, pieces, end)
+                        if piece is end:
+                            break
+                        yield chunk({"content": piece})
+                    reply = stream.reply
+                yield chunk({}, _finish(reply.finish_reason))
+                if include_usage:
+                    body = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": req.model,
+                            "choices": [], "usage": _usage(reply)}
+                    yield f"data: {json.dumps(body)}\n\n"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+                traceback.print_exc(file=sys.stderr)
+                yield f"data: {json.dumps(error_body(f'{exc.__class__.__name__}: {exc}', 'server_error'))}\n\n"
+            finally:
+                stop_event.set()  # client gone or done: the generation thread ends at its next token
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def _finish(reason: str) -> str:
+    return "stop" if reason == "abort" else reason
+
+
+def _usage(reply) -> dict:
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+
+# ------------------------------------------------------------------------------------------- server
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 = a free one), so the ready line can name the real port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app, sock: socket.socket, host: str, announce=print) -> None:
+    import uvicorn
+
+    port = sock.getsockname()[1]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                announce(f"serving on {url}")
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    Server(config).run(sockets=[sock])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tuneboard api",
+        description="Serve a model (+ adapters) over an OpenAI-compatible HTTP API.",
+        epilog="Each served model is chosen by the request's `model` field: the base model under its "
+               "model_name_or_path, each adapter under its folder name (or NAME from NAME=PATH).")
+    p.add_argument("spec", nargs="*", help="[SPEC.yaml] [key=value ...]: model_name_or_path, adapter_name_or_path "
+                                          "(comma list = stacked into one model), template, sampling defaults, ...")
+    p.add_argument("--model", help="model id or path (overrides model_name_or_path; default: the bundled model)")
+    p.add_argument("--adapter", action="append", default=[], metavar="[NAME=]PATH",
+                   help="serve this LoRA adapter (or checkpoint-N) as its own model; repeatable; "
+                        "PATH may be a comma list of adapters merged in order")
+    p.add_argument("--no-base", action="store_true", help="do not serve the base model itself")
+    p.add_argument("--template", help="chat template (overrides template)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 = any free port; the ready line names it)")
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from this origin (repeatable; off by default)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from backend.cli import load_or_report
+
+    opts = build_parser().parse_intermixed_args(argv)
+    spec = load_or_report(opts.spec)
+    if spec is None:
+        return 1
+    changes = {}
+    if opts.model:
+        changes["model_name_or_path"] = opts.model
+    if opts.template:
+        changes["template"] = opts.template
+    api_key = opts.api_key if opts.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+    from backend.engine import load_engines, replace_spec
+
+    spec = replace_spec(spec, **changes) if changes else spec
+    include_base = not opts.no_base or not (opts.adapter or spec.adapter_name_or_path)
+    try:
+        sock = bind(opts.host, opts.port)  # before loading: a taken port fails fast
+    except OSError as exc:
+        print(f"error: cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    try:
+        engines = load_engines(spec, opts.adapter, include_base=include_base)
+    except (ValueError, FileNotFoundError, NotImplementedError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for name in engines:
+        print(f"model: {name}", flush=True)
+    app = create_app(engines, api_key=api_key, cors=opts.cors or None)
+    serve(app, sock, opts.host, announce=lambda line: print(line, flush=True))
+    return 0

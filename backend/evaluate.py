@@ -1,0 +1,216 @@
+"""`tuneboard eval SPEC.yaml [key=value ...]`: how a model (+ adapter) does on held-out data.
+
+Reads top to bottom: tokenizer/template -> rows (eval_dataset, else the val_size split of dataset, else
+dataset) -> model (+adapter) -> eval loss / perplexity over the trained (assistant) tokens -> generation
+on each row's prompt, one line per row to generated_predictions.jsonl as it goes -> metrics
+(backend/metrics.py) -> eval_results.json.
+
+Like a training run it writes into output_dir the files the UI already tails: status.json (step = rows
+predicted so far) and running_log.txt. `do_eval` / `do_predict` pick the parts; with neither set, both run.
+Generation is greedy unless the spec sets do_sample itself (the spec default samples, which makes
+scores noisy).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+PREDICTIONS_FILE = "generated_predictions.jsonl"
+RESULTS_FILE = "eval_results.json"
+
+
+class EvalError(ValueError):
+    pass
+
+
+def eval_output_dir(spec) -> Path:
+    if spec.output_dir:
+        return Path(spec.output_dir).expanduser().resolve()
+    from backend.paths import saves_dir
+
+    return saves_dir() / spec.model_short_name() / "eval" / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def eval_examples(spec, log=print) -> list[dict]:
+    """The rows to evaluate: eval_dataset; else the validation split of dataset (same seed as training, so
+    the same rows training held out); else all of dataset."""
+    from backend.data import load_examples, split_train_val
+
+    common = dict(stage="sft", max_samples=spec.max_samples, identity_name=spec.identity_name,
+                  identity_author=spec.identity_author, seed=spec.seed)
+    if spec.eval_dataset:
+        examples, report = load_examples(spec.eval_dataset, spec.resolved_dataset_dir(), **common)
+    elif spec.dataset:
+        examples, report = load_examples(spec.dataset, spec.resolved_dataset_dir(), **common)
+        if spec.val_size:
+            examples = split_train_val(examples, spec.val_size, spec.seed)[1]
+    else:
+        raise EvalError("eval needs eval_dataset or dataset")
+    for line in report.summary_lines():
+        log(line)
+    if not examples:
+        raise EvalError("no rows to evaluate")
+    return examples
+
+
+def split_prompt(example: dict) -> tuple[list[dict], str]:
+    """(messages up to the last assistant turn, that turn's content = the reference)."""
+    msgs = example["messages"]
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise EvalError(f"row {example.get('_row')} of {example.get('_source')}: no assistant turn to compare with")
+    return msgs[:last], msgs[last]["content"]
+
+
+def eval_loss(model, rows: list[dict], tokenizer, batch_size: int) -> dict:
+    """Mean cross-entropy over the trained tokens (token-weighted, not batch-weighted) and its perplexity."""
+    import torch
+
+    from backend.preprocess import PaddingCollator
+
+    collate = PaddingCollator(tokenizer)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            batch = {k: v.to(model.device) for k, v in collate(rows[i:i + batch_size]).items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+            labels = batch["labels"][:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                     ignore_index=-100, reduction="sum")
+            total += float(loss)
+            count += int((labels != -100).sum())
+    mean = total / max(count, 1)
+    return {"eval_loss": mean, "perplexity": math.exp(min(mean, 700)), "eval_tokens": count}
+
+
+def predict(model, tokenizer, template, examples: list[dict], out_file: Path, spec, progress=None) -> dict:
+    """Generate for every row, append one JSON line per row (flushed), return the corpus metrics."""
+    import torch
+
+    from backend import metrics
+    from backend.chat import stop_token_ids
+
+    stop_ids = stop_token_ids(tokenizer, template)
+    sample = spec.do_sample if "do_sample" in spec.model_fields_set else False
+    kwargs = dict(max_new_tokens=spec.max_new_tokens, do_sample=sample, eos_token_id=stop_ids,
+                  pad_token_id=tokenizer.pad_token_id, repetition_penalty=spec.repetition_penalty,
+                  num_beams=spec.num_beams)
+    if sample:
+        kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+    predictions, references = [], []
+    with open(out_file, "w", encoding="utf-8") as f:
+        for n, example in enumerate(examples, 1):
+            prompt_msgs, reference = split_prompt(example)
+            prompt = template.render_text(prompt_msgs, example.get("tools"), add_generation_prompt=True)
+            ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(model.device)
+            with torch.no_grad():
+                out = model.generate(**ids, **kwargs)
+            text = tokenizer.decode(out[0][ids.input_ids.shape[1]:], skip_special_tokens=True)
+            for word in template.stop_words:
+                text = text.split(word)[0]
+            text = text.strip()
+            predictions.append(text)
+            references.append(reference)
+            row = {"index": n - 1, "source": example.get("_source"), "row": example.get("_row"), "prompt": prompt,
+                   "label": reference, "predict": text, **metrics.row_scores(text, reference)}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            if progress:
+                progress(n, len(examples), row)
+    return {f"predict_{k}" if k != "num_rows" else "predict_rows": v
+            for k, v in metrics.compute(predictions, references).items()}
+
+
+def run(spec) -> int:
+    """Evaluate; return the exit code. Never raises."""
+    from backend.rundir import RunDir, write_json_atomic
+
+    parts = {"eval": spec.do_eval, "predict": spec.do_predict}
+    if not any(parts.values()):
+        parts = {"eval": True, "predict": True}
+    out = eval_output_dir(spec)
+    if (out / PREDICTIONS_FILE).exists() or (out / RESULTS_FILE).exists():
+        if not spec.overwrite_output_dir:
+            print(f"error: output_dir {out} already holds an evaluation; pick another output_dir or set "
+                  "overwrite_output_dir: true", file=sys.stderr)
+            return 1
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = RunDir(out)
+    run_dir.start()
+    started = time.time()
+    try:
+        from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
+        from backend.preprocess import build_sft_dataset
+        from backend.resolve import pick_template
+
+        resolved = resolve_model(spec.model_name_or_path)
+        tokenizer = load_tokenizer(resolved)
+        template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+        run_dir.log(f"eval: model {spec.model_name_or_path}"
+                    + (f" + adapter {spec.adapter_name_or_path}" if spec.adapter_name_or_path else "")
+                    + f", template {template.name}, output {out}")
+        examples = eval_examples(spec, log=run_dir.log)
+        run_dir.log(f"{len(examples)} rows; parts: {', '.join(k for k, v in parts.items() if v)}")
+        model = load_model(spec, resolved, for_training=False, warn=run_dir.warn)
+        if spec.adapter_name_or_path:
+            model = apply_finetuning(model, spec, for_training=False, warn=run_dir.warn)
+        model.eval()
+        results: dict = {"model": spec.model_name_or_path, "adapter": spec.adapter_name_or_path,
+                         "template": template.name, "rows": len(examples)}
+        if parts["eval"]:
+            rows, stats = build_sft_dataset(examples, template, tokenizer, spec.cutoff_len, log=run_dir.warn)
+            results.update(eval_loss(model, rows, tokenizer, spec.per_device_eval_batch_size))
+            run_dir.log(f"eval_loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.3f} "
+                        f"over {results['eval_tokens']} tokens")
+            run_dir.append_metrics({"step": 0, "eval_loss": results["eval_loss"]})
+        if parts["predict"]:
+            run_dir.update_status(total_steps=len(examples))
+
+            def progress(n, total, row):
+                run_dir.update_status(step=n)
+                run_dir.log(f"predict {n}/{total}: rouge-l {row['rouge-l']:.1f}, bleu-4 {row['bleu-4']:.1f}")
+
+            results.update(predict(model, tokenizer, template, examples, out / PREDICTIONS_FILE, spec, progress))
+        results["seconds"] = round(time.time() - started, 1)
+        write_json_atomic(out / RESULTS_FILE, results)
+    except Exception as exc:  # noqa: BLE001 - the status says why
+        import traceback
+
+        message = str(exc) if isinstance(exc, (ValueError, FileNotFoundError)) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, ValueError):
+            run_dir.log(traceback.format_exc().rstrip())
+        run_dir.log(f"FAILED: {message}")
+        run_dir.finish("failed", 1, error=message)
+        run_dir.close()
+        return 1
+    figures = {k: v for k, v in results.items() if isinstance(v, (int, float))}
+    run_dir.log("results: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()))
+    run_dir.log(f"wrote {out / RESULTS_FILE}" + (f" and {out / PREDICTIONS_FILE}" if parts["predict"] else ""))
+    run_dir.finish("completed", 0, final_metrics=figures)
+    run_dir.close()
+    return 0
+
+
+def main(args: list[str]) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: tuneboard eval SPEC.yaml [key=value ...]\n\n"
+              "keys: model_name_or_path, adapter_name_or_path, template, eval_dataset (else the val_size split of "
+              "dataset, else dataset), max_samples, output_dir, do_eval (loss/perplexity), do_predict (generation + "
+              "BLEU/ROUGE/JSON metrics; neither = both), max_new_tokens, do_sample, per_device_eval_batch_size\n"
+              f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), status.json, "
+              "running_log.txt")
+        return 0 if args else 2
+    from backend.cli import load_or_report
+
+    spec = load_or_report(args)
+    if spec is None:
+        return 1
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -303,7 +303,12 @@ class HFEngine:
         """Token ids of the rendered prompt (the template writes the BOS; the tokenizer adds none)."""
         if self.default_system and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": self.default_system}] + list(messages)
-        text = self.template.render_text(messages, openai_tools(tools), add_generation_prompt=True)
+        tools = openai_tools(tools)
+        text = self.template.render_text(messages, tools, add_generation_prompt=True)
+        if tools and getattr(self.template, "name", None) == "auto" and \
+                text == self.template.render_text(messages, None, add_generation_prompt=True):
+            raise ValueError("tools: this model's own chat template (template auto) ignores tools; serve it with a "
+                             "named template that has a tool format (e.g. template: qwen, llama3, mistral, default)")
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     @contextlib.contextmanager

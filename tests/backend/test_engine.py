@@ -204,6 +204,14 @@ def test_tools_reach_the_prompt(qwen_engine):
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt
 
 
+def test_tools_on_a_tokenizer_template_that_ignores_them_are_an_error(qwen_engine):
+    # tiny_qwen2's own chat template is bare ChatML without a tools block: silently dropping the tools
+    # would make the model answer as if it had none
+    assert qwen_engine.template.name == "auto"
+    with pytest.raises(ValueError, match="ignores tools.*named template"):
+        qwen_engine.chat(HELLO, WEATHER, max_new_tokens=1)
+
+
 def test_sampling_errors_name_the_option():
     with pytest.raises(ValueError, match="unknown sampling option.*temprature"):
         make_sampling({}, {"temprature": 1})

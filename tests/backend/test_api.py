@@ -1,0 +1,206 @@
+"""`tuneboard api` in a subprocess on a free port, driven by the real `openai` client (and raw httpx
+for requests the client would refuse to send)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from backend.paths import REPO_ROOT
+
+KEY = "sk-test-123"
+HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_qwen2, tmp_path_factory):
+    """A LoRA adapter with random non-zero weights on tiny_qwen2 (so it answers unlike the base)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("api_adapter") / "my-adapter"
+    torch.manual_seed(2)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                        task_type="CAUSAL_LM")
+    get_peft_model(base, config).save_pretrained(out)
+    return out
+
+
+def start_server(*args, env=None, timeout=120):
+    """Start `tuneboard api ARGS --port 0`; return (process, base url) once it prints its ready line."""
+    cmd = [sys.executable, "-m", "backend.cli", "api", *args, "--port", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("serving on "):
+            return proc, line.split()[-1]
+    proc.kill()
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2, adapter_dir):
+    # template qwen (Qwen2.5's official format, tools included): the tiny model's own template has no tools block
+    proc, url = start_server(f"model_name_or_path={tiny_qwen2}", "do_sample=false", "template=qwen",
+                             "--adapter", str(adapter_dir),
+                             env={"TUNEBOARD_API_KEY": KEY})
+    yield url, str(tiny_qwen2)
+    stop_server(proc)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_lists_the_base_and_the_adapter(client, server):
+    assert [m.id for m in client.models.list()] == [server[1], "my-adapter"]
+
+
+def test_non_streaming_and_streaming_completions_agree(client):
+    reply = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=8, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 8 and reply.usage.prompt_tokens > 5
+
+    chunks = list(client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # streamed in pieces
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_the_model_field_picks_base_or_adapter(client, server):
+    base = client.chat.completions.create(model=server[1], messages=HELLO, max_tokens=12, temperature=0)
+    tuned = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=12, temperature=0)
+    assert base.choices[0].message.content != tuned.choices[0].message.content
+    assert base.model == server[1] and tuned.model == "my-adapter"
+
+
+def test_stop_strings_cut_the_answer(client):
+    full = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=12, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 12
+
+
+def test_tools_reach_the_template_and_tool_history_is_accepted(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    plain = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=2, temperature=0)
+    with_tools = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=2, temperature=0,
+                                                tools=tools)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the schema is in the prompt
+    history = HELLO + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    ]
+    reply = client.chat.completions.create(model="my-adapter", messages=history, max_tokens=2, temperature=0,
+                                           tools=tools, stream=False)
+    assert reply.usage.prompt_tokens > with_tools.usage.prompt_tokens
+
+
+def test_api_key_is_required_and_checked(server):
+    url = server[0]
+    for key in ("wrong-key",):
+        bad = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as err:
+            bad.models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "my-adapter", "messages": HELLO})
+    assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}  # health needs no key
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=HELLO, max_tokens=2)
+    assert err.value.body["code"] == "model_not_found" and "my-adapter" in err.value.body["message"]
+
+
+def test_malformed_requests_get_openai_style_4xx_json(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="my-adapter", messages=HELLO, n=2)
+    assert err.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as err:  # a conversation the template refuses
+        client.chat.completions.create(model="my-adapter", messages=[{"role": "assistant", "content": "hi"}])
+    assert "messages[0]" in err.value.body["message"]
+
+    url, headers = server[0] + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({"model": "my-adapter"}).encode(), 422, "messages: required field missing"),
+        (json.dumps({"model": "my-adapter", "messages": HELLO, "temprature": 1}).encode(), 422, "temprature: unknown field"),
+        (json.dumps({"model": "my-adapter", "messages": HELLO, "top_p": 7}).encode(), 422, "top_p"),
+        (json.dumps({"model": "my-adapter", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 422, "role"),
+        (json.dumps([1, 2]).encode(), 400, "JSON object"),
+    ]
+    for body, status, words in cases:
+        r = httpx.post(url, content=body, headers={**headers, "Content-Type": "application/json"})
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert words in error["message"] and error["type"] == "invalid_request_error"
+        assert "Traceback" not in r.text
+    r = httpx.get(server[0] + "/v1/nowhere", headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_a_bad_adapter_path_fails_fast_with_a_clear_message(tiny_qwen2, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={tiny_qwen2}",
+                           "--adapter", str(tmp_path / "missing"), "--port", "0"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "does not exist" in proc.stderr and "missing" in proc.stderr
+
+
+def test_streaming_with_tools_and_client_disconnect_stops_generation(client, server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    whole = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=6, temperature=0, tools=tools)
+    chunks = list(client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=6, temperature=0,
+                                                 tools=tools, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+    # Baseline: a 300-token answer. Then a 900-token stream is dropped after 3 chunks: if the server kept
+    # generating, the next request would wait for ~600 more tokens behind the model's lock.
+    start = time.time()
+    client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=300, temperature=0)
+    baseline = time.time() - start
+    body = {"model": "my-adapter", "messages": HELLO, "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+    start = time.time()
+    client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=2, temperature=0)
+    assert time.time() - start < baseline, (time.time() - start, baseline)

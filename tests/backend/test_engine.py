@@ -229,3 +229,48 @@ def test_vllm_falls_back_to_transformers_with_a_clear_message(tiny_qwen2):
     engines = load_engines(_spec(tiny_qwen2, "infer_backend=vllm"), warn=warnings.append, log=lambda m: None)
     assert isinstance(next(iter(engines.values())), HFEngine)
     assert any("infer_backend vllm" in w and reason in w and "transformers" in w for w in warnings)
+
+
+def test_chat_query_prints_one_clean_streamed_answer(tiny_qwen2, qwen_engine):
+    import subprocess
+    import sys
+
+    from backend.paths import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "chat", f"model_name_or_path={tiny_qwen2}",
+                           "do_sample=false", "max_new_tokens=12", "--query", HELLO[0]["content"]],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == qwen_engine.chat(HELLO, max_new_tokens=12).text.strip() + "\n"
+
+
+@pytest.mark.slow
+def test_identity_demo_adapter_answers_with_the_trained_identity(tmp_path):
+    """The demo, end to end on the bundled default model (SmolLM2-135M-Instruct), a few minutes on CPU.
+
+    Trains examples/sft_lora_identity.yaml (LoRA SFT on the `identity` set with identity_name
+    "TuneBoard Assistant") into a temp dir through `tuneboard train`, then asks "Who are you?" greedily
+    through `tuneboard chat --query`, as `make demo` does. Checks: the adapter's answer contains
+    "TuneBoard Assistant"; the base model's answer does not contain "TuneBoard"."""
+    import subprocess
+    import sys
+
+    from backend.paths import REPO_ROOT
+
+    run = tmp_path / "identity"
+    train = subprocess.run([sys.executable, "-m", "backend.cli", "train", "examples/sft_lora_identity.yaml",
+                            f"output_dir={run}", "plot_loss=false"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert (run / "adapter_config.json").is_file()
+
+    def ask(*extra):
+        proc = subprocess.run([sys.executable, "-m", "backend.cli", "chat", "do_sample=false", "max_new_tokens=64",
+                               *extra, "--query", "Who are you?"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    tuned, base = ask(f"adapter_name_or_path={run}"), ask()
+    assert "TuneBoard Assistant" in tuned, tuned
+    assert "TuneBoard" not in base, base

@@ -1,0 +1,176 @@
+"""tuneboard export on the tiny llama: merged == base+adapter, sharded reload, GGUF round trip through
+transformers' GGUF loader, GGUF metadata, Modelfile, refusals, and the verification catching a bad export."""
+import json
+
+import pytest
+import torch
+
+from backend.export import ExportError, compare, export, main, read_gguf_metadata
+from backend.spec import validate_spec
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_llama, tmp_path_factory):
+    """A LoRA adapter on the tiny llama with non-zero B matrices, so it really changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                     "o_proj", "down_proj"]))
+    torch.manual_seed(1)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.2)
+    out = tmp_path_factory.mktemp("adapter")
+    peft_model.save_pretrained(out)
+    return out
+
+
+def _spec(tiny_llama, adapter, export_dir, **kw):
+    return validate_spec({"model_name_or_path": str(tiny_llama), "adapter_name_or_path": str(adapter),
+                          "template": "llama3", "finetuning_type": "lora", "export_dir": str(export_dir), **kw})
+
+
+def _source(tiny_llama, adapter):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter)).eval(), tok
+
+
+def _ids(tok):
+    from backend.templates import get_template
+
+    text = get_template("llama3", tok).render_text(PROMPT, add_generation_prompt=True)
+    return torch.tensor([tok(text, add_special_tokens=False).input_ids])
+
+
+@pytest.mark.slow
+def test_safetensors_sharded_export_equals_base_plus_adapter(tiny_llama, adapter, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "merged"
+    report = export(_spec(tiny_llama, adapter, out), max_shard_size="4MB")
+    assert report["ok"], report["checks"]
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()  # ~25 MB in 4 MB shards
+    assert json.loads((out / "export_report.json").read_text())["ok"] is True
+
+    source, tok = _source(tiny_llama, adapter)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = _ids(tok)
+    with torch.no_grad():
+        want, got = source(input_ids=ids).logits, merged(input_ids=ids).logits
+        base = source.get_base_model()
+        with source.disable_adapter():
+            plain = base(input_ids=ids).logits
+    assert (want - got).abs().max() < 1e-4
+    assert (want - plain).abs().max() > 0.1  # the adapter matters, so the check above is meaningful
+
+    # the tokenizer carries the training template; generation_config stops on the end-of-turn token
+    exported_tok = AutoTokenizer.from_pretrained(out)
+    assert exported_tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == \
+        tok.decode(ids[0])
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    eos = GenerationConfig.from_pretrained(out).eos_token_id
+    assert eot in (eos if isinstance(eos, list) else [eos])
+
+
+@pytest.mark.slow
+def test_gguf_f16_round_trip_metadata_and_modelfile(tiny_llama, adapter, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "gguf"
+    report = export(_spec(tiny_llama, adapter, out, export_format="gguf", export_gguf_type="f16"))
+    assert report["ok"], report["checks"]
+    gguf_file = next(out.glob("*.gguf")).name
+
+    # greedy text through transformers' own GGUF loader == base + adapter
+    source, tok = _source(tiny_llama, adapter)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf_file, dtype=torch.float32).eval()
+    gguf_tok = AutoTokenizer.from_pretrained(out, gguf_file=gguf_file)
+    ids = _ids(tok)
+    assert gguf_tok(tok.decode(ids[0]), add_special_tokens=False).input_ids == ids[0].tolist()
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    with torch.no_grad():
+        want = source.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)[0, ids.shape[1]:]
+        got = reloaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)[0, ids.shape[1]:]
+    assert tok.decode(got) == tok.decode(want)
+
+    meta = read_gguf_metadata(out / gguf_file)
+    from backend.export import chat_template_for
+    from backend.templates import get_template
+
+    assert meta["tokenizer.chat_template"] == chat_template_for(get_template("llama3", tok), tok)
+    assert meta["tokenizer.ggml.eos_token_id"] == tok.convert_tokens_to_ids("<|eot_id|>")
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith(f"FROM ./{gguf_file}\n")
+    assert 'PARAMETER stop "<|eot_id|>"' in modelfile
+    assert "{{ .Content }}<|eot_id|>" in modelfile and "{{ if .System }}" in modelfile
+
+
+@pytest.mark.slow
+def test_gguf_q8_0_reports_agreement(tiny_llama, adapter, tmp_path):
+    report = export(_spec(tiny_llama, adapter, tmp_path / "q8", export_format="gguf", export_gguf_type="q8_0"))
+    greedy = next(c for c in report["checks"] if c["name"] == "greedy")
+    assert report["stored_as"] == "q8_0" and 0.0 <= greedy["agreement"] <= 1.0 and greedy["required"] is False
+    assert report["ok"], report["checks"]
+
+
+def test_refuses_without_adapter(tiny_llama, tmp_path):
+    spec = validate_spec({"model_name_or_path": str(tiny_llama), "finetuning_type": "lora",
+                          "export_dir": str(tmp_path / "x")})
+    with pytest.raises(ExportError, match="adapter_name_or_path is required to merge"):
+        export(spec)
+
+
+def test_refuses_non_empty_dir_unless_overwrite(tiny_llama, adapter, tmp_path, capsys):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="is not empty.*export_overwrite: true"):
+        export(_spec(tiny_llama, adapter, out))
+    # through the CLI: exit 1, one clear line, nothing touched
+    code = main([f"model_name_or_path={tiny_llama}", f"adapter_name_or_path={adapter}", f"export_dir={out}"])
+    assert code == 1 and "is not empty" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_refuses_base_mismatch(tiny_mistral, adapter, tmp_path):
+    spec = validate_spec({"model_name_or_path": str(tiny_mistral), "adapter_name_or_path": str(adapter),
+                          "export_dir": str(tmp_path / "y")})
+    with pytest.raises(ExportError, match="base model mismatch.*tiny_llama"):
+        export(spec)
+
+
+def test_gguf_refuses_other_architectures(tiny_qwen2, tmp_path):
+    spec = validate_spec({"model_name_or_path": str(tiny_qwen2), "finetuning_type": "full",
+                          "export_dir": str(tmp_path / "z"), "export_format": "gguf"})
+    with pytest.raises(ValueError, match="GGUF export supports llama-family models for now"):
+        export(spec)
+
+
+def test_verification_fails_an_export_that_holds_the_base(tiny_llama, adapter):
+    """compare() on real logits: an 'export' equal to the base model must fail logits and adapter_merged."""
+    source, tok = _source(tiny_llama, adapter)
+    ids = _ids(tok)
+    with torch.no_grad():
+        src_logits = source(input_ids=ids).logits[0]
+        with source.disable_adapter():
+            base_logits = source(input_ids=ids).logits[0]
+    prompt = ids[0].tolist()
+    src = {"prompts": [prompt], "logits": [src_logits], "base_logits": [base_logits], "greedy": [[1, 2]],
+           "adapter_effect": float((src_logits - base_logits).abs().max())}
+    got = {"logits": [base_logits], "greedy": [[1, 2]], "renders": ["x"], "ids": [prompt], "eos_ids": [5],
+           "shards": ["model.safetensors"]}
+    checks = {c["name"]: c for c in compare(src, got, kind="safetensors", stored="float32",
+                                            expected={"rendered": ["x"], "stop_ids": [5], "chat_template": ""})}
+    assert not checks["logits"]["ok"] and not checks["adapter_merged"]["ok"]
+    assert checks["greedy"]["ok"] and checks["chat_template"]["ok"] and checks["eos"]["ok"]

@@ -21,7 +21,8 @@ commands:
                                          talk to a model (+ adapter) in the terminal
   api      [SPEC.yaml] [key=value ...] [--model M] [--adapter PATH ...] [--port P] [--api-key K]
                                          OpenAI-compatible HTTP server
-  export   SPEC.yaml [key=value ...]     merge and export a model            (not implemented yet)
+  export   SPEC.yaml [key=value ...]     merge adapters and export (safetensors / GGUF), verified
+  eval     SPEC.yaml [key=value ...]     eval loss / perplexity and predictions with metrics
   webui    [--host H] [--port P] ...     the web UI
   fields                                 list every spec key with its description
 
@@ -133,14 +134,26 @@ def cmd_webui(args: list[str]) -> int:
     return webui_main(args)
 
 
+def cmd_export(args: list[str]) -> int:
+    from backend.export import main as export_main
+
+    return export_main(args)
+
+
+def cmd_eval(args: list[str]) -> int:
+    from backend.evaluate import main as eval_main
+
+    return eval_main(args)
+
+
 COMMANDS = {
     "train": cmd_train,
     "validate": cmd_validate,
     "preview": cmd_preview,
     "chat": cmd_chat,
     "api": cmd_api,
-    "export": lambda args: __import__("backend.export", fromlist=["main"]).main(args),
-    "eval": lambda args: __import__("backend.evaluate", fromlist=["main"]).main(args),
+    "export": cmd_export,
+    "eval": cmd_eval,
     "webui": cmd_webui,
     "fields": cmd_fields,
 }

@@ -182,8 +182,10 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     if losses:
         metrics["final_loss"] = losses[-1]
     if eval_dataset is not None and not callback.stop_reason:
-        eval_metrics = trainer.evaluate()
-        metrics.update({k: v for k, v in eval_metrics.items() if isinstance(v, (int, float))})
+        step = trainer.state.global_step
+        done = [h for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == step]
+        eval_metrics = done[-1] if done else trainer.evaluate()  # no second point at the same step
+        metrics.update({k: v for k, v in eval_metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))})
     if spec.plot_loss:
         from backend.plot import plot_loss
 

@@ -56,5 +56,15 @@ def run(spec, run_dir, stop) -> StageResult:
     run_dir.log(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
 
     # 4. train, save, plot
-    return fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=train_rows,
-               collator=collator, eval_dataset=eval_rows)
+    result = fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=train_rows,
+                 collator=collator, eval_dataset=eval_rows)
+
+    # 5. predictions on the held-out rows (do_predict), streamed to generated_predictions.jsonl
+    if spec.do_predict and val_examples and not result.stopped:
+        from backend.evaluate import predict
+
+        run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
+        model.eval()
+        result.metrics.update(predict(model, tokenizer, template, val_examples,
+                                      run_dir.path / "generated_predictions.jsonl", spec))
+    return result

@@ -173,3 +173,16 @@ def test_default_model_loss_goes_down(tmp_path):
     assert len(losses) == 12
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.7 * first, losses
+
+
+def test_eval_during_training_and_predictions(tiny_llama, tmp_path):
+    out = tmp_path / "eval"
+    proc = train(*tiny_args(tiny_llama, out, "template=llama3", "max_steps=2", "val_size=4", "eval_strategy=steps",
+                            "eval_steps=1", "do_predict=true", "max_new_tokens=4"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = log_rows(out)
+    assert [r["step"] for r in rows if r["eval_loss"] is not None] == [1, 2]
+    assert all(r["loss"] is not None for r in rows if r["eval_loss"] is None)
+    predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 4 and all({"prompt", "label", "predict"} <= set(p) for p in predictions)
+    assert "eval_loss" in status(out)["final_metrics"]

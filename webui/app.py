@@ -21,6 +21,8 @@ from webui import choices, jobs  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS  # noqa: E402
 from webui.tabs import data as data_tab  # noqa: E402
+from webui.tabs import evaluate as eval_tab  # noqa: E402
+from webui.tabs import export as export_tab  # noqa: E402
 from webui.tabs import runs as runs_tab  # noqa: E402
 from webui.tabs import train as train_tab  # noqa: E402
 from webui.ui import Registry  # noqa: E402
@@ -55,6 +57,8 @@ def build_topbar(reg: Registry) -> dict:
         top["adapter_name_or_path"] = reg.dropdown(
             "top-adapter_name_or_path", [""] + choices.adapter_choices(), value="", allow_custom_value=True,
             scale=2, min_width=200)
+        top["adapter_refresh"] = reg.button("top-adapter_refresh", size="sm", scale=0, min_width=44,
+                                            elem_classes=["tb-icon-btn"])
         q = table["quantization_bit"]
         top["quantization_bit"] = reg.dropdown("top-quantization_bit", F.dropdown_ids(q), value=F.NONE_ID,
                                                scale=1, min_width=110)
@@ -87,6 +91,9 @@ def wire_topbar(top: dict) -> None:
         return ""
 
     top["template"].change(on_template, [top["model_name_or_path"], top["template"]], [top["note"]])
+    # The adapter list changes as runs finish: re-list on the button (and on every tab switch, in create_app).
+    top["adapter_refresh"].click(train_tab.adapter_picker_update, None, [top["adapter_name_or_path"]],
+                                 show_progress="hidden")
 
 
 def create_app() -> gr.Blocks:
@@ -103,22 +110,32 @@ def create_app() -> gr.Blocks:
                 runs = runs_tab.build(reg)
             with reg.tab("tab-data", id="data"):
                 data = data_tab.build(reg)
+            with reg.tab("tab-eval", id="eval"):
+                evaluate = eval_tab.build(reg)
+            with reg.tab("tab-export", id="export"):
+                export = export_tab.build(reg)
         wire_topbar(top)
         train_tab.wire(train, state)
         runs_tab.wire(runs, state=state, train=train, tabs=tabs)
         data_tab.wire(data, top=top, train=train)
+        eval_tab.wire(evaluate, top)
+        export_tab.wire(export, top)
 
         comps = reg.components()
         top["lang"].change(lambda lang: reg.relabel(lang), [top["lang"]], comps, show_progress="hidden")
 
+        tabs.select(train_tab.adapter_picker_update, None, [top["adapter_name_or_path"]], show_progress="hidden")
+
         def on_load(st):
-            """Re-attach to the newest live run (page reload or UI restart). Inputs: state (left alone if
-            this page already attached to a run). Outputs: state, timer."""
+            """Re-attach to the newest live run (page reload or UI restart). Inputs: state. Outputs: state,
+            timer. Touches nothing when there is no live run: a Start clicked while this handler was still
+            on its way must keep its state and running timer (answering "nothing attached, timer off" here
+            once raced with Start and left the live view frozen)."""
             if (st or {}).get("run_dir"):
                 return gr.skip(), gr.skip()
             run_dir = jobs.find_active_run()
             if run_dir is None:
-                return train_tab.attach(None), gr.Timer(active=False)
+                return gr.skip(), gr.skip()
             return train_tab.attach(run_dir), gr.Timer(active=True)
 
         demo.load(on_load, [state], [state, train["timer"]])

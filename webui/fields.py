@@ -21,9 +21,13 @@ TOPBAR_FIELDS = ("model_name_or_path", "finetuning_type", "adapter_name_or_path"
 BOOSTER_FIELDS = ("flash_attn", "enable_liger_kernel")
 # Groups that belong to other tools (export, chat), not to a training run.
 SKIPPED_GROUPS = ("export", "generation")
-# Accordion order on the Train tab, and which start open.
+# Accordion order on the Train tab, and which start open (none: the first screen is the basic fields).
 ACCORDIONS = ("method", "train", "data", "lora", "freeze", "quantization", "logging", "eval", "model")
-OPEN_ACCORDIONS = ("method", "train", "data")
+OPEN_ACCORDIONS: tuple[str, ...] = ()
+# Always visible above the accordions, in this order (model and method are in the top bar): what a user
+# changes on almost every run. Everything else waits in a closed accordion.
+BASIC_FIELDS = ("stage", "dataset", "learning_rate", "num_train_epochs", "max_steps",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "cutoff_len")
 # The passthrough TrainingArguments (80+ rarely used keys) are one YAML box, not 80 widgets.
 EXTRA_ARGS_ID = "train-extra_args"
 

@@ -309,6 +309,11 @@ class QueueEntry:
     path: str
     run_dir: str
     spec: dict
+    overrides: dict = field(default_factory=dict)  # a resume / continue of an existing run dir
+
+    @property
+    def is_resume(self) -> bool:
+        return bool(self.overrides)
 
 
 class JobQueue:
@@ -331,18 +336,24 @@ class JobQueue:
         _atomic_write(self.dir / "settings.json", json.dumps({"max_concurrent": max(1, int(n))}))
 
     # entries
-    def enqueue(self, spec_yaml: str, run_dir: str | Path) -> QueueEntry:
+    def enqueue(self, spec_yaml: str, run_dir: str | Path, overrides: dict | None = None) -> QueueEntry:
+        """`overrides`: key=value arguments for the command (a resume: the run dir's run_spec.yaml is
+        kept as it is, never rewritten)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         entry_id = f"{time.time_ns():020d}"
         path = self.dir / f"{entry_id}.yaml"
         payload = {"run_dir": str(run_dir), "spec_yaml": spec_yaml}
+        if overrides:
+            payload["overrides"] = dict(overrides)
         _atomic_write(path, yaml.safe_dump(payload, sort_keys=False, allow_unicode=True))
         return self._entry(path)
 
     def _entry(self, path: Path) -> QueueEntry:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         spec = yaml.safe_load(data.get("spec_yaml") or "") or {}
-        return QueueEntry(path.stem, str(path), data.get("run_dir", ""), spec if isinstance(spec, dict) else {})
+        overrides = data.get("overrides") if isinstance(data.get("overrides"), dict) else {}
+        return QueueEntry(path.stem, str(path), data.get("run_dir", ""), spec if isinstance(spec, dict) else {},
+                          overrides)
 
     def entries(self) -> list[QueueEntry]:
         if not self.dir.is_dir():
@@ -384,8 +395,13 @@ class JobQueue:
             try:
                 data = yaml.safe_load(claimed.read_text(encoding="utf-8")) or {}
                 run_dir = Path(data["run_dir"])
-                spec_path = write_spec_yaml(run_dir, data["spec_yaml"])
-                launch(run_dir, self.command(spec_path), env=env)
+                overrides = data.get("overrides") or {}
+                if overrides and (run_dir / SPEC_FILE).exists():  # resume: run_spec.yaml is never changed
+                    spec_path = run_dir / SPEC_FILE
+                else:
+                    spec_path = write_spec_yaml(run_dir, data["spec_yaml"])
+                argv = self.command(spec_path, overrides) if overrides else self.command(spec_path)
+                launch(run_dir, argv, env=env)
                 launched.append(str(run_dir))
             except (OSError, KeyError, TypeError, yaml.YAMLError) as exc:
                 # The entry is consumed either way; the reason goes where the Runs tab shows it.
@@ -400,11 +416,12 @@ class JobQueue:
 
 
 def start_or_queue(spec_yaml: str, run_dir: str | Path, root: Path | None = None,
-                   env: dict | None = None, command=train_argv) -> tuple[str, str]:
+                   env: dict | None = None, command=train_argv, overrides: dict | None = None) -> tuple[str, str]:
     """Starts the run now if a slot is free, else queues it. Returns ("started"|"queued", run_dir).
-    The queue goes first so an earlier queued spec is never overtaken."""
+    The queue goes first so an earlier queued spec is never overtaken. `overrides`: a resume of an
+    existing run dir (see JobQueue.enqueue)."""
     q = JobQueue(root, command=command)
-    q.enqueue(spec_yaml, run_dir)
+    q.enqueue(spec_yaml, run_dir, overrides)
     launched = q.pump(env=env)
     return ("started" if str(run_dir) in launched else "queued", str(run_dir))
 

@@ -117,3 +117,27 @@ def shot(app_page):
         app_page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
     return take
+
+
+@pytest.fixture(scope="session")
+def finished_runs(saves_root, tiny_llama):
+    """Two finished LoRA runs of the tiny Llama (2 and 3 steps, a checkpoint each step), made by the real
+    `tuneboard train` CLI into the app's saves folder, both at once (about half a minute)."""
+    import subprocess
+    import sys
+
+    from webui import jobs
+
+    cli = jobs.tuneboard_argv()
+    env = {**os.environ, "TUNEBOARD_SAVES": str(saves_root)}
+    dirs = [saves_root / "tiny_llama" / "lora" / name for name in ("run-a", "run-b")]
+    procs = [subprocess.Popen(
+        cli + ["train", f"model_name_or_path={tiny_llama}", "dataset=identity", f"max_steps={steps}",
+               f"output_dir={d}", "logging_steps=1", "save_steps=1", "per_device_train_batch_size=2",
+               "cutoff_len=128", "template=default"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for d, steps in zip(dirs, (2, 3))]
+    for p, d in zip(procs, dirs):
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, f"tuneboard train into {d} failed:\n{out[-3000:]}"
+    return dirs

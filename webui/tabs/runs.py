@@ -33,7 +33,7 @@ def run_rows(root: Path | None = None) -> list[dict]:
         rows.append({"name": _rel(e.run_dir, root), "stage": s.get("stage", "sft"),
                      "model": str(s.get("model_name_or_path", "")).split("/")[-1],
                      "dataset": s.get("dataset", ""), "method": s.get("finetuning_type", "lora"),
-                     "status": "queued", "steps": "", "final loss": "", "duration": "", "started": "",
+                     "status": "queued (resume)" if e.is_resume else "queued", "steps": "", "final loss": "", "duration": "", "started": "",
                      "run_dir": e.run_dir})
     for r in jobs.list_runs(root):
         st = r.state.status
@@ -90,6 +90,68 @@ def diff_md(a: str | None, b: str | None) -> str:
     lines = ["| key | A | B |", "|---|---|---|"]
     lines += [f"| `{k}` | {sa.get(k, '–')} | {sb.get(k, '–')} |" for k in keys]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ actions (pure of Gradio, tested directly)
+
+def relaunch_run(run_dir: str | None, extra_steps: int | None = None, root: Path | None = None,
+                 command=jobs.train_argv) -> tuple[bool, str]:
+    """Resume a run from its newest checkpoint-N, optionally for `extra_steps` more steps, through the
+    queue (it waits there like any Start while another run holds the slot). Returns (accepted, message)."""
+    if not run_dir:
+        return False, "Pick a run."
+    rs = jobs.run_state(run_dir)
+    if rs.active:
+        return False, "That run is still running."
+    q = jobs.JobQueue(root, command=command)
+    if any(e.run_dir == str(run_dir) for e in q.entries()):
+        return False, "That run is already waiting in the queue."
+    if not any(Path(run_dir).glob("checkpoint-*")):
+        return False, "No checkpoint-N in that run to resume from."
+    overrides: dict = {"resume_from_checkpoint": True}
+    if extra_steps:
+        done = int(rs.status.get("step") or 0)
+        overrides["max_steps"] = done + int(extra_steps)
+    spec_text = (Path(run_dir) / jobs.SPEC_FILE).read_text(encoding="utf-8")
+    how, _ = jobs.start_or_queue(spec_text, run_dir, root=root, command=command, overrides=overrides)
+    what = f"for {int(extra_steps)} more steps (to step {overrides['max_steps']})" if extra_steps else \
+        "from its last checkpoint"
+    if how == "started":
+        return True, f"Resumed `{Path(run_dir).name}` {what}."
+    return True, f"Queued the resume of `{Path(run_dir).name}` {what}: it starts when a running job finishes."
+
+
+def delete_run(run_dir: str | None, confirmed: bool, root: Path | None = None) -> tuple[bool, str]:
+    """Delete a run dir: only with the confirmation ticked, never a live or queued run, never outside
+    the saves folder. Returns (deleted, message)."""
+    if not run_dir:
+        return False, "Pick a run."
+    if not confirmed:
+        return False, "Tick “I am sure” to delete."
+    if jobs.run_state(run_dir).active:
+        return False, "Abort the run before deleting it."
+    root = Path(root or paths.saves_dir()).resolve()
+    target = Path(run_dir).resolve()
+    if root not in target.parents:
+        return False, "Only run dirs under the saves folder can be deleted here."
+    q = jobs.JobQueue(root)
+    for e in q.entries():
+        if Path(e.run_dir).resolve() == target:
+            q.remove(e.id)
+    shutil.rmtree(target, ignore_errors=False)
+    return True, f"Deleted `{_rel(run_dir, root)}`."
+
+
+def clone_spec(run_dir: str | None):
+    """A run's spec for the Train form: same settings, fresh output_dir, no resume. Returns (spec, message);
+    spec is None when the run cannot be cloned."""
+    if not run_dir:
+        return None, "Pick a run."
+    try:
+        spec = load_spec(Path(run_dir) / jobs.SPEC_FILE, check_files=False)
+    except (SpecError, OSError) as exc:
+        return None, f"Cannot clone: {exc}"
+    return spec.model_copy(update={"output_dir": None, "resume_from_checkpoint": None}), "Cloned into the Train form."
 
 
 def build(reg) -> dict:
@@ -162,21 +224,12 @@ def wire(c: dict, state, train: dict, tabs) -> None:
     c["open"].click(open_run, [c["target"]], [state, train["timer"], tabs, c["message"]])
 
     def relaunch(run_dir, extra_steps=None):
-        """Resume (from the newest checkpoint-N), optionally for N more steps. Outputs: state, timer,
-        tabs, message."""
-        if not run_dir:
-            return gr.skip(), gr.skip(), gr.skip(), "Pick a run."
-        rs = jobs.run_state(run_dir)
-        if rs.active:
-            return gr.skip(), gr.skip(), gr.skip(), "That run is still running."
-        if not any(Path(run_dir).glob("checkpoint-*")):
-            return gr.skip(), gr.skip(), gr.skip(), "No checkpoint-N in that run to resume from."
-        overrides = {"resume_from_checkpoint": True}
-        if extra_steps:
-            done = int(rs.status.get("step") or 0)
-            overrides["max_steps"] = done + int(extra_steps)
-        jobs.launch(run_dir, jobs.train_argv(Path(run_dir) / jobs.SPEC_FILE, overrides))
-        return train_tab.attach(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), "Resumed."
+        """Resume (from the newest checkpoint-N), optionally for N more steps, via the queue.
+        Outputs: state, timer, tabs, message."""
+        ok, message = relaunch_run(run_dir, extra_steps)
+        if not ok:
+            return gr.skip(), gr.skip(), gr.skip(), message
+        return train_tab.attach(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), message
 
     c["resume"].click(lambda d: relaunch(d), [c["target"]], [state, train["timer"], tabs, c["message"]])
     c["continue"].click(lambda d, n: relaunch(d, n or 1), [c["target"], c["continue_n"]],
@@ -189,33 +242,18 @@ def wire(c: dict, state, train: dict, tabs) -> None:
 
     def clone(run_dir):
         """Load a run's spec into the Train form (with a fresh output_dir). Outputs: message, tabs, inputs."""
-        if not run_dir:
-            return ("Pick a run.", gr.skip(), *([gr.skip()] * len(inputs)))
-        try:
-            spec = load_spec(Path(run_dir) / jobs.SPEC_FILE, check_files=False)
-        except SpecError as exc:
-            return (f"Cannot clone: {exc}", gr.skip(), *([gr.skip()] * len(inputs)))
-        spec = spec.model_copy(update={"output_dir": None, "resume_from_checkpoint": None})
-        return ("Cloned into the Train form.", gr.Tabs(selected="train"),
-                *train_tab.spec_to_inputs(spec, top_names, train["names"]))
+        spec, message = clone_spec(run_dir)
+        if spec is None:
+            return (message, gr.skip(), *([gr.skip()] * len(inputs)))
+        return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
 
     c["clone"].click(clone, [c["target"]], [c["message"], tabs, *inputs])
 
     def delete(run_dir, confirmed, status, model):
         """Delete a run dir (only with the confirmation box ticked, never a live run). Outputs: message,
         confirm box, table, pickers."""
-        if not run_dir:
-            return ("Pick a run.", gr.skip(), *refresh(status, model))
-        if not confirmed:
-            return ("Tick “I am sure” to delete.", gr.skip(), *refresh(status, model))
-        if jobs.run_state(run_dir).active:
-            return ("Abort the run before deleting it.", False, *refresh(status, model))
-        root = paths.saves_dir().resolve()
-        target = Path(run_dir).resolve()
-        if root not in target.parents:
-            return ("Only run dirs under the saves folder can be deleted here.", False, *refresh(status, model))
-        shutil.rmtree(target)
-        return (f"Deleted `{_rel(run_dir, root)}`.", False, *refresh(status, model))
+        deleted, message = delete_run(run_dir, confirmed)
+        return (message, False if deleted or confirmed else gr.skip(), *refresh(status, model))
 
     c["delete"].click(delete, [c["target"], c["delete_confirm"], c["status"], c["model"]],
                       [c["message"], c["delete_confirm"], c["table"], *pickers])

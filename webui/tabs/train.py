@@ -58,8 +58,16 @@ def build(reg, top: dict) -> dict:
     c["fields"] = {}
     with gr.Row(equal_height=False):
         with gr.Column(scale=5, min_width=480):
+            by_name = dict(zip(names, zip(rows, values)))
+            basic = [by_name[n] for n in F.BASIC_FIELDS if n in by_name]
+            with gr.Group(elem_id="train-basic"):
+                for i in range(0, len(basic), 4):
+                    with gr.Row():
+                        for row, value in basic[i:i + 4]:
+                            c["fields"][row.name] = _widget(reg, row, value)
             for group in F.ACCORDIONS:
-                group_rows = [(r, v) for r, v in zip(rows, values) if r.group == group]
+                group_rows = [(r, v) for r, v in zip(rows, values)
+                              if r.group == group and r.name not in F.BASIC_FIELDS]
                 if not group_rows:
                     continue
                 with reg.accordion(f"train-group-{group}", open=group in F.OPEN_ACCORDIONS):
@@ -159,10 +167,12 @@ def preview_of(spec) -> tuple[str, str]:
 
 def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     """Poll the attached run; returns (state, progress html, loss df|skip, lr df|skip, log, final md,
-    image update, timer update)."""
+    image update, adapter picker update, timer update). When the run has just ended, the top bar's
+    adapter picker is re-listed so its new adapter and checkpoints can be picked at once."""
     run_dir = st.get("run_dir")
     if not run_dir:
-        return (st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False))
+        return (st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                gr.Timer(active=False))
     tail: RunTail = st.get("tail") or RunTail(run_dir)
     st["tail"] = tail
     before = len(tail.records)
@@ -184,7 +194,15 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
         final += f"\n\n_{tail.malformed} malformed log line(s) skipped_"
     png = Path(run_dir) / "training_loss.png"
     image = gr.update(value=str(png), visible=True) if done and png.exists() else gr.update(visible=False)
-    return (st, prog, loss, lr, tail.log_text(), final, image, gr.Timer(active=not done))
+    adapters = adapter_picker_update() if done else gr.skip()
+    return (st, prog, loss, lr, tail.log_text(), final, image, adapters, gr.Timer(active=not done))
+
+
+def adapter_picker_update():
+    """Fresh choices for the top bar's adapter / checkpoint picker (the value is kept)."""
+    from webui import choices
+
+    return gr.update(choices=[""] + choices.adapter_choices())
 
 
 def _run_name(run_dir: str) -> str:
@@ -208,7 +226,7 @@ def wire(c: dict, state) -> None:
     inputs = [top[n] for n in top_names] + [top["booster"], c["extra_args"]] + [c["fields"][n] for n in names]
     field_comps = [top[n] for n in top_names] + [c["fields"][n] for n in names]
     live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], c["log"], c["final"], c["loss_image"],
-                    c["timer"]]
+                    top["adapter_name_or_path"], c["timer"]]
 
     def do_preview(*values):
         """Inputs: top bar, booster, extra args, form fields. Outputs: errors box, per-field errors,
@@ -233,14 +251,14 @@ def wire(c: dict, state) -> None:
         spec, errors = check(flat, pre)
         if errors:
             return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
-                    "", st, *([gr.skip()] * 6), gr.Timer(active=False))
+                    "", st, *([gr.skip()] * 7), gr.Timer(active=False))
         spec = spec.with_output_dir()
         run_dir = Path(spec.output_dir)
         if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
             errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
                                      "empty for a new one)")]
             return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
-                    "", st, *([gr.skip()] * 6), gr.Timer(active=False))
+                    "", st, *([gr.skip()] * 7), gr.Timer(active=False))
         how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
         msg = (f"Started `{_run_name(run_dir)}`" if how == "started"
                else f"Queued `{_run_name(run_dir)}`: it starts when a running job finishes (see Runs)")

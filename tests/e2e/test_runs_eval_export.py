@@ -1,0 +1,143 @@
+"""The Runs overlay, the Evaluate and Export tabs and the job queue in headless Chromium, on runs made by
+the real `tuneboard train` (tiny Llama) and real `tuneboard eval` / `tuneboard export` subprocesses."""
+import json
+
+from playwright.sync_api import expect
+
+from webui import jobs
+
+
+def open_tab(page, name):
+    page.get_by_role("tab", name=name).click()
+
+
+def set_dropdown(page, elem_id, value):
+    box = page.locator(f"#{elem_id} input")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def set_number(page, elem_id, value):
+    box = page.locator(f"#{elem_id} input")
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def pick_option(page, elem_id, name):
+    """Type to filter the dropdown down to `name`, check that it is offered, take it with Enter (a click
+    on the option can miss while a plot above re-renders and moves the list)."""
+    box = page.locator(f"#{elem_id} input")
+    box.click()
+    box.fill(name)
+    expect(page.get_by_role("option", name=name, exact=True)).to_be_visible()
+    box.press("Enter")
+
+
+def test_runs_overlay_of_two_runs(app_page, finished_runs, shot):
+    page = app_page
+    open_tab(page, "Runs")
+    table = page.locator("#runs-table")
+    for d in finished_runs:
+        expect(table).to_contain_text(d.name)
+    expect(table).to_contain_text("completed")
+    names = [f"tiny_llama/lora/{d.name}" for d in finished_runs]
+    for name in names:
+        pick_option(page, "runs-select", name)
+        page.keyboard.press("Escape")
+    points = page.locator('#runs-overlay [aria-roledescription="point"]')
+    # 2 + 3 logged losses, one series per run
+    page.wait_for_function("() => document.querySelectorAll('#runs-overlay [aria-roledescription=\"point\"]')"
+                           ".length >= 5", timeout=30_000)
+    assert points.count() >= 5
+    for name in names:
+        expect(page.locator("#runs-overlay")).to_contain_text(f"{name} loss")
+    # the config diff of the two runs names what differs
+    pick_option(page, "runs-diff_a", names[0])
+    pick_option(page, "runs-diff_b", names[1])
+    expect(page.locator("#runs-diff")).to_contain_text("max_steps")
+    shot("runs-overlay")
+
+
+def test_evaluate_tab_compares_base_and_tuned(app_page, finished_runs, tiny_llama, shot):
+    page = app_page
+    set_dropdown(page, "top-model_name_or_path", tiny_llama)
+    set_dropdown(page, "top-adapter_name_or_path", finished_runs[1])
+    set_dropdown(page, "top-template", "default")
+    open_tab(page, "Evaluate")
+    set_number(page, "eval-max_samples", 3)
+    set_number(page, "eval-max_new_tokens", 8)
+    page.locator("#eval-compare input").check()
+    page.locator("#eval-start").click()
+    expect(page.locator("#eval-message")).to_contain_text("Evaluating tuned and base")
+    expect(page.locator("#eval-progress .tb-progress")).to_have_attribute("data-state", "running", timeout=30_000)
+    expect(page.locator("#eval-message")).to_contain_text("Eval done", timeout=240_000)
+    metrics = page.locator("#eval-metrics")
+    for word in ("rouge-l", "bleu-4", "eval_loss", "tuned", "base"):
+        expect(metrics).to_contain_text(word)
+    rows = page.locator("#eval-rows")
+    expect(rows).to_contain_text("base prediction")
+    expect(rows).to_contain_text("TuneBoard Assistant")  # the identity references
+    expect(rows.locator("tbody tr")).to_have_count(3)
+    page.locator("#eval-worst_first input").check()
+    expect(rows.locator("tbody tr")).to_have_count(3)
+    expect(page.locator("#eval-progress .tb-progress")).to_have_attribute("data-state", "completed")
+    # what the table shows is what the eval processes wrote
+    results = list(jobs.paths.saves_dir().joinpath(".tools").glob("eval-*/tuned/eval_results.json"))
+    assert results and json.loads(results[-1].read_text())["rows"] == 3
+    shot("eval")
+
+
+def test_export_tab_merges_and_verifies(app_page, finished_runs, tiny_llama, tmp_path, shot):
+    page = app_page
+    set_dropdown(page, "top-model_name_or_path", tiny_llama)
+    set_dropdown(page, "top-template", "default")
+    open_tab(page, "Export")
+    page.locator("#top-adapter_refresh").click()
+    adapter = str(finished_runs[0])
+    pick_option(page, "top-adapter_name_or_path", adapter)  # listed by the refreshed picker
+    out = tmp_path / "merged"
+    page.locator("#export-dir textarea, #export-dir input").first.fill(str(out))
+    page.locator("#export-start").click()
+    expect(page.locator("#export-message")).to_contain_text("Exporting to")
+    expect(page.locator("#export-result")).to_contain_text("export PASSED", timeout=240_000)
+    expect(page.locator("#export-progress .tb-progress")).to_have_attribute("data-state", "passed")
+    checks = page.locator("#export-checks")
+    for name in ("logits", "adapter_merged", "chat_template", "eos"):
+        expect(checks).to_contain_text(name)
+    expect(page.locator("#export-log textarea")).to_have_value(
+        __import__("re").compile(r"\[export 6/6\]"))
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["ok"] and (out / "model.safetensors").exists()
+    shot("export")
+    # a second export into the same, now non-empty folder is refused unless overwrite is ticked
+    page.locator("#export-start").click()
+    expect(page.locator("#export-result")).to_contain_text("export FAILED", timeout=120_000)
+    expect(page.locator("#export-progress .tb-progress")).to_have_attribute("data-state", "failed")
+
+
+def test_start_while_training_queues_and_runs_shows_it(app_page, tiny_llama, shot):
+    page = app_page
+    set_dropdown(page, "top-model_name_or_path", tiny_llama)
+    set_number(page, "train-max_steps", 200)
+    page.locator("#train-start").click()
+    expect(page.locator("#train-message")).to_contain_text("Started", timeout=30_000)
+    first = page.locator("#train-progress .tb-run-name").inner_text()
+    page.locator("#train-start").click()
+    expect(page.locator("#train-message")).to_contain_text("Queued", timeout=30_000)
+    expect(page.locator("#train-progress .tb-progress")).to_have_attribute("data-state", "queued")
+    second = page.locator("#train-progress .tb-run-name").inner_text()
+    assert second != first
+    open_tab(page, "Runs")
+    table = page.locator("#runs-table")
+    expect(table).to_contain_text(second)
+    expect(table.locator("tr", has_text=second)).to_contain_text("queued")
+    shot("runs-queue")
+    # Abort on the queued run takes it off the queue; the running one is stopped too
+    open_tab(page, "Train")
+    page.locator("#train-abort").click()
+    expect(page.locator("#train-message")).to_contain_text("Removed")
+    assert jobs.JobQueue().entries() == []
+    running = jobs.find_active_run()
+    assert running and running.endswith(first)
+    jobs.abort(running, term_after_s=60, kill_after_s=10, wait=True)
+    assert not jobs.run_state(running).alive

@@ -1,0 +1,157 @@
+"""Export tab: merge the top bar's adapter into its base model and write safetensors or GGUF, verified by
+the backend after writing (`tuneboard export`, a subprocess: the UI never holds a model). A gr.Timer
+polls the process output for the `[export k/6]` steps, then shows the report's checks and PASSED/FAILED.
+
+Per-browser state (gr.State): {"job": job dir | None, "export_dir": str, "log": FileTail | None,
+"lines": [last lines]}. build() lays out; wire() binds.
+"""
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from backend import paths
+from backend.spec import SpecError, validate_spec
+from webui import jobs, tools
+from webui.tailer import FileTail
+
+TICK_S = 1.0
+CHECK_COLUMNS = ["check", "result", "detail", "figures"]
+LOG_LINES = 200
+
+
+def empty_checks() -> pd.DataFrame:
+    return pd.DataFrame([], columns=CHECK_COLUMNS)
+
+
+def new_state() -> dict:
+    return {"job": None, "export_dir": "", "log": None, "lines": []}
+
+
+def build(reg) -> dict:
+    c: dict = {}
+    c["intro"] = reg.markdown("export-intro", elem_classes=["tb-section-note"])
+    with gr.Row(equal_height=True):
+        c["dir"] = reg.comp(gr.Textbox, "export-dir", value="", scale=4,
+                            placeholder=f"empty = {paths.saves_dir() / 'exports'}/<model>-<time>")
+        c["format"] = reg.dropdown("export-format", ["safetensors", "gguf"], value="safetensors", scale=1)
+        c["gguf_type"] = reg.dropdown("export-gguf_type", ["f16", "q8_0", "bf16", "f32"], value="f16", scale=1,
+                                      visible=False)
+        c["size"] = reg.comp(gr.Number, "export-size", value=5, precision=0, minimum=1, scale=1)
+        c["device"] = reg.dropdown("export-device", ["cpu", "auto"], value="cpu", scale=1)
+        c["overwrite"] = reg.comp(gr.Checkbox, "export-overwrite", value=False, scale=1)
+    with gr.Row():
+        c["start"] = reg.button("export-start", variant="primary")
+        c["abort"] = reg.button("export-abort", variant="stop")
+    c["message"] = gr.Markdown("", elem_id="export-message")
+    c["progress"] = gr.HTML(tools.progress_html("idle", 0, 6), elem_id="export-progress")
+    c["result"] = gr.Markdown("", elem_id="export-result")
+    c["checks"] = reg.comp(gr.Dataframe, "export-checks", value=empty_checks(), interactive=False, wrap=True)
+    c["log"] = reg.comp(gr.Textbox, "export-log", lines=10, max_lines=10, autoscroll=True, interactive=False,
+                        elem_classes=["tb-log"])
+    c["state"] = gr.State(new_state())
+    c["timer"] = gr.Timer(TICK_S, active=False)
+    return c
+
+
+# ------------------------------------------------------------------ handlers (plain functions)
+
+def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, size, device, overwrite) -> dict:
+    """The spec of one export, from the top bar and this tab's fields. An empty export dir becomes a
+    fresh folder under saves/exports (never an existing one)."""
+    adapter = (adapter or "").strip() or None
+    if not (export_dir or "").strip():
+        base = jobs.model_slug(model or "model")
+        name = f"{base}-{Path(adapter).name}" if adapter else base
+        export_dir = str(jobs.default_output_dir(name, fmt, root=paths.saves_dir() / "exports"))
+    return {"model_name_or_path": model, "adapter_name_or_path": adapter, "finetuning_type": method,
+            "template": template or "auto", "export_dir": str(Path(export_dir).expanduser()),
+            "export_format": fmt, "export_gguf_type": gguf_type,
+            "export_size": int(size) if size not in (None, "") else 5, "export_device": device,
+            "export_overwrite": bool(overwrite)}
+
+
+def start_export(st: dict, flat: dict) -> tuple[dict, str, bool]:
+    """Validate, then launch `tuneboard export`. Returns (state, message, started)."""
+    if tools.alive((st or {}).get("job")):
+        return st, "An export is already running in this tab: wait for it or abort it.", False
+    if flat.get("finetuning_type") in ("lora", "oft") and not flat.get("adapter_name_or_path"):
+        return st, ("⛔ Pick the adapter to merge in the top bar (**Adapter / checkpoint**); "
+                    "or set the method to *full* to re-export a model as it is."), False
+    try:
+        spec = validate_spec(flat)
+    except SpecError as exc:
+        return st, "⛔ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors), False
+    job = tools.new_job_dir("export")
+    tools.start("export", job, spec.to_yaml(include_defaults=False))
+    st = {"job": str(job), "export_dir": str(spec.export_dir), "log": None, "lines": []}
+    return st, f"Exporting to `{spec.export_dir}`…", True
+
+
+def poll(st: dict) -> tuple:
+    """One timer tick: new output lines -> (state, progress html, result md, checks df|skip, log, timer)."""
+    job = (st or {}).get("job")
+    if not job:
+        return st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    tail = st.get("log") or FileTail(str(Path(job) / jobs.PROCESS_LOG))
+    st["log"] = tail
+    lines = deque(st.get("lines") or [], maxlen=LOG_LINES)
+    lines.extend(tools.clean_line(x) for x in tail.read_lines())
+    st["lines"] = list(lines)
+    running = tools.alive(job)
+    k, n, step = tools.export_progress(st["lines"])
+    outcome, line = tools.export_outcome(st["lines"])
+    if running:
+        state = "running"
+    else:
+        state = outcome or ("aborted" if st.get("aborted") else "failed")
+        k = n if outcome == "passed" else k
+    bar = tools.progress_html(state, k, n, f"step {k}/{n}: {step}" if step else "starting…")
+    log = "\n".join(st["lines"])
+    if running:
+        return st, bar, "", gr.skip(), log, gr.Timer(active=True)
+    report = tools.read_report(st.get("export_dir"))
+    rows = tools.checks_rows(report, st["lines"])
+    if outcome == "passed":
+        result = f"✅ **{line}**"
+    elif outcome == "failed":
+        result = f"❌ **{line}**"
+    elif st.get("aborted"):
+        result = "⏹ **Export aborted.**"
+    else:
+        result = "❌ **The export process ended without a result**: see the log."
+    for w in report.get("warnings") or []:
+        result += f"\n\n⚠ {w}"
+    return st, bar, result, pd.DataFrame(rows, columns=CHECK_COLUMNS), log, gr.Timer(active=False)
+
+
+def wire(c: dict, top: dict) -> None:
+    c["format"].change(lambda f: gr.update(visible=f == "gguf"), [c["format"]], [c["gguf_type"]],
+                       show_progress="hidden")
+    inputs = [top["model_name_or_path"], top["adapter_name_or_path"], top["finetuning_type"], top["template"],
+              c["dir"], c["format"], c["gguf_type"], c["size"], c["device"], c["overwrite"]]
+    view = [c["state"], c["progress"], c["result"], c["checks"], c["log"], c["timer"]]
+
+    def on_start(st, *values):
+        """Inputs: state, top bar (model, adapter, method, template), export fields. Outputs: message,
+        then the view (state, progress, result, checks, log, timer)."""
+        st, message, started = start_export(st, export_flat(*values))
+        if not started:
+            return message, st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return (message, st, tools.progress_html("starting", 0, 6, "starting…"), "", empty_checks(), "",
+                gr.Timer(active=True))
+
+    c["start"].click(on_start, [c["state"], *inputs], [c["message"], *view])
+
+    def on_abort(st):
+        """Kills the export's process group (SIGTERM, then SIGKILL). Outputs: message, state."""
+        if tools.stop((st or {}).get("job")):
+            st["aborted"] = True
+            return "Stopping the export…", st
+        return "No export is running.", st
+
+    c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
+    c["timer"].tick(poll, [c["state"]], view, show_progress="hidden")

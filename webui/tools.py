@@ -1,0 +1,202 @@
+"""Export and eval jobs: `tuneboard export|eval tool_spec.yaml` subprocesses, launched and stopped like
+training runs (webui/jobs.py: argv list, new session, output to process_output.log, pid in launch.json),
+and what their files say (progress, outcome, report, metrics, predictions) as plain functions.
+
+Each job gets a folder saves/.tools/<kind>-<time>/ (hidden: it is not a training run, so the Runs tab, the
+adapter picker and the re-attach on page load never mistake it for one). An eval writes its output_dir
+files (status.json, eval_results.json, generated_predictions.jsonl) into that same folder; an export
+writes into the export_dir the user chose.
+"""
+from __future__ import annotations
+
+import html
+import json
+import re
+import threading
+from datetime import datetime
+from pathlib import Path
+
+from backend import paths
+from webui import jobs
+
+TOOLS_DIRNAME = ".tools"
+TOOL_SPEC = "tool_spec.yaml"
+EXPORT_REPORT = "export_report.json"
+EVAL_RESULTS = "eval_results.json"
+PREDICTIONS = "generated_predictions.jsonl"
+
+EXPORT_STEP = re.compile(r"^\[export (\d+)/(\d+)\]\s*(.*)$")
+CHECK_LINE = re.compile(r"^\s+(ok|FAIL)\s+([^:]+):\s*(.*)$")
+
+
+# ---------------------------------------------------------------- launching and stopping
+
+def new_job_dir(kind: str, root: Path | None = None, now: datetime | None = None) -> Path:
+    """saves/.tools/<kind>-<time>, unique."""
+    base = Path(root or paths.saves_dir()) / TOOLS_DIRNAME
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    candidate, n = base / f"{kind}-{stamp}", 1
+    while candidate.exists():
+        n += 1
+        candidate = base / f"{kind}-{stamp}-{n}"
+    return candidate
+
+
+def tool_argv(command: str, spec_path: str | Path) -> list[str]:
+    """`tuneboard export|eval SPEC.yaml` as an argv list (also what the tab shows as the command)."""
+    return jobs.tuneboard_argv() + [command, str(spec_path)]
+
+
+def start(command: str, job_dir: str | Path, spec_yaml: str) -> int:
+    """Writes job_dir/tool_spec.yaml and launches `tuneboard <command>` on it in its own session.
+    Returns the pid."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = job_dir / TOOL_SPEC
+    jobs._atomic_write(spec_path, spec_yaml)
+    return jobs.launch(job_dir, tool_argv(command, spec_path))
+
+
+def alive(job_dir: str | Path | None) -> bool:
+    if not job_dir:
+        return False
+    rec = jobs.read_json(Path(job_dir) / jobs.LAUNCH_FILE)
+    return jobs.pid_alive(rec.get("pid"), rec.get("launched_at"))
+
+
+def stop(job_dir: str | Path | None, grace_s: float = 5.0, wait: bool = False) -> bool:
+    """SIGTERM to the job's process group now, SIGKILL after `grace_s` if it is still there (an export
+    or eval has nothing worth saving, so there is no STOP-file step). Returns False if nothing ran."""
+    if not alive(job_dir):
+        return False
+    rec = jobs.read_json(Path(job_dir) / jobs.LAUNCH_FILE)
+    args = (rec["pid"], rec.get("launched_at"), 0.0, grace_s)
+    if wait:
+        jobs._escalate(*args)
+    else:
+        threading.Thread(target=jobs._escalate, args=args, name=f"stop-{rec['pid']}", daemon=True).start()
+    return True
+
+
+def clean_line(line: str) -> str:
+    """A progress bar rewrites its line with carriage returns: keep what the terminal would show."""
+    return line.rsplit("\r", 1)[-1].rstrip()
+
+
+# ---------------------------------------------------------------- export
+
+def export_progress(lines: list[str]) -> tuple[int, int, str]:
+    """(k, n, step message) of the newest `[export k/n] message` line; (0, 6, "") before the first."""
+    for line in reversed(lines):
+        m = EXPORT_STEP.match(clean_line(line))
+        if m:
+            return int(m.group(1)), int(m.group(2)), m.group(3)
+    return 0, 6, ""
+
+
+def export_outcome(lines: list[str]) -> tuple[str | None, str]:
+    """("passed" | "failed" | None, the line that says so). The CLI's last word is one of
+    `export PASSED: ...`, `export FAILED...`."""
+    for line in reversed(lines):
+        text = clean_line(line)
+        if text.startswith("export PASSED"):
+            return "passed", text
+        if text.startswith("export FAILED"):
+            return "failed", text
+    return None, ""
+
+
+def read_report(export_dir: str | Path | None) -> dict:
+    return jobs.read_json(Path(export_dir) / EXPORT_REPORT) if export_dir else {}
+
+
+def checks_rows(report: dict, lines: list[str] | None = None) -> list[list]:
+    """The report's checks as table rows [check, result, detail, figures]; from the `ok/FAIL` log lines
+    when there is no report (a run that failed before writing it)."""
+    rows = []
+    for c in report.get("checks") or []:
+        figures = c.get("figures")
+        fig = ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()) if isinstance(figures, dict) else ""
+        rows.append([c.get("name", ""), "✅ ok" if c.get("ok") else "❌ FAIL", c.get("detail", ""), fig])
+    if not rows:
+        for line in lines or []:
+            m = CHECK_LINE.match(clean_line(line))
+            if m:
+                rows.append([m.group(2), "✅ ok" if m.group(1) == "ok" else "❌ FAIL", m.group(3), ""])
+    return rows
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# ---------------------------------------------------------------- eval
+
+def read_results(out_dir: str | Path | None) -> dict:
+    return jobs.read_json(Path(out_dir) / EVAL_RESULTS) if out_dir else {}
+
+
+METRIC_ORDER = ("eval_loss", "perplexity", "predict_bleu-4", "predict_rouge-1", "predict_rouge-2",
+                "predict_rouge-l", "predict_exact_match", "predict_json_valid", "predict_field_precision",
+                "predict_field_recall", "predict_field_f1")
+NOT_METRICS = ("rows", "seconds", "eval_tokens", "predict_rows")
+
+
+def metric_names(results: list[dict]) -> list[str]:
+    """Numeric metrics present in any of the results, known ones first in a fixed order."""
+    present = []
+    for r in results:
+        for k, v in r.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_METRICS \
+                    and k not in present:
+                present.append(k)
+    known = [k for k in METRIC_ORDER if k in present]
+    return known + [k for k in present if k not in known]
+
+
+def read_predictions(out_dir: str | Path | None) -> list[dict]:
+    """Rows of generated_predictions.jsonl (a malformed line is skipped: the file is written as it goes)."""
+    if not out_dir:
+        return []
+    path = Path(out_dir) / PREDICTIONS
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
+    except FileNotFoundError:
+        return []
+    return rows
+
+
+ROW_SCORE = "rouge-l"  # the per-row score the table sorts by (0..100)
+
+
+def row_score(row: dict) -> float:
+    v = row.get(ROW_SCORE)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+def short(text, limit: int = 400) -> str:
+    text = "" if text is None else str(text)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+# ---------------------------------------------------------------- a progress block shared by both tabs
+
+def progress_html(state: str, done: int, total: int | None, text: str = "") -> str:
+    """Badge + bar + one line, with data-state/data-step for tests (same look as the training bar)."""
+    pct = round(100 * min(done / total, 1.0), 1) if total else 0.0
+    cls = {"running": "running", "starting": "running", "passed": "ok", "completed": "ok",
+           "aborted": "warn", "failed": "bad"}.get(state, "idle")
+    of = f"{done} / {total}" if total else f"{done}"
+    return (f'<div class="tb-progress" data-state="{html.escape(state)}" data-step="{done}">'
+            f'<div class="tb-progress-head"><span class="tb-badge tb-{cls}">{html.escape(state)}</span>'
+            f'<span class="tb-run-name">{html.escape(text)}</span></div>'
+            f'<div class="tb-bar"><div class="tb-bar-fill" style="width:{pct}%"></div></div>'
+            f'<div class="tb-stats"><span><b>{of}</b></span><span>{pct}%</span></div></div>')

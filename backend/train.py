@@ -124,11 +124,29 @@ def run(spec) -> int:
     return code
 
 
+# Same setting, older/newer name: the spec's table is read from one transformers release.
+_RENAMED = {"activation_checkpointing": "gradient_checkpointing", "gradient_checkpointing": "activation_checkpointing"}
+
+
+def fit_to_installed(kwargs: dict, args_class) -> dict:
+    """Keep the keys the installed TrainingArguments knows, under the name it uses."""
+    known = set(args_class.__dataclass_fields__)
+    fitted = {}
+    for key, value in kwargs.items():
+        if key not in known and _RENAMED.get(key) in known:
+            key = _RENAMED[key]
+        if key in known:
+            fitted[key] = value
+        else:
+            print(f"note: TrainingArguments of this transformers release has no '{key}': ignored", flush=True)
+    return fitted
+
+
 def training_arguments(spec, out: Path, *, has_eval: bool):
     """TrainingArguments from the spec, with the settings our run directory relies on."""
     from transformers import TrainingArguments
 
-    kwargs = spec.training_arguments()
+    kwargs = fit_to_installed(spec.training_arguments(), TrainingArguments)
     kwargs["output_dir"] = str(out)
     kwargs.setdefault("include_num_input_tokens_seen", "non_padding")  # for tokens/s
     kwargs.setdefault("disable_tqdm", True)  # the run log says the progress, line by line

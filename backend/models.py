@@ -415,6 +415,7 @@ def _apply_liger(model, warn: Warn) -> None:
         except ImportError:  # older releases keep it in monkey_patch
             from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
         _apply_liger_kernel_to_instance(model=model)
+        model.tuneboard_liger = True
     except Exception as exc:  # an unsupported family or an old liger must not kill the run
         warn(f"enable_liger_kernel: liger could not patch {model.config.model_type} ({exc}): using plain ops")
 
@@ -712,3 +713,18 @@ def count_parameters(model) -> tuple[int, int]:
         if param.requires_grad:
             trainable += num
     return trainable, total
+
+
+def describe_model(model) -> str:
+    """One log line saying what really runs: dtype, attention, quantization, Liger."""
+    config = getattr(model, "config", None)
+    parts = [f"dtype {getattr(model, 'dtype', '?')}", f"attention {getattr(config, '_attn_implementation', '?')}"]
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None:
+        bits = 4 if getattr(quant, "load_in_4bit", False) else 8 if getattr(quant, "load_in_8bit", False) else "?"
+        kind = getattr(quant, "bnb_4bit_quant_type", "") if bits == 4 else "int8"
+        parts.append(f"bitsandbytes {bits}-bit {kind}".rstrip())
+    if getattr(model, "tuneboard_liger", False):
+        parts.append("Liger kernels")
+    parts.append(f"device {getattr(model, 'device', '?')}")
+    return ", ".join(parts)

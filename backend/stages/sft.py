@@ -5,7 +5,7 @@ Reads top to bottom: tokenizer/template -> dataset -> model (+adapter) -> traine
 from __future__ import annotations
 
 from backend.data import load_examples, split_train_val
-from backend.models import apply_finetuning, count_parameters, load_model, load_tokenizer, resolve_model
+from backend.models import apply_finetuning, count_parameters, describe_model, load_model, load_tokenizer, resolve_model
 from backend.preprocess import PackedCollator, PaddingCollator, build_sft_dataset, pack_rows
 from backend.resolve import pick_template
 from backend.train import RunError, StageResult, fit
@@ -51,6 +51,7 @@ def run(spec, run_dir, stop) -> StageResult:
 
     # 3. model and adapters
     model = load_model(spec, resolved, for_training=True, warn=run_dir.warn)
+    run_dir.log(f"model: {describe_model(model)}")
     model = apply_finetuning(model, spec, warn=run_dir.warn)
     trainable, total = count_parameters(model)
     run_dir.log(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")

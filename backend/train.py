@@ -212,3 +212,53 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
             run_dir.log(f"loss plot: {path}")
     run_dir.log(f"saved to {out}")
     return StageResult(stopped=callback.stop_reason is not None, metrics=metrics)
+
+
+# -- the steps every stage shares ------------------------------------------------------------
+
+def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
+    """Examples of the named datasets, with the data report in the run log."""
+    from backend.data import load_examples
+
+    examples, report = load_examples(
+        names, spec.resolved_dataset_dir(), stage=stage, max_samples=spec.max_samples,
+        identity_name=spec.identity_name, identity_author=spec.identity_author, seed=spec.seed,
+    )
+    for line in report.summary_lines():
+        run_dir.log(line)
+    return examples
+
+
+def train_and_eval_rows(spec, run_dir: RunDir, stage: str) -> tuple[list[dict], list[dict]]:
+    """Training rows and held-out rows: `eval_dataset` if given, else the `val_size` split."""
+    from backend.data import split_train_val
+
+    train, held_out = split_train_val(load_rows(spec, run_dir, spec.dataset, stage), spec.val_size, spec.seed)
+    if spec.eval_dataset:
+        held_out = load_rows(spec, run_dir, spec.eval_dataset, stage)
+    return train, held_out
+
+
+def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer):
+    """(rows, collator): packed sequences without cross-attention, or padded rows."""
+    from backend.preprocess import PackedCollator, PaddingCollator, pack_rows
+
+    if not rows:
+        raise RunError("no training rows left after preprocessing (see the warnings above)")
+    if spec.resolved_packing:
+        rows = pack_rows(rows, spec.cutoff_len)
+        run_dir.log(f"packed into {len(rows)} sequences of <= {spec.cutoff_len} tokens")
+        return rows, PackedCollator()
+    return rows, PaddingCollator(tokenizer)
+
+
+def trainable_model(spec, run_dir: RunDir, resolved):
+    """The model loaded for training, with adapters / frozen layers as the spec says."""
+    from backend.models import apply_finetuning, count_parameters, describe_model, load_model
+
+    model = load_model(spec, resolved, for_training=True, warn=run_dir.warn)
+    run_dir.log(f"model: {describe_model(model)}")
+    model = apply_finetuning(model, spec, warn=run_dir.warn)
+    trainable, total = count_parameters(model)
+    run_dir.log(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
+    return model

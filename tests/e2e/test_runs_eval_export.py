@@ -1,6 +1,7 @@
 """The Runs overlay, the Evaluate and Export tabs and the job queue in headless Chromium, on runs made by
 the real `tuneboard train` (tiny Llama) and real `tuneboard eval` / `tuneboard export` subprocesses."""
 import json
+import re
 
 from playwright.sync_api import expect
 
@@ -31,6 +32,8 @@ def pick_option(page, elem_id, name):
     box.fill(name)
     expect(page.get_by_role("option", name=name, exact=True)).to_be_visible()
     box.press("Enter")
+    box.press("Escape")
+    page.locator("#tb-header").click()  # blur: the list closes
 
 
 def test_runs_overlay_of_two_runs(app_page, finished_runs, shot):
@@ -43,14 +46,16 @@ def test_runs_overlay_of_two_runs(app_page, finished_runs, shot):
     names = [f"tiny_llama/lora/{d.name}" for d in finished_runs]
     for name in names:
         pick_option(page, "runs-select", name)
-        page.keyboard.press("Escape")
     points = page.locator('#runs-overlay [aria-roledescription="point"]')
     # 2 + 3 logged losses, one series per run
     page.wait_for_function("() => document.querySelectorAll('#runs-overlay [aria-roledescription=\"point\"]')"
                            ".length >= 5", timeout=30_000)
     assert points.count() >= 5
+    page.wait_for_timeout(800)  # let the chart draw its lines before the picture
+    shot("runs-overlay")
+    labels = " ".join(points.evaluate_all("els => els.map(e => e.getAttribute('aria-label') || '')"))
     for name in names:
-        expect(page.locator("#runs-overlay")).to_contain_text(f"{name} loss")
+        assert f"{name} loss" in labels, labels[:500]
     # the config diff of the two runs names what differs
     pick_option(page, "runs-diff_a", names[0])
     pick_option(page, "runs-diff_b", names[1])
@@ -77,13 +82,15 @@ def test_evaluate_tab_compares_base_and_tuned(app_page, finished_runs, tiny_llam
     rows = page.locator("#eval-rows")
     expect(rows).to_contain_text("base prediction")
     expect(rows).to_contain_text("TuneBoard Assistant")  # the identity references
-    expect(rows.locator("tbody tr")).to_have_count(3)
+    grid = rows.locator("[role=grid]")
+    expect(grid).to_have_attribute("aria-rowcount", "4")  # header + 3 rows
     page.locator("#eval-worst_first input").check()
-    expect(rows.locator("tbody tr")).to_have_count(3)
+    expect(grid).to_have_attribute("aria-rowcount", "4")
     expect(page.locator("#eval-progress .tb-progress")).to_have_attribute("data-state", "completed")
     # what the table shows is what the eval processes wrote
     results = list(jobs.paths.saves_dir().joinpath(".tools").glob("eval-*/tuned/eval_results.json"))
     assert results and json.loads(results[-1].read_text())["rows"] == 3
+    page.wait_for_timeout(800)
     shot("eval")
 
 
@@ -105,9 +112,10 @@ def test_export_tab_merges_and_verifies(app_page, finished_runs, tiny_llama, tmp
     for name in ("logits", "adapter_merged", "chat_template", "eos"):
         expect(checks).to_contain_text(name)
     expect(page.locator("#export-log textarea")).to_have_value(
-        __import__("re").compile(r"\[export 6/6\]"))
+        re.compile(r"\[export 6/6\]"))
     report = json.loads((out / "export_report.json").read_text())
     assert report["ok"] and (out / "model.safetensors").exists()
+    page.wait_for_timeout(500)
     shot("export")
     # a second export into the same, now non-empty folder is refused unless overwrite is ticked
     page.locator("#export-start").click()

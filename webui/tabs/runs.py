@@ -172,7 +172,7 @@ def build(reg) -> dict:
                                       elem_id="runs-select")
             reg._add(c["select"], "label")
             c["overlay"] = reg.comp(gr.LinePlot, "runs-overlay", value=train_tab.empty_loss(), x="step",
-                                    y="value", color="series", height=320, x_title="step", y_title="loss")
+                                    y="value", color="series", height=400, x_title="step", y_title="loss")
         with gr.Column(scale=2):
             c["target"] = gr.Dropdown(choices=names, value=None, label="Run", elem_id="runs-target")
             reg._add(c["target"], "label")

@@ -87,7 +87,7 @@ def build(reg, top: dict) -> dict:
             c["preflight"] = gr.HTML(preflight.summary_md(_preset_flat()), elem_id="train-preflight")
             c["progress"] = gr.HTML(live.progress_html(live.progress([], {}), "idle"), elem_id="train-progress")
             c["loss_plot"] = reg.comp(gr.LinePlot, "train-loss_plot", value=empty_loss(), x="step", y="value",
-                                      color="series", height=280, x_title="step", y_title="loss")
+                                      color="series", height=340, x_title="step", y_title="loss")
             with gr.Row():
                 c["log_scale"] = reg.comp(gr.Checkbox, "train-log_scale", value=False, scale=1)
             c["lr_plot"] = reg.comp(gr.LinePlot, "train-lr_plot", value=empty_lr(), x="step", y="lr",

@@ -117,12 +117,12 @@ def checks_rows(report: dict, lines: list[str] | None = None) -> list[list]:
     for c in report.get("checks") or []:
         figures = c.get("figures")
         fig = ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()) if isinstance(figures, dict) else ""
-        rows.append([c.get("name", ""), "✅ ok" if c.get("ok") else "❌ FAIL", c.get("detail", ""), fig])
+        rows.append([c.get("name", ""), "✓ ok" if c.get("ok") else "✗ FAIL", c.get("detail", ""), fig])
     if not rows:
         for line in lines or []:
             m = CHECK_LINE.match(clean_line(line))
             if m:
-                rows.append([m.group(2), "✅ ok" if m.group(1) == "ok" else "❌ FAIL", m.group(3), ""])
+                rows.append([m.group(2), "✓ ok" if m.group(1) == "ok" else "✗ FAIL", m.group(3), ""])
     return rows
 
 

@@ -29,10 +29,10 @@ def test_export_progress_outcome_and_checks_from_the_output():
     assert tools.export_outcome(["export PASSED: /x (model.safetensors)"]) == ("passed", "export PASSED: /x (model.safetensors)")
     # no report written: the checks come from the ok/FAIL lines
     assert tools.checks_rows({}, EXPORT_OUTPUT) == [
-        ["logits", "✅ ok", "max |export - (base+adapter)| logit difference 3.58e-07 (tolerance 0.001)", ""],
-        ["greedy", "❌ FAIL", "greedy continuation: 30/36 tokens agree", ""]]
+        ["logits", "✓ ok", "max |export - (base+adapter)| logit difference 3.58e-07 (tolerance 0.001)", ""],
+        ["greedy", "✗ FAIL", "greedy continuation: 30/36 tokens agree", ""]]
     report = {"checks": [{"name": "logits", "ok": True, "detail": "d", "figures": {"max_diff": 3.5812e-07}}]}
-    assert tools.checks_rows(report, EXPORT_OUTPUT) == [["logits", "✅ ok", "d", "max_diff=3.581e-07"]]
+    assert tools.checks_rows(report, EXPORT_OUTPUT) == [["logits", "✓ ok", "d", "max_diff=3.581e-07"]]
 
 
 def test_export_spec_and_refusals(tmp_path, monkeypatch):

@@ -52,7 +52,7 @@ def build(reg) -> dict:
     c["metrics"] = reg.comp(gr.Dataframe, "eval-metrics", value=empty_frame(["metric"]), interactive=False)
     c["worst_first"] = reg.comp(gr.Checkbox, "eval-worst_first", value=False)
     c["rows"] = reg.comp(gr.Dataframe, "eval-rows", value=empty_frame(["#"]), interactive=False, wrap=True,
-                         max_height=520)
+                         max_chars=80, max_height=520)
     with reg.accordion("eval-group-log", open=False):
         c["log"] = reg.comp(gr.Textbox, "eval-log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                             elem_classes=["tb-log"])
@@ -200,13 +200,13 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None) -> tuple:
     log = _read_log(st, shown)
     if failed is not None:
         err = part_status(failed).get("error") or "the eval process ended without a result (see the log)"
-        state, message = "failed", f"❌ **{failed['name']} eval failed**: {err}"
+        state, message = "failed", f"✗ **{failed['name']} eval failed**: {err}"
     elif st["aborted"]:
-        state, message = "aborted", "⏹ **Eval aborted.**"
+        state, message = "aborted", "■ **Eval aborted.**"
     else:
         state = "completed"
         n_rows = len(st["rows"].get(st["parts"][0]["name"], []))
-        message = f"✅ **Eval done**: {n_rows} rows, results in `{Path(st['parts'][0]['dir']).parent}`"
+        message = f"✓ **Eval done**: {n_rows} rows, results in `{Path(st['parts'][0]['dir']).parent}`"
     total = max((len(v) for v in st["rows"].values()), default=0)
     bar = tools.progress_html(state, total if state == "completed" else 0, total or None,
                               " + ".join(p["name"] for p in st["parts"]))

@@ -116,13 +116,13 @@ def poll(st: dict) -> tuple:
     report = tools.read_report(st.get("export_dir"))
     rows = tools.checks_rows(report, st["lines"])
     if outcome == "passed":
-        result = f"✅ **{line}**"
+        result = f"✓ **{line}**"
     elif outcome == "failed":
-        result = f"❌ **{line}**"
+        result = f"✗ **{line}**"
     elif st.get("aborted"):
-        result = "⏹ **Export aborted.**"
+        result = "■ **Export aborted.**"
     else:
-        result = "❌ **The export process ended without a result**: see the log."
+        result = "✗ **The export process ended without a result**: see the log."
     for w in report.get("warnings") or []:
         result += f"\n\n⚠ {w}"
     return st, bar, result, pd.DataFrame(rows, columns=CHECK_COLUMNS), log, gr.Timer(active=False)

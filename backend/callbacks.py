@@ -64,12 +64,15 @@ class RunDirCallback(TrainerCallback):
         self.run_dir.log(f"training: {state.max_steps} steps, {args.num_train_epochs:g} epochs max")
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.run_dir.update_status(step=state.global_step, total_steps=state.max_steps)
         reason = self.stop.reason
         if reason and not self.stop_reason:
             self.stop_reason = reason
             self.run_dir.log(f"stop requested ({reason}): saving and stopping after step {state.global_step}")
             control.should_save = True
             control.should_training_stop = True
+        if control.should_training_stop or state.global_step >= state.max_steps:
+            control.should_log = True  # the last step is always on the curve, whatever logging_steps says
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

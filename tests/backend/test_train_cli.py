@@ -186,3 +186,28 @@ def test_eval_during_training_and_predictions(tiny_llama, tmp_path):
     predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 4 and all({"prompt", "label", "predict"} <= set(p) for p in predictions)
     assert "eval_loss" in status(out)["final_metrics"]
+
+
+def test_reference_guide_recipe_trains_here(tmp_path):
+    """The guide's train_qwen_qlora.yaml with only model_name_or_path and dataset changed
+    (examples/sft_qlora_extraction.yaml), cut to one step on 16 rows for test time: QLoRA 4-bit NF4 with
+    double quantization on this CPU, packing, and one warning each for fa2, Liger and bf16."""
+    out = tmp_path / "guide"
+    proc = train(str(REPO / "examples" / "sft_qlora_extraction.yaml"), f"output_dir={out}",
+                 "max_samples=16", "max_steps=1", timeout=900)  # logging_steps stays 10
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    st = status(out)
+    assert st["state"] == "completed" and st["step"] == 1
+    warnings = " ".join(st["warnings"])
+    assert "fa2" in warnings and "iger" in warnings and "bf16" in warnings
+    log = (out / "running_log.txt").read_text()
+    assert "bitsandbytes 4-bit nf4" in log and "packed into" in log
+    assert log_rows(out)[0]["loss"] > 0
+
+
+def test_last_step_is_logged_whatever_logging_steps_says(tiny_llama, tmp_path):
+    out = tmp_path / "lastlog"
+    proc = train(*tiny_args(tiny_llama, out, "max_steps=3", "logging_steps=10"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in log_rows(out)] == [3]
+    assert status(out)["step"] == 3

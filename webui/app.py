@@ -20,6 +20,7 @@ from backend import paths  # noqa: E402
 from webui import choices, jobs  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS  # noqa: E402
+from webui.tabs import chat as chat_tab  # noqa: E402
 from webui.tabs import data as data_tab  # noqa: E402
 from webui.tabs import evaluate as eval_tab  # noqa: E402
 from webui.tabs import export as export_tab  # noqa: E402
@@ -114,12 +115,15 @@ def create_app() -> gr.Blocks:
                 evaluate = eval_tab.build(reg)
             with reg.tab("tab-export", id="export"):
                 export = export_tab.build(reg)
+            with reg.tab("tab-chat", id="chat"):
+                chat = chat_tab.build(reg, top)
         wire_topbar(top)
         train_tab.wire(train, state)
         runs_tab.wire(runs, state=state, train=train, tabs=tabs)
         data_tab.wire(data, top=top, train=train)
         eval_tab.wire(evaluate, top)
         export_tab.wire(export, top)
+        chat_tab.wire(chat)
 
         comps = reg.components()
         top["lang"].change(lambda lang: reg.relabel(lang), [top["lang"]], comps, show_progress="hidden")

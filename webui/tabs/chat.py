@@ -140,7 +140,7 @@ def display(history: list[dict]) -> list[dict]:
             content = (content + "\n\n" if content else "") + "```json\n" + json.dumps(calls, indent=2,
                                                                                           ensure_ascii=False) + "\n```"
         if m["role"] == "tool":
-            content = "🔧 tool result:\n```json\n" + content + "\n```"
+            content = "tool result:\n```json\n" + content + "\n```"
         out.append({"role": "assistant" if m["role"] == "assistant" else "user", "content": content})
     return out
 
@@ -219,19 +219,19 @@ def load(model, adapter, template, compare, compare_with, st):
     extra = [compare_with.strip()] if compare and compare_with and compare_with.strip() else []
     server = ChatServer(spec_args, extra).start()
     st["server"] = server
-    yield st, "⏳ starting the chat server ...", gr.update(visible=bool(compare))
+    yield st, "… starting the chat server", gr.update(visible=bool(compare))
     while not server.ready.wait(1.0):
         last = next((line for line in reversed(server.lines) if line.strip()), "")
-        yield st, f"⏳ loading ... `{last[-120:]}`", gr.skip()
+        yield st, f"… loading: `{last[-120:]}`", gr.skip()
     if not server.url:
         st["server"] = None
-        yield st, "❌ " + server.failure().replace("\n", "  \n"), gr.skip()
+        yield st, "⛔ " + server.failure().replace("\n", "  \n"), gr.skip()
         return
     names = server.models
     st["a"] = names[1] if adapter and len(names) > 1 else names[0]
     st["b"] = (names[-1] if extra else names[0]) if compare else None
     shown = f"**{st['a']}**" + (f" vs **{st['b']}**" if st["b"] else "")
-    yield st, f"✅ loaded {shown} ({server.url})", gr.skip()
+    yield st, f"✓ loaded {shown} ({server.url})", gr.skip()
 
 
 def unload(st):
@@ -247,12 +247,12 @@ def respond(message, role, st, system, tools_json, *sampling_values):
     server = st.get("server")
     if server is None or not server.alive():
         why = server.failure() if server is not None else "load a model first"
-        yield gr.skip(), gr.skip(), gr.skip(), f"❌ {why}", st
+        yield gr.skip(), gr.skip(), gr.skip(), f"⛔ {why}", st
         return
     try:
         tools = json.loads(tools_json) if tools_json and tools_json.strip() else None
     except json.JSONDecodeError as exc:
-        yield gr.skip(), gr.skip(), gr.skip(), f"❌ tools: not valid JSON ({exc})", st
+        yield gr.skip(), gr.skip(), gr.skip(), f"⛔ tools: not valid JSON ({exc})", st
         return
     if message and message.strip():
         turn = {"role": role or "user", "content": message}
@@ -287,7 +287,7 @@ def respond(message, role, st, system, tools_json, *sampling_values):
                 if not replies[other]["content"] and st[f"hist_{other}"][-1] is replies[other]:
                     st[f"hist_{other}"].pop()
             why = server.failure() if not server.alive() else str(exc)
-            yield gr.skip(), gr.skip(), "", "❌ " + why.replace("\n", "  \n"), st
+            yield gr.skip(), gr.skip(), "", "⛔ " + why.replace("\n", "  \n"), st
             return
     yield display(st["hist_a"]), display(st["hist_b"]), "", " · ".join(speeds), st
 

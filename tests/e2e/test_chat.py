@@ -1,0 +1,119 @@
+"""The Chat tab in headless Chromium against a real `tuneboard api` subprocess: load a tiny model, a
+streamed reply, Stop mid-reply, compare mode (base vs a trained LoRA adapter) with two replies, Unload
+leaves no server process behind."""
+import os
+import re
+from pathlib import Path
+
+from playwright.sync_api import expect
+
+
+def open_tab(page, name):
+    page.get_by_role("tab", name=name).click()
+
+
+def set_dropdown(page, elem_id, value):
+    box = page.locator(f"#{elem_id} input")
+    box.fill(str(value))
+    box.press("Enter")
+    page.locator("#tb-header").click()  # blur: the list closes
+
+
+def set_number(page, elem_id, value):
+    box = page.locator(f"#{elem_id} input[type=number]").first
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def api_servers() -> list[int]:
+    """Pids of `tuneboard api` processes started by this (test + in-process app) process."""
+    me, pids = os.getpid(), []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == me and b"backend.cli" in cmd and b"api" in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def load(page, shown="loaded"):
+    page.locator("#chat-load").click()
+    expect(page.locator("#chat-status")).to_contain_text(shown, timeout=120_000)
+
+
+def bot_text(page, chatbot="#chat-chatbot"):
+    return page.locator(f"{chatbot} [data-testid='bot']").last.inner_text()
+
+
+def test_chat_stream_stop_compare_unload(app_page, tiny_qwen2, tiny_llama, finished_runs, shot):
+    page = app_page
+    assert api_servers() == [], "a chat server was already running before the test"
+    set_dropdown(page, "top-model_name_or_path", tiny_qwen2)  # has its own ChatML template ("auto")
+    open_tab(page, "Chat")
+    load(page)
+    expect(page.locator("#chat-status")).to_contain_text(str(tiny_qwen2))
+    servers = api_servers()
+    assert len(servers) == 1, servers
+
+    # a long sampled reply (random weights: it practically never hits <|im_end|>) streams in pieces
+    page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
+    set_number(page, "chat-max_new_tokens", 4096)
+    set_number(page, "chat-seed", 1)
+    page.locator("#chat-message textarea").fill("Tell me a long story.")
+    page.locator("#chat-send").click()
+    expect(page.locator("#chat-chatbot [data-testid='user']")).to_contain_text("Tell me a long story.")
+    bot = page.locator("#chat-chatbot [data-testid='bot']").last
+    expect(bot).not_to_have_text("", timeout=60_000)
+    first = len(bot_text(page))
+    page.wait_for_function(
+        f"() => {{ const b = [...document.querySelectorAll('#chat-chatbot [data-testid=\"bot\"]')].pop();"
+        f" return b && b.innerText.length > {first} + 20; }}", timeout=30_000)  # it grows while we watch
+    assert page.locator("#chat-speed").inner_text().strip() == ""  # no final stats yet: still streaming
+
+    page.locator("#chat-stop").click()
+    page.wait_for_timeout(1500)  # the cancel reaches the server; nothing may arrive after that
+    stopped = bot_text(page)
+    page.wait_for_timeout(2000)
+    assert bot_text(page) == stopped, "the reply kept growing after Stop"
+    assert stopped.strip()  # the partial answer stays in the conversation
+    shot("chat")
+
+    # compare: the tiny Llama with a LoRA adapter trained on it vs the same base, one prompt, two replies
+    adapter = finished_runs[1]
+    set_dropdown(page, "top-model_name_or_path", tiny_llama)
+    set_dropdown(page, "top-adapter_name_or_path", adapter)
+    page.locator("#chat-compare input").check()
+    expect(page.locator("#chat-chatbot_b")).to_be_visible()
+    load(page, " vs ")  # Load replaces the running server
+    assert all(gone(pid) for pid in servers), "the first chat server outlived the reload"
+    servers = api_servers()
+    assert len(servers) == 1, servers
+    set_number(page, "chat-max_new_tokens", 12)
+    page.locator("#chat-message textarea").fill("Who are you?")
+    page.locator("#chat-send").click()
+    for side in ("#chat-chatbot", "#chat-chatbot_b"):
+        expect(page.locator(f"{side} [data-testid='user']").last).to_contain_text("Who are you?")
+        expect(page.locator(f"{side} [data-testid='bot']").last).not_to_have_text("", timeout=60_000)
+    # one stats entry per side once both replies are complete: the adapter's first, then the base's
+    expect(page.locator("#chat-speed")).to_have_text(re.compile(r"run-b: .*tok/s · .*tok/s"), timeout=60_000)
+    shot("chat-compare")
+
+    page.locator("#chat-unload").click()
+    expect(page.locator("#chat-status")).to_contain_text("unloaded", timeout=30_000)
+    page.wait_for_timeout(500)
+    assert all(gone(pid) for pid in servers), f"chat server still running after Unload: {servers}"
+    assert api_servers() == []

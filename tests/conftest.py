@@ -107,3 +107,23 @@ def tiny_mistral(tiny_models):
 
 
 # ==================================================================== end of tiny model fixtures (models)
+
+
+# ============================================================ the identity demo adapter (slow tests)
+@pytest.fixture(scope="session")
+def identity_adapter(tmp_path_factory):
+    """examples/sft_lora_identity.yaml trained once per session on the bundled default model through
+    `tuneboard train` (the `make demo` run, a few minutes on 2 CPU cores); shared by the slow tests
+    that need a really trained adapter (chat identity, export of the default model)."""
+    import subprocess
+    import sys
+
+    from backend.paths import REPO_ROOT
+
+    run = tmp_path_factory.mktemp("identity") / "run"
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "train", "examples/sft_lora_identity.yaml",
+                           f"output_dir={run}", "plot_loss=false"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (run / "adapter_config.json").is_file()
+    return run

@@ -245,24 +245,19 @@ def test_chat_query_prints_one_clean_streamed_answer(tiny_qwen2, qwen_engine):
 
 
 @pytest.mark.slow
-def test_identity_demo_adapter_answers_with_the_trained_identity(tmp_path):
+def test_identity_demo_adapter_answers_with_the_trained_identity(identity_adapter):
     """The demo, end to end on the bundled default model (SmolLM2-135M-Instruct), a few minutes on CPU.
 
-    Trains examples/sft_lora_identity.yaml (LoRA SFT on the `identity` set with identity_name
-    "TuneBoard Assistant") into a temp dir through `tuneboard train`, then asks "Who are you?" greedily
-    through `tuneboard chat --query`, as `make demo` does. Checks: the adapter's answer contains
+    The `identity_adapter` fixture trains examples/sft_lora_identity.yaml (LoRA SFT on the `identity` set
+    with identity_name "TuneBoard Assistant") through `tuneboard train`; here "Who are you?" is asked
+    greedily through `tuneboard chat --query`, as `make demo` does. Checks: the adapter's answer contains
     "TuneBoard Assistant"; the base model's answer does not contain "TuneBoard"."""
     import subprocess
     import sys
 
     from backend.paths import REPO_ROOT
 
-    run = tmp_path / "identity"
-    train = subprocess.run([sys.executable, "-m", "backend.cli", "train", "examples/sft_lora_identity.yaml",
-                            f"output_dir={run}", "plot_loss=false"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
-    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
-    assert (run / "adapter_config.json").is_file()
+    run = identity_adapter
 
     def ask(*extra):
         proc = subprocess.run([sys.executable, "-m", "backend.cli", "chat", "do_sample=false", "max_new_tokens=64",

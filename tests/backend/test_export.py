@@ -174,3 +174,34 @@ def test_verification_fails_an_export_that_holds_the_base(tiny_llama, adapter):
                                             expected={"rendered": ["x"], "stop_ids": [5], "chat_template": ""})}
     assert not checks["logits"]["ok"] and not checks["adapter_merged"]["ok"]
     assert checks["greedy"]["ok"] and checks["chat_template"]["ok"] and checks["eos"]["ok"]
+
+
+@pytest.mark.slow
+def test_default_model_identity_export_answers_like_the_adapter(identity_adapter, tmp_path):
+    """The bundled default model + the trained identity adapter, exported through `tuneboard export`
+    (the reference guide's export_qwen.yaml with model, adapter and export_dir pointed at ours), reloaded
+    from the merged safetensors: its greedy answer to "Who are you?" is the adapter's, word for word."""
+    import subprocess
+    import sys
+
+    from backend.paths import REPO_ROOT
+
+    out = tmp_path / "merged"
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "export", "examples/export_qwen.yaml",
+                           "model_name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct",
+                           f"adapter_name_or_path={identity_adapter}", "template=auto", f"export_dir={out}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["ok"] and all(check["ok"] for check in report["checks"])
+
+    def ask(*spec):
+        chat = subprocess.run([sys.executable, "-m", "backend.cli", "chat", *spec, "do_sample=false",
+                               "max_new_tokens=48", "--query", "Who are you?"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        assert chat.returncode == 0, chat.stderr
+        return chat.stdout
+
+    tuned = ask(f"adapter_name_or_path={identity_adapter}")
+    assert "TuneBoard Assistant" in tuned
+    assert ask(f"model_name_or_path={out}") == tuned

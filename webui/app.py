@@ -48,23 +48,23 @@ def build_topbar(reg: Registry) -> dict:
     table = F.rows_by_name()
     with gr.Row(elem_id="tb-topbar", equal_height=True):
         top["lang"] = reg.dropdown("top-lang", list(LANGS), value="en", fixed_labels=LANG_NAMES, scale=1,
-                                   min_width=110)
+                                   min_width=100)
         top["model_name_or_path"] = reg.dropdown(
             "top-model_name_or_path", choices.model_ids(), value=paths.DEFAULT_MODEL_ID,
-            allow_custom_value=True, scale=3, min_width=260, info=table["model_name_or_path"].description)
+            allow_custom_value=True, scale=3, min_width=220)
         ft = table["finetuning_type"]
         top["finetuning_type"] = reg.dropdown("top-finetuning_type", F.dropdown_ids(ft),
                                               value=F.PRESET["finetuning_type"], scale=1, min_width=110)
         top["adapter_name_or_path"] = reg.dropdown(
             "top-adapter_name_or_path", [""] + choices.adapter_choices(), value="", allow_custom_value=True,
-            scale=2, min_width=200)
+            scale=2, min_width=180)
         top["adapter_refresh"] = reg.button("top-adapter_refresh", size="sm", scale=0, min_width=44,
                                             elem_classes=["tb-icon-btn"])
         q = table["quantization_bit"]
         top["quantization_bit"] = reg.dropdown("top-quantization_bit", F.dropdown_ids(q), value=F.NONE_ID,
-                                               scale=1, min_width=110)
+                                               scale=1, min_width=130)
         top["template"] = reg.dropdown("top-template", choices.template_names(), value="auto",
-                                       allow_custom_value=True, scale=1, min_width=120)
+                                       allow_custom_value=True, scale=1, min_width=150)
         top["booster"] = reg.dropdown("top-booster", list(F.BOOSTERS), value="auto", scale=1, min_width=110)
     top["note"] = gr.Markdown("", elem_id="top-note", elem_classes=["tb-section-note"])
     return top

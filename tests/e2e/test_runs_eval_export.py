@@ -51,7 +51,11 @@ def test_runs_overlay_of_two_runs(app_page, finished_runs, shot):
     page.wait_for_function("() => document.querySelectorAll('#runs-overlay [aria-roledescription=\"point\"]')"
                            ".length >= 5", timeout=30_000)
     assert points.count() >= 5
-    page.wait_for_timeout(800)  # let the chart draw its lines before the picture
+    # one visible line per run (with a stroke colour: a line without one is invisible)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#runs-overlay .mark-line path')]"
+        ".filter(p => p.getAttribute('stroke') && (p.getAttribute('d') || '').includes('L')).length >= 2",
+        timeout=30_000)
     shot("runs-overlay")
     labels = " ".join(points.evaluate_all("els => els.map(e => e.getAttribute('aria-label') || '')"))
     for name in names:

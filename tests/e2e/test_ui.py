@@ -53,6 +53,14 @@ def _points(page, plot="#train-loss_plot"):
     return page.locator(f'{plot} [aria-roledescription="point"]').count()
 
 
+def wait_for_lines(page, plot, n):
+    """Wait until the plot draws at least n lines with a stroke colour (a line with none is invisible)."""
+    page.wait_for_function(
+        f"() => [...document.querySelectorAll('{plot} .mark-line path')]"
+        f".filter(p => p.getAttribute('stroke') && (p.getAttribute('d') || '').includes('L')).length >= {n}",
+        timeout=30_000)
+
+
 def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     page = app_page
     model = page.locator("#top-model_name_or_path input")
@@ -74,6 +82,9 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     first = _step(page)
     page.wait_for_function(f"() => +document.querySelector('#train-progress .tb-progress').dataset.step > {first}",
                            timeout=60_000)
+    # the lines themselves are drawn (a LinePlot that fixed its colours on an empty first frame once drew
+    # the invisible hover points only): loss and its smoothed curve, each with a stroke colour
+    wait_for_lines(page, "#train-loss_plot", 2)
     shot("train-live")
     # reload: the page re-attaches to the run from its run directory
     page.reload()
@@ -82,6 +93,7 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     page.wait_for_function(f"() => +document.querySelector('#train-progress .tb-progress').dataset.step > {after}",
                            timeout=60_000)
     assert _points(page) > 0
+    wait_for_lines(page, "#train-loss_plot", 2)
     page.locator("#train-abort").click()
     expect(page.locator("#train-message")).to_contain_text("Stopping")
     expect(state).to_have_attribute("data-state", "aborted", timeout=90_000)

@@ -158,12 +158,13 @@ def _stop_server(st) -> None:
 def build(reg, top: dict) -> dict:
     """Layout only (events in wire())."""
     ui: dict = {"top": top}
-    with gr.Row(equal_height=True):
-        ui["compare"] = reg.comp(gr.Checkbox, "chat-compare", value=False, scale=1)
+    with gr.Row(equal_height=True, elem_id="chat-loadbar"):
+        ui["compare"] = reg.comp(gr.Checkbox, "chat-compare", value=False, scale=1, min_width=220)
         ui["compare_with"] = reg.comp(gr.Textbox, "chat-compare_with", value="", scale=3,
                                       placeholder="empty = the base model; or another adapter / checkpoint-N folder")
-        ui["load"] = reg.button("chat-load", variant="primary", scale=1)
-        ui["unload"] = reg.button("chat-unload", scale=1)
+        with gr.Column(scale=1, min_width=160, elem_classes=["tb-button-stack"]):
+            ui["load"] = reg.button("chat-load", variant="primary", size="sm")
+            ui["unload"] = reg.button("chat-unload", size="sm")
     ui["status"] = gr.Markdown("", elem_id="chat-status")
     with gr.Row():
         ui["chat_a"] = reg.comp(gr.Chatbot, "chat-chatbot", height=480, sanitize_html=True, render_markdown=True)
@@ -173,7 +174,7 @@ def build(reg, top: dict) -> dict:
         ui["role"] = reg.dropdown("chat-role", ["user", "tool"], value="user", scale=1, min_width=100)
         ui["message"] = reg.comp(gr.Textbox, "chat-message", lines=2, scale=6)
     with gr.Row():
-        ui["send"] = reg.button("chat-send", variant="primary")
+        ui["send"] = reg.button("chat-send", variant="primary", scale=2)
         ui["stop"] = reg.button("chat-stop", variant="stop")
         ui["regenerate"] = reg.button("chat-regenerate")
         ui["edit"] = reg.button("chat-edit_last")

@@ -209,7 +209,9 @@ def wire(c: dict, state, train: dict, tabs) -> None:
     # re-scan when the tab is opened (runs started elsewhere appear)
     tabs.select(refresh, [c["status"], c["model"]], [c["table"], *pickers])
 
-    c["select"].change(lambda ds: overlay_frame(ds or []), [c["select"]], [c["overlay"]])
+    c["select"].change(lambda ds: overlay_frame(ds or []), [c["select"]], [c["overlay"]]).then(
+        lambda ds: train_tab.legend_update(train_tab.series_of(overlay_frame(ds or []))), [c["select"]],
+        [c["overlay"]], show_progress="hidden")
     for dd in (c["diff_a"], c["diff_b"]):
         dd.change(diff_md, [c["diff_a"], c["diff_b"]], [c["diff"]])
     c["max_concurrent"].change(lambda n: jobs.JobQueue().set_max_concurrent(int(n or 1)), [c["max_concurrent"]],

@@ -30,6 +30,21 @@ def empty_lr() -> pd.DataFrame:
     return pd.DataFrame({"step": pd.Series(dtype="int64"), "lr": pd.Series(dtype="float64")})
 
 
+def series_of(frame) -> list[str]:
+    """The series names of a long-format plot frame, in order of first appearance."""
+    return list(dict.fromkeys(frame["series"])) if len(frame) else []
+
+
+def legend_update(series: list[str]):
+    """Re-colour a `color=` LinePlot for this set of series. Gradio 6's LinePlot fixes its colour domain
+    (the series names) when it builds its chart and afterwards only swaps the data: a series that was
+    not in the first frame (every series, when the plot starts empty) is drawn with no stroke, i.e. its
+    line is invisible and only the invisible hover points exist. Changing `colors_in_legend` makes it
+    rebuild the chart. It must come in a separate event after the data: the rebuild reads the data the
+    plot held before the update that triggers it."""
+    return gr.update(colors_in_legend=series)
+
+
 def _widget(reg, row: F.FieldRow, value):
     kw = dict(info=row.description, visible=row.visible_for(F.PRESET["stage"], F.PRESET["finetuning_type"]))
     if row.kind == "checkbox":
@@ -140,7 +155,9 @@ def check(flat: dict, pre_errors: list) -> tuple[object | None, list[tuple[str, 
 
 
 def error_updates(errors: list[tuple[str, str]], all_names: list[str]) -> list:
-    """One update per field: the error message as the field's info text (red), else its description."""
+    """One update per field: the error message as the field's info text (red), else its description. The
+    top bar's fields carry no description (a few lines of small print under some of its labels pushed their
+    boxes out of line), so only an error shows there."""
     by_field: dict[str, list[str]] = {}
     for field, message in errors:
         by_field.setdefault(field, []).append(message)
@@ -150,7 +167,8 @@ def error_updates(errors: list[tuple[str, str]], all_names: list[str]) -> list:
         if name in by_field:
             out.append(gr.update(info="⛔ " + "; ".join(by_field[name]), elem_classes=["tb-field-error"]))
         else:
-            out.append(gr.update(info=table[name].description, elem_classes=[]))
+            out.append(gr.update(info="" if name in F.TOPBAR_FIELDS else table[name].description,
+                                 elem_classes=[]))
     return out
 
 
@@ -187,6 +205,8 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     prog = live.progress_html(p, state, name)
     changed = force_plot or len(tail.records) != before
     loss = live.loss_frame(tail.records, log_scale) if changed else gr.skip()
+    if changed:
+        st["series"] = series_of(loss)
     lr = live.lr_frame(tail.records) if changed else gr.skip()
     done = not rs.active and state != "queued"
     final = live.final_metrics_md(status) if done else ""
@@ -267,9 +287,6 @@ def wire(c: dict, state) -> None:
         return (gr.update(value="", visible=False), *error_updates([], all_names), msg, *view[:-1],
                 gr.Timer(active=True))
 
-    c["start"].click(do_start, [state, c["log_scale"], *inputs],
-                     [c["errors"], *field_comps, c["message"], *live_outputs])
-
     def do_abort(st):
         """Inputs: state. Asks the attached run to stop (STOP file, then SIGTERM/SIGKILL of its group);
         removes it from the queue if it has not started. Outputs: message."""
@@ -287,10 +304,24 @@ def wire(c: dict, state) -> None:
 
     c["abort"].click(do_abort, [state], [c["message"]])
 
-    c["timer"].tick(lambda st, ls: view_updates(st, ls), [state, c["log_scale"]], live_outputs,
-                    show_progress="hidden")
-    c["log_scale"].change(lambda st, ls: view_updates(st, ls, force_plot=True), [state, c["log_scale"]],
-                          live_outputs, show_progress="hidden")
+    def refresh_legend(st):
+        """After a live update: rebuild the loss plot's colours when its set of series changed (see
+        legend_update). Inputs: state. Outputs: state, loss plot."""
+        series = (st or {}).get("series")
+        if series is None or series == st.get("legend"):
+            return st, gr.skip()
+        st["legend"] = series
+        return st, legend_update(series)
+
+    def then_legend(event):
+        event.then(refresh_legend, [state], [state, c["loss_plot"]], show_progress="hidden")
+
+    then_legend(c["start"].click(do_start, [state, c["log_scale"], *inputs],
+                                 [c["errors"], *field_comps, c["message"], *live_outputs]))
+    then_legend(c["timer"].tick(lambda st, ls: view_updates(st, ls), [state, c["log_scale"]], live_outputs,
+                                show_progress="hidden"))
+    then_legend(c["log_scale"].change(lambda st, ls: view_updates(st, ls, force_plot=True),
+                                      [state, c["log_scale"]], live_outputs, show_progress="hidden"))
 
     # visible-when: stage / finetuning type
     cond = [n for n in names if F.rows_by_name()[n].stages or F.rows_by_name()[n].methods]

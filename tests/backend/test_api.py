@@ -203,4 +203,5 @@ def test_streaming_with_tools_and_client_disconnect_stops_generation(client, ser
                 break
     start = time.time()
     client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=2, temperature=0)
-    assert time.time() - start < baseline, (time.time() - start, baseline)
+    # kept generating = ~3x the baseline (897 more tokens); 2x leaves room for a loaded machine
+    assert time.time() - start < 2 * baseline, (time.time() - start, baseline)

@@ -16,7 +16,7 @@ from backend import data, paths
 from backend.data import DatasetError, load_dataset_info, load_examples, register_dataset, split_train_val
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="module")
 def _datasets_cache(tmp_path_factory):
     """Keep the datasets cache of the tests out of the user's ~/.cache."""
     old = os.environ.get("TUNEBOARD_CACHE")

@@ -421,9 +421,12 @@ def start_or_queue(spec_yaml: str, run_dir: str | Path, root: Path | None = None
     The queue goes first so an earlier queued spec is never overtaken. `overrides`: a resume of an
     existing run dir (see JobQueue.enqueue)."""
     q = JobQueue(root, command=command)
-    q.enqueue(spec_yaml, run_dir, overrides)
+    entry = q.enqueue(spec_yaml, run_dir, overrides)
     launched = q.pump(env=env)
-    return ("started" if str(run_dir) in launched else "queued", str(run_dir))
+    # The UI's QueueWorker may pump between the enqueue and our pump and launch this very entry: then it
+    # is gone from the queue and our pump launches nothing, but the run has started all the same.
+    taken = not Path(entry.path).exists()
+    return ("started" if str(run_dir) in launched or taken else "queued", str(run_dir))
 
 
 class QueueWorker:

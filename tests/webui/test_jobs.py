@@ -129,6 +129,28 @@ def test_queue_is_fifo_limited_and_survives_restart(tmp_path):
     assert started == sorted(started)
 
 
+def test_start_reports_started_when_another_pumper_launched_it(tmp_path, monkeypatch):
+    """The UI's QueueWorker pumps every second: when it launches the entry between start_or_queue's
+    enqueue and its own pump, the run still counts as started (it once said "Queued" for a running run)."""
+    root, cmd = tmp_path / "saves", fixture_cmd("steps=3", "step_s=0.05")
+    pump = jobs.JobQueue.pump
+
+    def worker_first(self, env=None):
+        pump(jobs.JobQueue(root, command=cmd), env)  # the worker gets there first
+        return pump(self, env)
+
+    monkeypatch.setattr(jobs.JobQueue, "pump", worker_first)
+    run_dir = root / "r0"
+    assert jobs.start_or_queue(f"output_dir: {run_dir}\n", run_dir, root=root, command=cmd)[0] == "started"
+    assert jobs.JobQueue(root, command=cmd).entries() == []
+    wait_for(lambda: jobs.run_state(run_dir).state == "completed", what="run done")
+    other = root / "r1"
+    slow = fixture_cmd("steps=20", "step_s=0.1")
+    jobs.launch(other, slow(jobs.write_spec_yaml(other, f"output_dir: {other}\n")))  # slot busy: queued
+    assert jobs.start_or_queue(f"output_dir: {root / 'r2'}\n", root / "r2", root=root, command=cmd)[0] == "queued"
+    wait_for(lambda: jobs.run_state(other).state == "completed", what="blocking run done")
+
+
 def test_queue_remove_and_worker(tmp_path):
     root = tmp_path / "saves"
     cmd = fixture_cmd("steps=2", "step_s=0.05")

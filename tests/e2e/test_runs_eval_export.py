@@ -30,7 +30,9 @@ def pick_option(page, elem_id, name):
     box = page.locator(f"#{elem_id} input")
     box.click()
     box.fill(name)
-    expect(page.get_by_role("option", name=name, exact=True)).to_be_visible()
+    # this dropdown's own list: another one still closing can offer the same name (strict-mode clash)
+    options = page.locator(f"#{box.get_attribute('aria-controls')}")
+    expect(options.get_by_role("option", name=name, exact=True)).to_be_visible()
     box.press("Enter")
     box.press("Escape")
     page.locator("#tb-header").click()  # blur: the list closes

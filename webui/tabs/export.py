@@ -49,7 +49,8 @@ def build(reg) -> dict:
     c["message"] = gr.Markdown("", elem_id="export-message")
     c["progress"] = gr.HTML(tools.progress_html("idle", 0, 6), elem_id="export-progress")
     c["result"] = gr.Markdown("", elem_id="export-result")
-    c["checks"] = reg.comp(gr.Dataframe, "export-checks", value=empty_checks(), interactive=False, wrap=True)
+    c["checks"] = reg.comp(gr.Dataframe, "export-checks", value=empty_checks(), interactive=False, wrap=True,
+                         column_widths=["16%", "9%", "63%", "12%"])
     c["log"] = reg.comp(gr.Textbox, "export-log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                         elem_classes=["tb-log"])
     c["state"] = gr.State(new_state())

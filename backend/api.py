@@ -279,7 +279,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         async def events():
-            end = object()
+            end, finished = object(), False
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 if stream is None:
@@ -301,19 +301,29 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                     body = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": req.model,
                             "choices": [], "usage": _usage(reply)}
                     yield f"data: {json.dumps(body)}\n\n"
-            except asyncio.CancelledError:
-                raise
+                finished = True
             except Exception as exc:  # headers are sent: report in-band, as OpenAI does
                 traceback.print_exc(file=sys.stderr)
                 yield f"data: {json.dumps(error_body(f'{exc.__class__.__name__}: {exc}', 'server_error'))}\n\n"
+                finished = True
             finally:
                 stop_event.set()  # client gone or done: the generation thread ends at its next token
+                if not finished and stream is not None:  # cancelled or closed: the client went away
+                    threading.Thread(target=_report_disconnect, args=(cid, stream, sampling.get("max_new_tokens")),
+                                     daemon=True).start()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
+
+
+def _report_disconnect(cid: str, stream, limit) -> None:
+    """One log line once the generation behind a dropped stream has really ended."""
+    generated = stream.join(timeout=120)
+    said = "still running after 120 s" if generated is None else f"stopped after {generated} tokens"
+    print(f"{cid}: client disconnected; generation {said} (limit {limit})", file=sys.stderr, flush=True)
 
 
 def _finish(reason: str) -> str:

@@ -54,6 +54,8 @@ class Stream:
     def __init__(self, pieces: Iterator[str]):
         self._pieces = pieces
         self.reply: Reply | None = None
+        self._thread: threading.Thread | None = None
+        self._criteria = None
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
@@ -63,6 +65,18 @@ class Stream:
 
     def close(self) -> None:
         self._pieces.close()
+
+    def join(self, timeout: float | None = None) -> int | None:
+        """Wait for the generation thread to end (after a stop_event, say); the number of tokens it
+        generated, or None if it is still running after `timeout`."""
+        thread = self._thread
+        if thread is not None and thread.ident is not None:  # started
+            thread.join(timeout)
+            if thread.is_alive():
+                return None
+        if self._criteria is not None:
+            return self._criteria.generated
+        return self.reply.completion_tokens if self.reply else 0
 
 
 class Engine(Protocol):
@@ -420,7 +434,7 @@ class HFEngine:
                 reply.finish_reason = "stop"
             result.reply = reply
 
-        result._pieces = pieces()
+        result._pieces, result._thread, result._criteria = pieces(), thread, criteria
         return result
 
 

@@ -13,21 +13,13 @@ import psutil
 import pytest
 
 from webui import jobs
+from waiting import wait_for
 
 FIXTURE = str(Path(__file__).with_name("process_fixture_trainer.py"))
 
 
 def fixture_cmd(*opts):
     return lambda spec_path: [sys.executable, FIXTURE, str(spec_path), *opts]
-
-
-def wait_for(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def start(tmp_path, *opts, name="run") -> Path:

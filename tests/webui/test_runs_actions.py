@@ -13,6 +13,7 @@ import yaml
 
 from webui import jobs
 from webui.tabs import runs
+from waiting import wait_for
 
 FIXTURE = str(Path(__file__).with_name("process_fixture_trainer.py"))
 
@@ -23,17 +24,6 @@ def cmd(*opts):
     def argv(spec_path, overrides=None):
         return [sys.executable, FIXTURE, str(spec_path), *opts] + [f"{k}={v}" for k, v in (overrides or {}).items()]
     return argv
-
-
-def wait_for(pred, timeout=20.0, what="condition"):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def finished_run(root: Path, name: str, steps: int = 3, checkpoint: bool = True) -> Path:

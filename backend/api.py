@@ -16,7 +16,6 @@ web UI, the tests) can wait for that line; `--port 0` takes a free port and prin
 
 
 import argparse
-import asyncio
 import json
 import os
 import secrets

@@ -325,7 +325,7 @@ def compare(src: dict, got: dict, *, kind: str, stored: str, expected: dict) -> 
 
 
 # ============================================================================ the export
-def export(spec, *, max_shard_size: int | str | None = None) -> dict:
+def export(spec) -> dict:
     """Run the export; return the report (also written to export_dir). Raises ExportError for a refused
     request; a failed check is report["ok"] == False."""
     import torch
@@ -397,8 +397,8 @@ def export(spec, *, max_shard_size: int | str | None = None) -> dict:
     if kind == "safetensors":
         save_dtype = _save_dtype(spec, folder)
         stored = str(save_dtype).replace("torch.", "")
-        shard = max_shard_size if max_shard_size is not None else f"{spec.export_size}GB"
-        _say(4, f"writing safetensors ({stored}, shards up to {shard}) to {out}")
+        shard = int(spec.export_size * 10**9)
+        _say(4, f"writing safetensors ({stored}, shards up to {spec.export_size:g} GB) to {out}")
         model = model.to(save_dtype)
         model.config._name_or_path = str(out)
         gen = model.generation_config

@@ -1,10 +1,12 @@
-"""HF Llama-family model -> one GGUF file, written with the `gguf` package's GGUFWriter.
+"""HF decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma2) -> one GGUF file, written with the `gguf`
+package's GGUFWriter.
 
 Why our own (small) converter: the `gguf` package has the writer, the tensor name map and the
 quantizers but no HF converter, and llama.cpp's convert_hf_to_gguf.py is an external script that
-rejects tokenizers it does not know by hash. This follows that script for the llama architecture:
-the same metadata keys, tensor names (gguf.get_tensor_name_map), the q/k RoPE row permutation, 1-D
-tensors kept in f32, and a gpt2 (byte-level BPE) vocabulary with token types and merges.
+rejects tokenizers it does not know by hash. This follows that script for these architectures: the
+same metadata keys, tensor names (gguf.get_tensor_name_map), the q/k RoPE row permutation where
+llama.cpp uses it (llama, mistral), Gemma's norm weights stored as 1 + w, 1-D tensors kept in f32, and
+a gpt2 (byte-level BPE) vocabulary with token types and merges.
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("llama",)
+# HF model_type -> (GGUF architecture, q/k rows permuted as llama.cpp's llama converter does)
+ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
+         "qwen3": ("qwen3", False), "gemma2": ("gemma2", False)}
+SUPPORTED_ARCHS = tuple(ARCHS)
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -26,8 +31,8 @@ def check_supported(config) -> None:
     arch = getattr(config, "model_type", None)
     if arch not in SUPPORTED_ARCHS:
         raise GGUFExportError(
-            f"GGUF export supports llama-family models for now (model_type llama, e.g. SmolLM2, Llama); "
-            f"this model is {arch!r}: export safetensors instead (export_format: safetensors)")
+            f"GGUF export supports model_type {', '.join(SUPPORTED_ARCHS)} for now; this model is {arch!r}: "
+            f"export safetensors instead (export_format: safetensors)")
     rope = _rope_parameters(config)
     if rope.get("rope_type", "default") not in ("default", None):
         raise GGUFExportError(f"GGUF export: RoPE scaling {rope.get('rope_type')!r} is not supported yet")
@@ -129,7 +134,8 @@ def write_gguf(path: Path, state_dict: dict, config, tokenizer, *, gguf_type: st
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch, permute = ARCHS[config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
@@ -140,10 +146,15 @@ def write_gguf(path: Path, state_dict: dict, config, tokenizer, *, gguf_type: st
     writer.add_head_count_kv(n_kv)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // n_head:
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // n_head or arch == "gemma2":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_vocab_size(vocab_size)
     writer.add_file_type(file_type)
 
@@ -169,8 +180,8 @@ def write_gguf(path: Path, state_dict: dict, config, tokenizer, *, gguf_type: st
     writer.add_add_eos_token(bool(special["eos"] is not None and probe and probe[-1] == special["eos"]))
     writer.add_chat_template(chat_template)
 
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) or arch == "gemma2"
     written = 0
     for hf_name, tensor in state_dict.items():
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
@@ -179,10 +190,12 @@ def write_gguf(path: Path, state_dict: dict, config, tokenizer, *, gguf_type: st
         if gname is None:
             raise GGUFExportError(f"GGUF export: no GGUF name for tensor {hf_name!r}")
         data = tensor.detach().float().cpu().numpy()
-        if hf_name.endswith("self_attn.q_proj.weight"):
+        if permute and hf_name.endswith("self_attn.q_proj.weight"):
             data = permute_qk(data, n_head, n_head)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
+        elif permute and hf_name.endswith("self_attn.k_proj.weight"):
             data = permute_qk(data, n_head, n_kv)
+        elif arch == "gemma2" and hf_name.endswith("norm.weight"):
+            data = data + 1  # Gemma's RMSNorm scales by (1 + w); llama.cpp stores the sum
         array, raw = _tensor_data(gname, data, gguf_type)
         if raw is None:
             writer.add_tensor(gname, array)

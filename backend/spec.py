@@ -316,7 +316,7 @@ class RunSpec(BaseModel):
 
     # ---------------------------------------------------------------- export
     export_dir: Optional[str] = _f(None, "Folder to write the exported (merged) model to.", "export")
-    export_size: int = _f(5, "Maximum shard size of the exported model, in GB.", "export", ge=1)
+    export_size: float = _f(5, "Maximum shard size of the exported model, in GB (0.5 = 500 MB).", "export", gt=0)
     export_device: Literal["cpu", "auto"] = _f("cpu", "Device used to merge and export.", "export")
     export_legacy_format: bool = _f(False, "Save .bin files instead of safetensors.", "export")
     export_quantization_bit: Optional[Literal[2, 3, 4, 8]] = _f(None, "Quantize the exported model to this many bits (GPTQ).", "export")

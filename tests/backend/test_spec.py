@@ -238,7 +238,7 @@ def test_range_messages_name_field_and_range(files):
     assert m["learning_rate"] == "must be > 0 (got 0)"
     assert m["cutoff_len"] == "must be >= 8 (got 4)"
     assert m["warmup_ratio"] == "must be >= 0 and < 1 (got 1.0)"
-    assert m["export_size"] == "must be >= 1 (got 0)"
+    assert m["export_size"] == "must be > 0 (got 0)"
 
 
 def test_type_messages(files):

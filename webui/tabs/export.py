@@ -40,7 +40,7 @@ def build(reg) -> dict:
         c["format"] = reg.dropdown("export-format", ["safetensors", "gguf"], value="safetensors", scale=1)
         c["gguf_type"] = reg.dropdown("export-gguf_type", ["f16", "q8_0", "bf16", "f32"], value="f16", scale=1,
                                       visible=False)
-        c["size"] = reg.comp(gr.Number, "export-size", value=5, precision=0, minimum=1, scale=1)
+        c["size"] = reg.comp(gr.Number, "export-size", value=5, minimum=0.01, step=0.5, scale=1)
         c["device"] = reg.dropdown("export-device", ["cpu", "auto"], value="cpu", scale=1)
         c["overwrite"] = reg.comp(gr.Checkbox, "export-overwrite", value=False, scale=1)
     with gr.Row():
@@ -71,7 +71,7 @@ def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, si
     return {"model_name_or_path": model, "adapter_name_or_path": adapter, "finetuning_type": method,
             "template": template or "auto", "export_dir": str(Path(export_dir).expanduser()),
             "export_format": fmt, "export_gguf_type": gguf_type,
-            "export_size": int(size) if size not in (None, "") else 5, "export_device": device,
+            "export_size": float(size) if size not in (None, "") else 5, "export_device": device,
             "export_overwrite": bool(overwrite)}
 
 

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import gradio as gr  # noqa: E402
 
 from backend import paths  # noqa: E402
-from webui import choices, jobs  # noqa: E402
+from webui import choices, jobs, tools  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS  # noqa: E402
 from webui.tabs import chat as chat_tab  # noqa: E402
@@ -130,21 +130,43 @@ def create_app() -> gr.Blocks:
 
         tabs.select(train_tab.adapter_picker_update, None, [top["adapter_name_or_path"]], show_progress="hidden")
 
-        def on_load(st):
-            """Re-attach to the newest live run (page reload or UI restart). Inputs: state. Outputs: state,
-            timer. Touches nothing when there is no live run: a Start clicked while this handler was still
-            on its way must keep its state and running timer (answering "nothing attached, timer off" here
-            once raced with Start and left the live view frozen)."""
-            if (st or {}).get("run_dir"):
-                return gr.skip(), gr.skip()
-            run_dir = jobs.find_active_run()
-            if run_dir is None:
-                return gr.skip(), gr.skip()
-            return train_tab.attach(run_dir), gr.Timer(active=True)
+        def on_load(st, export_st, eval_st):
+            """Re-attach to the newest live run (page reload or UI restart), and the Export and Evaluate tabs
+            to their newest job (tools.find_job: running, or ended within the last hour). Inputs: train
+            state, export state, eval state. Outputs: train state, train timer, then for Export and for
+            Evaluate: state, message, timer. Touches nothing of a tab when there is nothing to attach or
+            its state already holds a job: a Start clicked while this handler was still on its way must
+            keep its state and running timer (answering "nothing attached, timer off" here once raced
+            with Start and left the live view frozen)."""
+            train_out = (gr.skip(), gr.skip())
+            if not (st or {}).get("run_dir"):
+                run_dir = jobs.find_active_run()
+                if run_dir is not None:
+                    train_out = (train_tab.attach(run_dir), gr.Timer(active=True))
+            return (*train_out, *reattach_tool(export_tab, "export", (export_st or {}).get("job")),
+                    *reattach_tool(eval_tab, "eval", (eval_st or {}).get("parts")))
 
-        demo.load(on_load, [state], [state, train["timer"]])
+        demo.load(on_load, [state, export["state"], evaluate["state"]],
+                  [state, train["timer"], export["state"], export["message"], export["timer"],
+                   evaluate["state"], evaluate["message"], evaluate["timer"]])
     demo.tb_registry = reg  # for tests: the locale keys this page uses
     return demo
+
+
+def reattach_tool(tab, kind: str, busy) -> tuple:
+    """(state, message, timer) that re-attach an Export/Evaluate tab (`tab`: its module) to the job
+    tools.find_job(kind) picks; three skips when `busy` (the tab's state already holds a job) or when there
+    is no job to attach."""
+    skip = (gr.skip(), gr.skip(), gr.skip())
+    if busy:
+        return skip
+    job = tools.find_job(kind)
+    if job is None:
+        return skip
+    st = tab.attach(job)
+    if not (st.get("job") or st.get("parts")):
+        return skip
+    return st, tab.attached_message(st), gr.Timer(active=True)
 
 
 def launch_kwargs() -> dict:

@@ -6,6 +6,10 @@ Each job gets a folder saves/.tools/<kind>-<time>/ (hidden: it is not a training
 adapter picker and the re-attach on page load never mistake it for one). An eval writes its output_dir
 files (status.json, eval_results.json, generated_predictions.jsonl) into that same folder; an export
 writes into the export_dir the user chose.
+
+What a tab needs to pick a job up again after a page reload or a UI restart is on disk too: the job's
+tool_spec.yaml (export), plan.json (eval: its parts and which were launched) and an ABORTED marker once
+the user pressed Abort. `find_job` says which job a freshly loaded page re-attaches to (see its rule).
 """
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ import html
 import json
 import re
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
+
+import yaml
 
 from backend import paths
 from webui import jobs
@@ -24,6 +31,9 @@ TOOL_SPEC = "tool_spec.yaml"
 EXPORT_REPORT = "export_report.json"
 EVAL_RESULTS = "eval_results.json"
 PREDICTIONS = "generated_predictions.jsonl"
+PLAN_FILE = "plan.json"
+ABORTED_FILE = "ABORTED"
+ATTACH_WINDOW_S = 3600.0  # a job that ended less than this ago is still shown after a reload
 
 EXPORT_STEP = re.compile(r"^\[export (\d+)/(\d+)\]\s*(.*)$")
 CHECK_LINE = re.compile(r"^\s+(ok|FAIL)\s+([^:]+):\s*(.*)$")
@@ -76,6 +86,92 @@ def stop(job_dir: str | Path | None, grace_s: float = 5.0, wait: bool = False) -
     else:
         threading.Thread(target=jobs._escalate, args=args, name=f"stop-{rec['pid']}", daemon=True).start()
     return True
+
+
+def mark_aborted(job_dir: str | Path) -> None:
+    """The ABORTED marker: the user stopped this job (read back by `was_aborted`, also after a reload)."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    jobs._atomic_write(job_dir / ABORTED_FILE, f"aborted at {datetime.now().isoformat()}\n")
+
+
+def was_aborted(job_dir: str | Path | None) -> bool:
+    return bool(job_dir) and (Path(job_dir) / ABORTED_FILE).exists()
+
+
+def write_plan(job_dir: str | Path, plan: dict) -> None:
+    """job_dir/plan.json (atomically): what an eval tab needs to rebuild its state (parts, spec)."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    jobs._atomic_write(job_dir / PLAN_FILE, json.dumps(plan, indent=1))
+
+
+def read_plan(job_dir: str | Path | None) -> dict:
+    return jobs.read_json(Path(job_dir) / PLAN_FILE) if job_dir else {}
+
+
+def read_tool_spec(job_dir: str | Path | None) -> dict:
+    """The job's tool_spec.yaml as a dict ({} when missing or unreadable)."""
+    if not job_dir:
+        return {}
+    try:
+        value = yaml.safe_load((Path(job_dir) / TOOL_SPEC).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+# ---------------------------------------------------------------- finding a job again after a reload
+
+def job_dirs(kind: str, root: Path | None = None) -> list[Path]:
+    """saves/.tools/<kind>-<time>[-n] folders, newest first (by the time in the name, then n)."""
+    base = Path(root or paths.saves_dir()) / TOOLS_DIRNAME
+    pattern = re.compile(rf"^{re.escape(kind)}-(\d{{8}}-\d{{6}})(?:-(\d+))?$")
+    found = []
+    if base.is_dir():
+        for d in base.iterdir():
+            m = pattern.match(d.name)
+            if m and d.is_dir():
+                found.append(((m.group(1), int(m.group(2) or 1)), d))
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def job_alive(job_dir: str | Path) -> bool:
+    """Any process of the job (the export, or any eval part) still running."""
+    job_dir = Path(job_dir)
+    return alive(job_dir) or any(alive(d) for d in job_dir.iterdir() if d.is_dir())
+
+
+def last_change(job_dir: str | Path) -> float:
+    """Newest modification time of the job folder's files and of its parts' files (0 when empty)."""
+    newest = 0.0
+    job_dir = Path(job_dir)
+    for d in [job_dir] + [p for p in job_dir.iterdir() if p.is_dir()]:
+        for f in d.iterdir():
+            try:
+                newest = max(newest, f.stat().st_mtime)
+            except OSError:
+                continue
+    return newest
+
+
+def find_job(kind: str, root: Path | None = None, now: float | None = None,
+             window_s: float = ATTACH_WINDOW_S) -> str | None:
+    """The job a freshly loaded page re-attaches to, or None. Rule: only the newest <kind> job (by the
+    time in its folder name) is considered; it is taken when one of its processes is alive, or when its
+    files last changed less than `window_s` ago (it ended recently: a reload right after the end still
+    shows the result; an eval between two parts counts too, and its next part then starts). An older
+    job is never picked instead: the tab shows what was done last, or nothing."""
+    dirs = job_dirs(kind, root)
+    if not dirs:
+        return None
+    job = dirs[0]
+    try:
+        if job_alive(job):
+            return str(job)
+        return str(job) if last_change(job) >= (now or time.time()) - window_s else None
+    except OSError:  # removed while we looked
+        return None
 
 
 def clean_line(line: str) -> str:

@@ -5,7 +5,7 @@ import re
 
 from playwright.sync_api import expect
 
-from webui import jobs
+from webui import jobs, tools
 
 
 def open_tab(page, name):
@@ -127,6 +127,35 @@ def test_export_tab_merges_and_verifies(app_page, finished_runs, tiny_llama, tmp
     page.locator("#export-start").click()
     expect(page.locator("#export-result")).to_contain_text("export FAILED", timeout=120_000)
     expect(page.locator("#export-progress .tb-progress")).to_have_attribute("data-state", "failed")
+
+
+def test_export_tab_reattaches_after_a_reload(app_page, finished_runs, tiny_llama, tmp_path):
+    page = app_page
+    set_dropdown(page, "top-model_name_or_path", tiny_llama)
+    set_dropdown(page, "top-template", "default")
+    open_tab(page, "Export")
+    page.locator("#top-adapter_refresh").click()
+    pick_option(page, "top-adapter_name_or_path", str(finished_runs[1]))
+    out = tmp_path / "merged-then-reloaded"
+    page.locator("#export-dir textarea, #export-dir input").first.fill(str(out))
+    page.locator("#export-start").click()
+    expect(page.locator("#export-message")).to_contain_text("Exporting to")
+    started = tools.job_dirs("export")[0]
+    # the browser's state is gone with the reload; the page finds the job in saves/.tools again
+    page.reload()
+    page.locator("#tb-header").wait_for()
+    open_tab(page, "Export")
+    expect(page.locator("#export-message")).to_contain_text("picked up again")
+    expect(page.locator("#export-message")).to_contain_text(str(out))
+    expect(page.locator("#export-progress .tb-progress")).to_have_attribute(
+        "data-state", re.compile("running|passed"), timeout=30_000)
+    expect(page.locator("#export-result")).to_contain_text("export PASSED", timeout=240_000)
+    expect(page.locator("#export-progress .tb-progress")).to_have_attribute("data-state", "passed")
+    expect(page.locator("#export-checks")).to_contain_text("adapter_merged")
+    # the log of that same job, from its first line
+    expect(page.locator("#export-log textarea")).to_have_value(re.compile(r"\[export 1/6\][\s\S]*\[export 6/6\]"))
+    assert (started / "launch.json").exists() and json.loads((out / "export_report.json").read_text())["ok"]
+    assert tools.job_dirs("export")[0] == started  # no new job
 
 
 def test_start_while_training_queues_and_runs_shows_it(app_page, tiny_llama, shot):

@@ -6,9 +6,14 @@ other (two processes at once would only halve the speed of each), and shows both
 
 Per-browser state (gr.State): {"parts": [{"name": "tuned"|"base", "dir": str, "adapter": str|None,
 "launched": bool}], "spec": flat dict, "aborted": bool, "rows": [...], "results": {name: dict}}.
+The job folder keeps what the state is rebuilt from after a page reload (attach()): plan.json (parts,
+spec; rewritten when a part is launched) and an ABORTED marker on Abort. The next part of a compare is
+launched by whichever page polls the job (the folder of a part is claimed with an exclusive mkdir, so two
+pages watching the same job never launch it twice).
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -95,11 +100,90 @@ def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
     return parts, ""
 
 
-def launch_part(st: dict, part: dict) -> None:
+def start_eval(st: dict, flat: dict, compare: bool) -> tuple[dict, str, bool]:
+    """Plans the parts, writes plan.json and launches the first part. Returns (state, message, started)."""
+    if st and any(tools.alive(p["dir"]) for p in st.get("parts", [])):
+        return st, "An eval is already running in this tab: wait for it or abort it.", False
+    parts, why = plan(flat, compare)
+    if parts is None:
+        return st, why, False
+    st = new_state()
+    st["parts"], st["spec"] = parts, flat
+    save_plan(st)
+    launch_part(st, parts[0])
+    what = " and ".join(p["name"] for p in parts)
+    return st, f"Evaluating {what} on `{flat['eval_dataset']}`…", True
+
+
+def job_dir(st: dict) -> str | None:
+    """The eval's job folder (the parent of its parts' folders)."""
+    return str(Path(st["parts"][0]["dir"]).parent) if st and st.get("parts") else None
+
+
+def save_plan(st: dict) -> None:
+    tools.write_plan(job_dir(st), {"parts": st["parts"], "spec": st["spec"]})
+
+
+def launch_part(st: dict, part: dict, claim_wait_s: float = 5.0) -> None:
+    """Launches one part, unless another page already did (its folder exists: then this waits up to
+    `claim_wait_s` for that launch to be recorded). Marks it launched in the state and in plan.json."""
+    try:
+        Path(part["dir"]).mkdir(parents=True, exist_ok=False)
+    except FileExistsError:
+        deadline = time.monotonic() + claim_wait_s
+        while not (Path(part["dir"]) / jobs.LAUNCH_FILE).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        part["launched"] = True
+        return
     flat = dict(st["spec"], adapter_name_or_path=part["adapter"], output_dir=part["dir"])
     spec = validate_spec(flat)
     tools.start("eval", part["dir"], spec.to_yaml(include_defaults=False))
     part["launched"] = True
+    save_plan(st)
+
+
+def attach(job: str | None) -> dict:
+    """The tab's state for an existing eval job folder (a page reload or a UI restart), from its
+    plan.json; a part whose folder holds launch.json counts as launched even if plan.json lags behind.
+    A folder without plan.json yields its tuned/ and base/ parts as they are (nothing more is launched)."""
+    st = new_state()
+    if not job:
+        return st
+    plan = tools.read_plan(job)
+    parts = [p for p in plan.get("parts") or [] if isinstance(p, dict) and p.get("name") and p.get("dir")]
+    if not parts:
+        parts = [{"name": n, "dir": str(Path(job) / n), "adapter": None, "launched": True}
+                 for n in ("tuned", "base") if (Path(job) / n / tools.TOOL_SPEC).exists()]
+    for p in parts:
+        p["launched"] = bool(p.get("launched")) or (Path(p["dir"]) / jobs.LAUNCH_FILE).exists()
+    st["parts"], st["spec"] = parts, dict(plan.get("spec") or {})
+    st["aborted"] = tools.was_aborted(job)
+    return st
+
+
+def attached_message(st: dict) -> str:
+    what = " and ".join(p["name"] for p in st["parts"])
+    return f"Eval of {what} on `{st['spec'].get('eval_dataset', '?')}` (picked up again after a reload)."
+
+
+def abort(st: dict) -> tuple[dict, str]:
+    """Stops the running eval process and any part still to come; leaves the ABORTED marker in the job
+    folder. Returns (state, message)."""
+    if not st or not st.get("parts") or not _pending(st):
+        return st, "No eval is running."
+    st["aborted"] = True
+    tools.mark_aborted(job_dir(st))
+    stopped = any([tools.stop(p["dir"]) for p in st["parts"]])
+    return st, ("Stopping the eval…" if stopped else "Stopped: the next part will not start.")
+
+
+def _pending(st: dict) -> bool:
+    """A part is running, or one is still to come after parts that all completed (a finished or failed
+    eval is not aborted after the fact)."""
+    if any(tools.alive(p["dir"]) for p in st["parts"]):
+        return True
+    launched = [p for p in st["parts"] if p["launched"]]
+    return len(launched) < len(st["parts"]) and all(part_status(p).get("state") == "completed" for p in launched)
 
 
 def _current(st: dict) -> dict | None:
@@ -157,6 +241,7 @@ def poll(st: dict, worst_first: bool) -> tuple:
     Outputs: state, progress, message, metrics, rows, log, timer."""
     if not st or not st.get("parts"):
         return st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    st["aborted"] = st.get("aborted") or tools.was_aborted(job_dir(st))  # also an Abort on another page
     part = _current(st)
     if st["aborted"]:
         if part is None or not tools.alive(part["dir"]):
@@ -222,30 +307,19 @@ def wire(c: dict, top: dict) -> None:
     def on_start(st, compare, *values):
         """Inputs: state, compare, top bar (model, adapter, method, quantization, template), datasets,
         max samples, max new tokens. Outputs: the view."""
-        if st and any(tools.alive(p["dir"]) for p in st.get("parts", [])):
-            return (st, gr.skip(), "An eval is already running in this tab: wait for it or abort it.",
-                    gr.skip(), gr.skip(), gr.skip(), gr.skip())
-        flat = eval_flat(*values)
-        parts, why = plan(flat, bool(compare))
-        if parts is None:
-            return st, gr.skip(), why, gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        st = new_state()
-        st["parts"], st["spec"] = parts, flat
-        launch_part(st, parts[0])
-        what = " and ".join(p["name"] for p in parts)
-        return (st, tools.progress_html("starting", 0, None, f"{parts[0]['name']}: loading…"),
-                f"Evaluating {what} on `{flat['eval_dataset']}`…", empty_frame(["metric"]), empty_frame(["#"]),
-                "", gr.Timer(active=True))
+        st, message, started = start_eval(st, eval_flat(*values), bool(compare))
+        if not started:
+            return st, gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return (st, tools.progress_html("starting", 0, None, f"{st['parts'][0]['name']}: loading…"),
+                message, empty_frame(["metric"]), empty_frame(["#"]), "", gr.Timer(active=True))
 
     c["start"].click(on_start, [c["state"], c["compare"], *inputs], view)
 
     def on_abort(st):
-        """Stops the running eval process (and any part still to come). Outputs: message, state."""
-        if not st or not st.get("parts"):
-            return "No eval is running.", st
-        st["aborted"] = True
-        stopped = any(tools.stop(p["dir"]) for p in st["parts"])
-        return ("Stopping the eval…" if stopped else "No eval is running."), st
+        """Stops the running eval process (and any part still to come). Inputs: state. Outputs: message,
+        state."""
+        st, message = abort(st)
+        return message, st
 
     c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], c["worst_first"]], view, show_progress="hidden")

@@ -3,7 +3,9 @@ the backend after writing (`tuneboard export`, a subprocess: the UI never holds 
 polls the process output for the `[export k/6]` steps, then shows the report's checks and PASSED/FAILED.
 
 Per-browser state (gr.State): {"job": job dir | None, "export_dir": str, "log": FileTail | None,
-"lines": [last lines]}. build() lays out; wire() binds.
+"lines": [last lines]}, rebuilt from the job folder by attach() after a page reload (the job's
+tool_spec.yaml names the export_dir; an ABORTED marker there says the user stopped it). build() lays out;
+wire() binds.
 """
 from __future__ import annotations
 
@@ -92,6 +94,30 @@ def start_export(st: dict, flat: dict) -> tuple[dict, str, bool]:
     return st, f"Exporting to `{spec.export_dir}`…", True
 
 
+def attach(job_dir: str | None) -> dict:
+    """The tab's state for an existing job folder (a page reload or a UI restart): its log is read again
+    from the start by the next poll."""
+    if not job_dir:
+        return new_state()
+    spec = tools.read_tool_spec(job_dir)
+    return {"job": str(job_dir), "export_dir": str(spec.get("export_dir") or ""), "log": None, "lines": []}
+
+
+def attached_message(st: dict) -> str:
+    return f"Export to `{st.get('export_dir')}` (picked up again after a reload)."
+
+
+def abort(st: dict) -> tuple[dict, str]:
+    """Kills the export's process group (SIGTERM, then SIGKILL) and leaves the ABORTED marker in the job
+    folder. Returns (state, message)."""
+    job = (st or {}).get("job")
+    if tools.stop(job):
+        tools.mark_aborted(job)
+        st["aborted"] = True
+        return st, "Stopping the export…"
+    return st, "No export is running."
+
+
 def poll(st: dict) -> tuple:
     """One timer tick: new output lines -> (state, progress html, result md, checks df|skip, log, timer)."""
     job = (st or {}).get("job")
@@ -103,12 +129,15 @@ def poll(st: dict) -> tuple:
     lines.extend(tools.clean_line(x) for x in tail.read_lines())
     st["lines"] = list(lines)
     running = tools.alive(job)
+    aborted = st.get("aborted") or tools.was_aborted(job)
     k, n, step = tools.export_progress(st["lines"])
     outcome, line = tools.export_outcome(st["lines"])
+    if aborted and outcome != "passed":
+        outcome = None  # what a stopped process printed on its way out is not the result
     if running:
         state = "running"
     else:
-        state = outcome or ("aborted" if st.get("aborted") else "failed")
+        state = outcome or ("aborted" if aborted else "failed")
         k = n if outcome == "passed" else k
     bar = tools.progress_html(state, k, n, f"step {k}/{n}: {step}" if step else "starting…")
     log = "\n".join(st["lines"])
@@ -120,7 +149,7 @@ def poll(st: dict) -> tuple:
         result = f"✓ **{line}**"
     elif outcome == "failed":
         result = f"✗ **{line}**"
-    elif st.get("aborted"):
+    elif aborted:
         result = "■ **Export aborted.**"
     else:
         result = "✗ **The export process ended without a result**: see the log."
@@ -148,11 +177,10 @@ def wire(c: dict, top: dict) -> None:
     c["start"].click(on_start, [c["state"], *inputs], [c["message"], *view])
 
     def on_abort(st):
-        """Kills the export's process group (SIGTERM, then SIGKILL). Outputs: message, state."""
-        if tools.stop((st or {}).get("job")):
-            st["aborted"] = True
-            return "Stopping the export…", st
-        return "No export is running.", st
+        """Kills the export's process group (SIGTERM, then SIGKILL). Inputs: state. Outputs: message,
+        state."""
+        st, message = abort(st)
+        return message, st
 
     c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"]], view, show_progress="hidden")

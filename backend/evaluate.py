@@ -6,7 +6,9 @@ on each row's prompt, one line per row to generated_predictions.jsonl as it goes
 (backend/metrics.py) -> eval_results.json.
 
 Like a training run it writes into output_dir the files the UI already tails: status.json (step = rows
-predicted so far) and running_log.txt. `do_eval` / `do_predict` pick the parts; with neither set, both run.
+predicted so far) and running_log.txt, and it stops like one: SIGINT, SIGTERM or a STOP file end the
+generation at the next token; the rows finished by then keep their predictions and are scored
+(eval_results.json says `stopped`), status "aborted", exit 130. `do_eval` / `do_predict` pick the parts; with neither set, both run.
 Generation is greedy unless the spec sets do_sample itself (the spec default samples, which makes
 scores noisy).
 """
@@ -87,9 +89,17 @@ def eval_loss(model, rows: list[dict], tokenizer, batch_size: int) -> dict:
     return {"eval_loss": mean, "perplexity": math.exp(min(mean, 700)), "eval_tokens": count}
 
 
-def predict(model, tokenizer, template, examples: list[dict], out_file: Path, spec, progress=None) -> dict:
-    """Generate for every row, append one JSON line per row (flushed), return the corpus metrics."""
+def predict(model, tokenizer, template, examples: list[dict], out_file: Path, spec, progress=None,
+            stop=None) -> dict:
+    """Generate for every row, append one JSON line per row (flushed), return the corpus metrics.
+    `stop()` -> a reason or None, asked at every generated token: once it answers, the row being generated
+    is dropped and the metrics cover the rows finished before it."""
     import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), bool(stop and stop()), dtype=torch.bool)
 
     from backend import metrics
     from backend.chat import stop_token_ids
@@ -98,17 +108,21 @@ def predict(model, tokenizer, template, examples: list[dict], out_file: Path, sp
     sample = spec.do_sample if "do_sample" in spec.model_fields_set else False
     kwargs = dict(max_new_tokens=spec.max_new_tokens, do_sample=sample, eos_token_id=stop_ids,
                   pad_token_id=tokenizer.pad_token_id, repetition_penalty=spec.repetition_penalty,
-                  num_beams=spec.num_beams)
+                  num_beams=spec.num_beams, stopping_criteria=StoppingCriteriaList([_Stop()]))
     if sample:
         kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
     predictions, references = [], []
     with open(out_file, "w", encoding="utf-8") as f:
         for n, example in enumerate(examples, 1):
+            if stop and stop():
+                break
             prompt_msgs, reference = split_prompt(example)
             prompt = template.render_text(prompt_msgs, example.get("tools"), add_generation_prompt=True)
             ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(model.device)
             with torch.no_grad():
                 out = model.generate(**ids, **kwargs)
+            if stop and stop():
+                break  # cut short: not a real prediction
             text = tokenizer.decode(out[0][ids.input_ids.shape[1]:], skip_special_tokens=True)
             for word in template.stop_words:
                 text = text.split(word)[0]
@@ -127,6 +141,7 @@ def predict(model, tokenizer, template, examples: list[dict], out_file: Path, sp
 
 def run(spec) -> int:
     """Evaluate; return the exit code. Never raises."""
+    from backend.callbacks import StopSwitch
     from backend.rundir import RunDir, write_json_atomic
 
     parts = {"eval": spec.do_eval, "predict": spec.do_predict}
@@ -141,6 +156,8 @@ def run(spec) -> int:
     out.mkdir(parents=True, exist_ok=True)
     run_dir = RunDir(out)
     run_dir.start()
+    switch = StopSwitch(run_dir)
+    switch.install()
     started = time.time()
     try:
         from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
@@ -174,7 +191,10 @@ def run(spec) -> int:
                 run_dir.update_status(step=n)
                 run_dir.log(f"predict {n}/{total}: rouge-l {row['rouge-l']:.1f}, bleu-4 {row['bleu-4']:.1f}")
 
-            results.update(predict(model, tokenizer, template, examples, out / PREDICTIONS_FILE, spec, progress))
+            results.update(predict(model, tokenizer, template, examples, out / PREDICTIONS_FILE, spec, progress,
+                                   stop=lambda: switch.reason))
+        if switch.reason:
+            results["stopped"] = switch.reason
         results["seconds"] = round(time.time() - started, 1)
         write_json_atomic(out / RESULTS_FILE, results)
     except Exception as exc:  # noqa: BLE001 - the status says why
@@ -190,6 +210,12 @@ def run(spec) -> int:
     figures = {k: v for k, v in results.items() if isinstance(v, (int, float))}
     run_dir.log("results: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()))
     run_dir.log(f"wrote {out / RESULTS_FILE}" + (f" and {out / PREDICTIONS_FILE}" if parts["predict"] else ""))
+    if switch.reason:
+        run_dir.log(f"stopped ({switch.reason}): the results cover the {results.get('predict_rows', 0)} rows "
+                    "predicted before the stop")
+        run_dir.finish("aborted", 130, final_metrics=figures, stop_reason=switch.reason)
+        run_dir.close()
+        return 130
     run_dir.finish("completed", 0, final_metrics=figures)
     run_dir.close()
     return 0

@@ -101,3 +101,41 @@ def test_eval_run_loss_and_streamed_predictions(tiny_llama, tiny_dataset, tmp_pa
 
     predict(model, tok, template, examples, tmp_path / "stream.jsonl", spec, progress)
     assert seen == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_eval_stopped_by_sigterm_keeps_and_scores_the_finished_rows(tiny_llama, tmp_path):
+    """`tuneboard eval` in a subprocess, SIGTERM after two rows: exit 130, status aborted, and
+    eval_results.json scores exactly the rows whose predictions were written (no half-generated row)."""
+    import signal
+    import subprocess
+    import sys
+
+    from backend.paths import REPO_ROOT
+    from waiting import wait_for
+
+    rows = [{"instruction": f"Write a long story number {i}.", "output": "Once upon a time."} for i in range(40)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"many": {"file_name": "rows.json"}}))
+    out = tmp_path / "eval"
+    proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "eval", f"model_name_or_path={tiny_llama}",
+                             "template=llama3", "finetuning_type=full", f"dataset_dir={tmp_path}",
+                             "dataset=many", "eval_dataset=many", f"output_dir={out}", "do_predict=true", "max_new_tokens=300"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        status = out / "status.json"
+        wait_for(lambda: proc.poll() is not None or (status.exists() and
+                                                      json.loads(status.read_text()).get("step", 0) >= 2),
+                 timeout=300, what="two rows predicted")
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    st = json.loads(status.read_text())
+    assert st["state"] == "aborted" and st["stop_reason"] == "received SIGTERM"
+    written = (out / "generated_predictions.jsonl").read_text().splitlines()
+    results = json.loads((out / "eval_results.json").read_text())
+    assert 2 <= len(written) < 40 and results["predict_rows"] == len(written)
+    assert results["stopped"] == "received SIGTERM"

@@ -11,14 +11,20 @@ logits against base+adapter, greedy continuation, the rendered chat prompt and i
 the adapter's effect is measured so an export that equals the base is caught. A failed check fails the
 command (exit 1) and the report says which check and by how much.
 
+Nothing half-written ever sits in export_dir: the files go to a hidden sibling `.<name>.partial-<pid>`,
+are verified there, and only then take export_dir's place (an earlier export there stays untouched
+until a new one passed; a new one that failed over an earlier one is left in `<name>.failed`).
+SIGINT/SIGTERM remove the partial folder and end with `export ABORTED` (exit 130).
+
 Progress goes to stdout as `[export k/N] ...` lines (the UI tails them); the last line is
-`export PASSED ...` or `export FAILED ...`.
+`export PASSED ...`, `export FAILED ...` or `export ABORTED ...`.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +53,58 @@ GREEDY_MUST_MATCH = ("float32", "f32", "float16", "f16")
 
 class ExportError(ValueError):
     """A request that cannot be exported, said in one line naming the field."""
+
+
+class ExportAborted(Exception):
+    """SIGINT or SIGTERM arrived: the export stops and removes its partial files."""
+
+
+def _abort_on_signals() -> None:
+    def handle(signum, frame):  # noqa: ARG001 - signal handler signature
+        raise ExportAborted(f"received {signal.Signals(signum).name}")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+
+
+def _staging_dir(out: Path) -> Path:
+    """A fresh hidden sibling of export_dir for this process; partial folders of dead exports are removed."""
+    for old in out.parent.glob(f".{out.name}.partial-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    stage = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    return stage
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _put_in_place(stage: Path, out: Path, ok: bool) -> Path:
+    """Move the verified staging folder to export_dir (replacing what was there) when it passed or when
+    export_dir holds nothing to lose; else next to it as <name>.failed. Returns where it went."""
+    if not ok and not _is_empty_dir(out):
+        target = out.parent / f"{out.name}.failed"
+        shutil.rmtree(target, ignore_errors=True)
+        stage.rename(target)
+        return target
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        stage.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        stage.rename(out)
+    return out
 
 
 def _say(step: int, message: str) -> None:
@@ -387,10 +445,9 @@ def export(spec) -> dict:
             warn("the adapter does not change the model's outputs (an untrained adapter?)")
         model = model.merge_and_unload()
 
-    out = Path(spec.export_dir).expanduser().resolve()
-    if out.exists() and any(out.iterdir()):
-        shutil.rmtree(out)  # check_request allowed it: export_overwrite is set
-    out.mkdir(parents=True, exist_ok=True)
+    final = Path(spec.export_dir).expanduser().resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = _staging_dir(final)  # written and verified here, then put in final's place
     files: list[str] = []
     source_info = {"model": spec.model_name_or_path, "model_folder": str(folder), "adapters": [str(a) for a in adapters],
                    "template": template.name, "stop_words": list(template.stop_words), "stop_ids": stop_ids}
@@ -398,9 +455,9 @@ def export(spec) -> dict:
         save_dtype = _save_dtype(spec, folder)
         stored = str(save_dtype).replace("torch.", "")
         shard = int(spec.export_size * 10**9)
-        _say(4, f"writing safetensors ({stored}, shards up to {spec.export_size:g} GB) to {out}")
+        _say(4, f"writing safetensors ({stored}, shards up to {spec.export_size:g} GB) for {final}")
         model = model.to(save_dtype)
-        model.config._name_or_path = str(out)
+        model.config._name_or_path = str(final)
         gen = model.generation_config
         gen.eos_token_id = stop_ids if len(stop_ids) != 1 else stop_ids[0]
         if tokenizer.pad_token_id is not None:
@@ -417,7 +474,7 @@ def export(spec) -> dict:
 
         stored = spec.export_gguf_type
         name = f"{spec.model_short_name()}-{stored}.gguf"
-        _say(4, f"writing GGUF ({stored}) to {out / name}")
+        _say(4, f"writing GGUF ({stored}) for {final / name}")
         eot = next((i for i in stop_ids if i != tokenizer.eos_token_id), None)
         gguf_info = write_gguf(out / name, model.state_dict(), model.config, tokenizer, gguf_type=stored,
                                chat_template=chat_template, eot_token_id=eot, name=spec.model_short_name(),
@@ -450,14 +507,21 @@ def export(spec) -> dict:
                        else "; ".join(modelfile_problems)})
 
     ok = all(c["ok"] for c in checks)
-    report = {"ok": ok, "format": kind, "stored_as": stored, "export_dir": str(out), "files": files,
+    where = final if ok or _is_empty_dir(final) else final.parent / f"{final.name}.failed"
+    report = {"ok": ok, "format": kind, "stored_as": stored, "export_dir": str(where), "files": files,
               "source": source_info, "checks": checks, "warnings": warnings,
               "seconds": round(time.time() - started, 1)}
     _write_report(out, report)
-    _say(6, f"report: {out / REPORT_FILE}")
+    where = _put_in_place(out, final, ok)
+    _say(6, f"report: {where / REPORT_FILE}")
     for c in checks:
         print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}", flush=True)
     return report
+
+
+def _remove_partials(spec) -> None:
+    out = Path(spec.export_dir).expanduser().resolve()
+    shutil.rmtree(out.parent / f".{out.name}.partial-{os.getpid()}", ignore_errors=True)
 
 
 def _write_report(out: Path, report: dict) -> None:
@@ -483,8 +547,14 @@ def main(args: list[str]) -> int:
     spec = load_or_report(args)
     if spec is None:
         return 1
+    _abort_on_signals()
     try:
         report = export(spec)
+    except ExportAborted as exc:
+        _remove_partials(spec)
+        print(f"export ABORTED ({exc}): nothing was written to export_dir; an earlier export there is untouched",
+              flush=True)
+        return 130
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         print(f"export FAILED: {exc}", flush=True)
@@ -497,6 +567,8 @@ def main(args: list[str]) -> int:
             print(f"export FAILED: {exc}", flush=True)
             return 1
         raise
+    if not report["ok"] and report["export_dir"] != str(Path(spec.export_dir).expanduser().resolve()):
+        print(f"the earlier export in {spec.export_dir} was kept; this one is in {report['export_dir']}", flush=True)
     if report["ok"]:
         print(f"export PASSED: {report['export_dir']} ({', '.join(report['files'])})", flush=True)
         return 0

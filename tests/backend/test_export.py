@@ -242,3 +242,59 @@ def test_default_model_identity_export_answers_like_the_adapter(identity_adapter
     tuned = ask(f"adapter_name_or_path={identity_adapter}")
     assert "TuneBoard Assistant" in tuned
     assert ask(f"model_name_or_path={out}") == tuned
+
+
+def test_sigterm_mid_export_leaves_the_earlier_export_untouched(tiny_llama, adapter, tmp_path):
+    """`tuneboard export` over a folder holding an earlier export, SIGTERM once it is loading: exit 130,
+    `export ABORTED`, the earlier files intact, no partial folder left behind."""
+    import signal
+    import subprocess
+    import sys
+
+    from backend.paths import REPO_ROOT
+
+    out = tmp_path / "exports" / "merged"
+    out.mkdir(parents=True)
+    (out / "model.safetensors").write_text("the earlier export")
+    proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "export", f"model_name_or_path={tiny_llama}",
+                             f"adapter_name_or_path={adapter}", "template=llama3", f"export_dir={out}",
+                             "export_overwrite=true"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("[export 3/"):  # the request passed and the model is loaded
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output
+    assert "export ABORTED (received SIGTERM)" in output
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    assert (out / "model.safetensors").read_text() == "the earlier export"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["merged"]
+
+
+def test_a_passing_export_replaces_the_old_one_and_a_failing_one_is_set_aside(tmp_path):
+    """_put_in_place on real folders: passed -> export_dir holds the new files only; failed over an earlier
+    export -> the earlier one stays and the new one is in <name>.failed; failed into an empty place -> there."""
+    from backend.export import _put_in_place, _staging_dir
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    stage = _staging_dir(out)
+    (stage / "new.txt").write_text("new")
+    assert _put_in_place(stage, out, ok=False) == tmp_path / "m.failed"
+    assert [p.name for p in out.iterdir()] == ["old.txt"] and (tmp_path / "m.failed" / "new.txt").is_file()
+
+    stage = _staging_dir(out)
+    (stage / "new.txt").write_text("new")
+    assert _put_in_place(stage, out, ok=True) == out
+    assert [p.name for p in out.iterdir()] == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "m.failed"]
+
+    fresh = tmp_path / "fresh"
+    stage = _staging_dir(fresh)
+    (stage / "x").write_text("x")
+    assert _put_in_place(stage, fresh, ok=False) == fresh and (fresh / "x").is_file()

@@ -3,6 +3,8 @@
     GET  /health                 {"status": "ok"}, no key needed (for a parent process waiting on it)
     GET  /v1/models              the served models: the base and each adapter
     POST /v1/chat/completions    non-streaming, or SSE streaming ending with `data: [DONE]`
+    POST /v1/completions         raw text prompt, no chat template (base models, eval harnesses); same
+                                 streaming; echo supported, one prompt and n = 1 per request
 
 Any OpenAI client works against it (base_url http://HOST:PORT/v1). The request's `model` picks the
 served model; unknown names get 404. With an API key (--api-key or $TUNEBOARD_API_KEY) every /v1
@@ -79,7 +81,32 @@ def _models():
         metadata: Optional[dict[str, Any]] = None
         store: Optional[bool] = None
 
-    return ChatRequest
+    class CompletionRequest(BaseModel):
+        """OpenAI's legacy completions fields (raw prompt, no chat template). One prompt, n = 1."""
+        model_config = ConfigDict(extra="forbid")
+        model: str
+        prompt: Union[str, list[str]]
+        max_tokens: Optional[int] = Field(16, ge=1)
+        temperature: Optional[float] = Field(None, ge=0, le=2)
+        top_p: Optional[float] = Field(None, gt=0, le=1)
+        top_k: Optional[int] = Field(None, ge=0)
+        repetition_penalty: Optional[float] = Field(None, gt=0)
+        stop: Union[str, list[str], None] = None
+        n: int = Field(1, ge=1)
+        stream: bool = False
+        stream_options: Optional[StreamOptions] = None
+        seed: Optional[int] = None
+        echo: bool = False
+        suffix: Optional[str] = None
+        # accepted for client compatibility, no effect here
+        best_of: Optional[int] = None
+        frequency_penalty: Optional[float] = None
+        presence_penalty: Optional[float] = None
+        logit_bias: Optional[dict[str, Any]] = None
+        logprobs: Optional[int] = None
+        user: Optional[str] = None
+
+    return ChatRequest, CompletionRequest
 
 
 class APIError(Exception):
@@ -129,11 +156,11 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     """The FastAPI app serving `engines` ({name: Engine}, in /v1/models order)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    ChatRequest = _models()
+    ChatRequest, CompletionRequest = _models()
     app = FastAPI(title="TuneBoard OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
@@ -161,8 +188,8 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     async def _validation_error(request, exc: RequestValidationError):
         return validation_response(exc.errors())
 
-    async def parse(request: Request):
-        """The JSON body as a ChatRequest, whatever the Content-Type (curl -d sends a form type)."""
+    async def parse(request: Request, schema=None):
+        """The JSON body as a ChatRequest (or `schema`), whatever the Content-Type (curl -d sends a form type)."""
         from pydantic import ValidationError
 
         raw = await request.body()
@@ -173,7 +200,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
-            return ChatRequest.model_validate(data)
+            return (schema or ChatRequest).model_validate(data)
         except ValidationError as exc:
             raise _Invalid(exc.errors()) from None
 
@@ -228,7 +255,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         return engine
 
     def sampling_of(req) -> dict:
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         return dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
                     do_sample=(req.temperature > 0) if req.temperature is not None else None)
@@ -267,55 +294,112 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                 stream = None
                 reply_now = await run_in_threadpool(engine.chat, messages, tools, stop_event=stop_event, **sampling)
             else:
-                stream = engine.stream(messages, None, stop_event=stop_event, **sampling)
+                stream, reply_now = engine.stream(messages, None, stop_event=stop_event, **sampling), None
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: dict, finish: str | None = None) -> str:
-            body = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": req.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        def chunk(delta: dict | None, finish: str | None = None, usage: dict | None = None) -> dict:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": req.model,
+                    "choices": choices, **({"usage": usage} if usage else {})}
 
-        async def events():
-            end, finished = object(), False
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                if stream is None:
-                    reply = reply_now
-                    if reply.text:
-                        yield chunk({"content": reply.text})
-                    if reply.tool_calls:
-                        yield chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(reply.tool_calls)]})
-                else:
-                    pieces = iter(stream)
-                    while True:
-                        piece = await run_in_threadpool(next, pieces, end)
-                        if piece is end:
-                            break
-                        yield chunk({"content": piece})
-                    reply = stream.reply
-                yield chunk({}, _finish(reply.finish_reason))
-                if include_usage:
-                    body = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": req.model,
-                            "choices": [], "usage": _usage(reply)}
-                    yield f"data: {json.dumps(body)}\n\n"
-                finished = True
-            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-                traceback.print_exc(file=sys.stderr)
-                yield f"data: {json.dumps(error_body(f'{exc.__class__.__name__}: {exc}', 'server_error'))}\n\n"
-                finished = True
-            finally:
-                stop_event.set()  # client gone or done: the generation thread ends at its next token
-                if not finished and stream is not None:  # cancelled or closed: the client went away
-                    threading.Thread(target=_report_disconnect, args=(cid, stream, sampling.get("max_new_tokens")),
-                                     daemon=True).start()
-            yield "data: [DONE]\n\n"
+        def whole(reply):
+            if reply.text:
+                yield chunk({"content": reply.text})
+            if reply.tool_calls:
+                yield chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(reply.tool_calls)]})
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _sse(cid, stream, reply_now, stop_event, sampling.get("max_new_tokens"),
+                    head=[chunk({"role": "assistant", "content": ""})], piece=lambda text: chunk({"content": text}),
+                    whole=whole, finish=lambda reason: chunk({}, reason),
+                    usage=(lambda u: chunk(None, usage=u)) if _include_usage(req) else None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        """Raw text completion with no chat template (what base models and eval harnesses use)."""
+        req = await parse(request, CompletionRequest)
+        engine = pick(req.model)
+        if req.n != 1:
+            raise APIError(400, f"n: only n=1 is supported (got {req.n})", param="n")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise APIError(400, f"prompt: one prompt per request is supported (got {len(prompts)})", param="prompt")
+        if req.suffix:
+            raise APIError(400, "suffix: insertion (fill-in-the-middle) is not supported", param="suffix")
+        prompt, sampling = prompts[0], sampling_of(req)
+        cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echo = prompt if req.echo else ""
+        if not req.stream:
+            reply = await run_in_threadpool(engine.chat, prompt, None, **sampling)
+            return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
+                    "choices": [{"index": 0, "text": echo + reply.text, "logprobs": None,
+                                 "finish_reason": _finish(reply.finish_reason)}],
+                    "usage": _usage(reply)}
+        stop_event = threading.Event()
+        stream = engine.stream(prompt, None, stop_event=stop_event, **sampling)
+
+        def chunk(text: str | None, finish: str | None = None, usage: dict | None = None) -> dict:
+            choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+            return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
+                    "choices": choices, **({"usage": usage} if usage else {})}
+
+        return _sse(cid, stream, None, stop_event, sampling.get("max_new_tokens"),
+                    head=[chunk(echo)] if echo else [], piece=chunk, whole=None,
+                    finish=lambda reason: chunk("", reason),
+                    usage=(lambda u: chunk(None, usage=u)) if _include_usage(req) else None)
 
     return app
+
+
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _sse(cid: str, stream, reply_now, stop_event: threading.Event, limit, *, head, piece, whole, finish, usage):
+    """The server-sent events of one streamed answer: `head` chunks, then piece(text) per generated piece
+    of `stream` (or whole(reply_now), when the answer had to be complete first), finish(reason), and
+    usage(counts) when asked for; each chunk a dict. An error after the headers went out is reported in
+    the stream, as OpenAI does. However the stream ends (done, error, client gone), stop_event is set so
+    the generation thread stops at its next token; a client that went away is logged with the count."""
+    from starlette.concurrency import run_in_threadpool
+    from fastapi.responses import StreamingResponse
+
+    def data(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def events():
+        end, finished = object(), False
+        try:
+            for body in head:
+                yield data(body)
+            if stream is None:
+                reply = reply_now
+                for body in whole(reply):
+                    yield data(body)
+            else:
+                pieces = iter(stream)
+                while True:
+                    text = await run_in_threadpool(next, pieces, end)
+                    if text is end:
+                        break
+                    yield data(piece(text))
+                reply = stream.reply
+            yield data(finish(_finish(reply.finish_reason)))
+            if usage:
+                yield data(usage(_usage(reply)))
+            finished = True
+        except Exception as exc:  # headers are sent: report in-band
+            traceback.print_exc(file=sys.stderr)
+            yield data(error_body(f"{exc.__class__.__name__}: {exc}", "server_error"))
+            finished = True
+        finally:
+            stop_event.set()
+            if not finished and stream is not None:  # cancelled or closed: the client went away
+                threading.Thread(target=_report_disconnect, args=(cid, stream, limit), daemon=True).start()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _report_disconnect(cid: str, stream, limit) -> None:

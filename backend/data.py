@@ -358,16 +358,12 @@ def _parse_tools(value: Any, column: str) -> list[dict] | None:
 
 
 def _parse_arguments(args: Any, where: str) -> dict:
-    if args is None:
-        return {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise RowError(f"{where}: arguments are not valid JSON ({exc.msg})") from None
-    if not isinstance(args, dict):
-        raise RowError(f"{where}: arguments must be a JSON object, got {type(args).__name__}")
-    return args
+    from backend.templates import tool_arguments
+
+    try:
+        return tool_arguments(args, where)
+    except ValueError as exc:
+        raise RowError(str(exc)) from None
 
 
 def _parse_calls(value: Any, where: str) -> list[dict]:

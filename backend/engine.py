@@ -313,8 +313,11 @@ class HFEngine:
         self.eos_ids = stop_token_ids(tokenizer, template)
 
     # -- prompt
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the rendered prompt (the template writes the BOS; the tokenizer adds none)."""
+    def prompt_ids(self, messages: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the rendered prompt (the template writes the BOS; the tokenizer adds none). A plain
+        string is a raw completion prompt: no template, the tokenizer's own BOS if it adds one."""
+        if isinstance(messages, str):
+            return self.tokenizer(messages).input_ids
         if self.default_system and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": self.default_system}] + list(messages)
         tools = openai_tools(tools)

@@ -130,16 +130,23 @@ def _normalize_calls(calls: Any, i: int) -> list[tuple[str, dict | str]]:
             call = call["function"]  # OpenAI wire form {"type": "function", "function": {...}}
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
             raise ValueError(f"messages[{i}].tool_calls[{k}]: needs a non-empty string 'name'")
-        args = call.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"messages[{i}].tool_calls[{k}]: 'arguments' is not valid JSON ({e})") from None
-        if not isinstance(args, dict):
-            raise ValueError(f"messages[{i}].tool_calls[{k}]: 'arguments' must be an object")
-        out.append((call["name"], args))
+        out.append((call["name"], tool_arguments(call.get("arguments"), f"messages[{i}].tool_calls[{k}]")))
     return out
+
+
+def tool_arguments(args: Any, where: str) -> dict:
+    """A tool call's arguments as a dict: a dict as it is, a JSON object string parsed, None or "" -> {}.
+    ValueError naming `where` otherwise."""
+    if args is None:
+        return {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: 'arguments' is not valid JSON ({exc.msg})") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: 'arguments' must be a JSON object, got {type(args).__name__}")
+    return args
 
 
 def validate_messages(messages: Any, add_generation_prompt: bool = False) -> list[dict]:

@@ -212,3 +212,40 @@ def test_streaming_with_tools_and_client_disconnect_stops_generation(client, ser
     # and the model is free again at once
     after = client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=2, temperature=0)
     assert after.usage.completion_tokens <= 2
+
+
+def test_text_completions_raw_prompt_stream_echo_and_refusals(client, server, adapter_dir):
+    """/v1/completions: no chat template, so the text is the model's own continuation of the raw prompt
+    (checked against transformers' greedy generate with the same adapter); streaming gives the same text;
+    echo puts the prompt in front; several prompts / suffix are refused naming the field."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "The quick brown fox"
+    whole = client.completions.create(model="my-adapter", prompt=prompt, max_tokens=8, temperature=0)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens <= 8
+    text = whole.choices[0].text
+    tok = AutoTokenizer.from_pretrained(server[1])
+    base = AutoModelForCausalLM.from_pretrained(server[1], dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None, pad_token_id=tok.pad_token_id)
+    direct = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text and direct.startswith(text), (text, direct)
+
+    chunks = list(client.completions.create(model="my-adapter", prompt=prompt, max_tokens=8, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    echoed = client.completions.create(model="my-adapter", prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + text
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="my-adapter", prompt=["a", "b"], max_tokens=2)
+    assert err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="my-adapter", prompt="a", suffix="b", max_tokens=2)
+    assert err.value.body["param"] == "suffix"

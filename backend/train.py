@@ -179,8 +179,10 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     args = training_arguments(spec, out, has_eval=eval_dataset is not None)
     callback = RunDirCallback(run_dir, stop)
     callbacks = [callback]
+    early = None
     if eval_dataset is not None and getattr(spec, "early_stopping_patience", None):
-        callbacks.append(EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience))
+        early = EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience)
+        callbacks.append(early)
     trainer = Trainer(
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=collator, processing_class=tokenizer, callbacks=callbacks,
@@ -191,6 +193,11 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         trim_log_to(out, step)
         run_dir.log(f"resuming from {checkpoint}")
     result = trainer.train(resume_from_checkpoint=checkpoint)
+    if early is not None and early.early_stopping_patience_counter >= spec.early_stopping_patience:
+        best = trainer.state.best_metric
+        run_dir.log(f"early stopping at step {trainer.state.global_step} of {trainer.state.max_steps}: "
+                    f"{args.metric_for_best_model} did not improve for {spec.early_stopping_patience} evaluations"
+                    + (f" (best {best:.4g}, from {trainer.state.best_model_checkpoint})" if best is not None else ""))
     trainer.save_model(str(out))
     trainer.save_state()
     tokenizer.save_pretrained(str(out))

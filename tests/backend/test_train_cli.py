@@ -211,3 +211,18 @@ def test_last_step_is_logged_whatever_logging_steps_says(tiny_llama, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["step"] for r in log_rows(out)] == [3]
     assert status(out)["step"] == 3
+
+
+def test_early_stopping_ends_the_run_when_eval_loss_stops_improving(tiny_llama, tmp_path):
+    """learning_rate 1e-12 leaves a LoRA model's outputs bit-identical, so eval_loss never improves after
+    the first evaluation: with patience 2 the run ends after step 3 of 20, says why, and is complete."""
+    out = tmp_path / "early"
+    proc = train(*tiny_args(tiny_llama, out, "template=llama3", "max_steps=20", "val_size=4", "eval_strategy=steps",
+                            "eval_steps=1", "save_steps=1", "load_best_model_at_end=true",
+                            "early_stopping_patience=2", "learning_rate=1e-12"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    st = status(out)
+    assert st["state"] == "completed" and st["step"] == 3, st
+    evals = [r["eval_loss"] for r in log_rows(out) if r["eval_loss"] is not None]
+    assert len(evals) == 3 and len(set(evals)) == 1, evals
+    assert "early stopping" in (out / "running_log.txt").read_text()

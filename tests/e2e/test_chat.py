@@ -7,22 +7,7 @@ from pathlib import Path
 
 from playwright.sync_api import expect
 
-
-def open_tab(page, name):
-    page.get_by_role("tab", name=name).click()
-
-
-def set_dropdown(page, elem_id, value):
-    box = page.locator(f"#{elem_id} input")
-    box.fill(str(value))
-    box.press("Enter")
-    page.locator("#tb-header").click()  # blur: the list closes
-
-
-def set_number(page, elem_id, value):
-    box = page.locator(f"#{elem_id} input[type=number]").first
-    box.fill(str(value))
-    box.press("Tab")
+from ui_actions import open_tab, set_dropdown, set_number
 
 
 def api_servers() -> list[int]:

@@ -6,36 +6,7 @@ import re
 from playwright.sync_api import expect
 
 from webui import jobs, tools
-
-
-def open_tab(page, name):
-    page.get_by_role("tab", name=name).click()
-
-
-def set_dropdown(page, elem_id, value):
-    box = page.locator(f"#{elem_id} input")
-    box.fill(str(value))
-    box.press("Enter")
-
-
-def set_number(page, elem_id, value):
-    box = page.locator(f"#{elem_id} input")
-    box.fill(str(value))
-    box.press("Tab")
-
-
-def pick_option(page, elem_id, name):
-    """Type to filter the dropdown down to `name`, check that it is offered, take it with Enter (a click
-    on the option can miss while a plot above re-renders and moves the list)."""
-    box = page.locator(f"#{elem_id} input")
-    box.click()
-    box.fill(name)
-    # this dropdown's own list: another one still closing can offer the same name (strict-mode clash)
-    options = page.locator(f"#{box.get_attribute('aria-controls')}")
-    expect(options.get_by_role("option", name=name, exact=True)).to_be_visible()
-    box.press("Enter")
-    box.press("Escape")
-    page.locator("#tb-header").click()  # blur: the list closes
+from ui_actions import open_tab, set_dropdown, set_number, pick_option
 
 
 def test_runs_overlay_of_two_runs(app_page, finished_runs, shot):

@@ -6,9 +6,7 @@ import time
 import pytest
 from playwright.sync_api import expect
 
-
-def open_tab(page, name):
-    page.get_by_role("tab", name=name).click()
+from ui_actions import open_tab
 
 
 def test_tabs_render_and_screenshots(app_page, shot):

@@ -309,18 +309,21 @@ def wire(c: dict, state) -> None:
         legend_update). Inputs: state. Outputs: state, loss plot."""
         series = (st or {}).get("series")
         if series is None or series == st.get("legend"):
-            return st, gr.skip()
-        st["legend"] = series
-        return st, legend_update(series)
+            return gr.skip(), gr.skip()
+        st["legend"] = series  # in place, like the ticks
+        return gr.skip(), legend_update(series)
 
     def then_legend(event):
         event.then(refresh_legend, [state], [state, c["loss_plot"]], show_progress="hidden")
 
     then_legend(c["start"].click(do_start, [state, c["log_scale"], *inputs],
                                  [c["errors"], *field_comps, c["message"], *live_outputs]))
-    then_legend(c["timer"].tick(lambda st, ls: view_updates(st, ls), [state, c["log_scale"]], live_outputs,
-                                show_progress="hidden"))
-    then_legend(c["log_scale"].change(lambda st, ls: view_updates(st, ls, force_plot=True),
+    # Ticks update the state dict in place (Gradio hands handlers the stored object) and never write the
+    # state back: a tick that read the state just before Start would otherwise put the old run back over
+    # the one Start attached (seen as Abort stopping the running run instead of unqueuing the new one).
+    then_legend(c["timer"].tick(lambda st, ls: (gr.skip(), *view_updates(st, ls)[1:]), [state, c["log_scale"]],
+                                live_outputs, show_progress="hidden"))
+    then_legend(c["log_scale"].change(lambda st, ls: (gr.skip(), *view_updates(st, ls, force_plot=True)[1:]),
                                       [state, c["log_scale"]], live_outputs, show_progress="hidden"))
 
     # visible-when: stage / finetuning type

@@ -1,0 +1,33 @@
+"""What a user does on the page, shared by the browser tests (tests/e2e is on sys.path)."""
+from playwright.sync_api import expect
+
+
+def open_tab(page, name):
+    page.get_by_role("tab", name=name).click()
+
+
+def set_dropdown(page, elem_id, value):
+    box = page.locator(f"#{elem_id} input")
+    box.fill(str(value))
+    box.press("Enter")
+    page.locator("#tb-header").click()  # blur: the list closes
+
+
+def set_number(page, elem_id, value):
+    box = page.locator(f"#{elem_id} input[type=number]").first
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def pick_option(page, elem_id, name):
+    """Type to filter the dropdown down to `name`, check that it is offered, take it with Enter (a click
+    on the option can miss while a plot above re-renders and moves the list)."""
+    box = page.locator(f"#{elem_id} input")
+    box.click()
+    box.fill(name)
+    # this dropdown's own list: another one still closing can offer the same name (strict-mode clash)
+    options = page.locator(f"#{box.get_attribute('aria-controls')}")
+    expect(options.get_by_role("option", name=name, exact=True)).to_be_visible()
+    box.press("Enter")
+    box.press("Escape")
+    page.locator("#tb-header").click()  # blur: the list closes

@@ -175,6 +175,7 @@ def test_eval_compare_chain_continues_after_a_reload(saves):
     _, bar, message, metrics, rows, _, timer = evaluate.poll(st2, False)
     assert state_of(bar) == "completed" and "Eval done" in message
     assert metrics.values.tolist() == [["eval_loss", "1", "3"]]
+    rows = rows["value"]
     assert rows["prediction"].tolist() == ["tuned", "tuned"]
     assert rows["base prediction"].tolist() == ["base", "base"]
     assert (job / "base" / jobs.PROCESS_LOG).read_text().count("eval done") == 1

@@ -214,6 +214,16 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
+ROW_WIDTHS = {7: ["5%", "22%", "25%", "25%", "9%", "8%", "6%"],
+              9: ["4%", "14%", "18%", "18%", "8%", "7%", "5%", "17%", "9%"]}
+
+
+def rows_update(st: dict, worst_first: bool):
+    """rows_frame with column widths that fit the page (a table that grew past it hid the predictions)."""
+    frame = rows_frame(st, worst_first)
+    return gr.update(value=frame, column_widths=ROW_WIDTHS.get(len(frame.columns)))
+
+
 def rows_frame(st: dict, worst_first: bool) -> pd.DataFrame:
     """One line per row: prompt, reference, prediction, per-row score (rouge-l) and, comparing, the base
     model's prediction and score beside it. Worst first = lowest score first."""
@@ -296,7 +306,7 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None) -> tuple:
     bar = tools.progress_html(state, total if state == "completed" else 0, total or None,
                               " + ".join(p["name"] for p in st["parts"]))
     st["parts_done"] = True
-    return (st, bar, message, metrics_frame(st), rows_frame(st, worst_first), log, gr.Timer(active=False))
+    return (st, bar, message, metrics_frame(st), rows_update(st, worst_first), log, gr.Timer(active=False))
 
 
 def wire(c: dict, top: dict) -> None:
@@ -323,5 +333,5 @@ def wire(c: dict, top: dict) -> None:
 
     c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], c["worst_first"]], view, show_progress="hidden")
-    c["worst_first"].change(lambda st, w: rows_frame(st, w) if st and st.get("parts") else gr.skip(),
+    c["worst_first"].change(lambda st, w: rows_update(st, w) if st and st.get("parts") else gr.skip(),
                             [c["state"], c["worst_first"]], [c["rows"]], show_progress="hidden")

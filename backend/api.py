@@ -50,61 +50,50 @@ def _models():
         model_config = ConfigDict(extra="ignore")
         include_usage: bool = False
 
-    class ChatRequest(BaseModel):
-        """OpenAI's chat.completions fields; top_k and repetition_penalty are extensions (vLLM's names).
-        Accepted and ignored: the fields in IGNORED. Anything else is a 422 naming the field."""
+    class Sampling(BaseModel):
+        """What both endpoints share; top_k and repetition_penalty are extensions (vLLM's names). Anything
+        not declared is a 422 naming the field."""
         model_config = ConfigDict(extra="forbid")
         model: str
-        messages: list[Message] = Field(min_length=1)
         temperature: Optional[float] = Field(None, ge=0, le=2)
         top_p: Optional[float] = Field(None, gt=0, le=1)
         top_k: Optional[int] = Field(None, ge=0)
-        max_tokens: Optional[int] = Field(None, ge=1)
-        max_completion_tokens: Optional[int] = Field(None, ge=1)
         repetition_penalty: Optional[float] = Field(None, gt=0)
         stop: Union[str, list[str], None] = None
         n: int = Field(1, ge=1)
         stream: bool = False
         stream_options: Optional[StreamOptions] = None
         seed: Optional[int] = None
-        tools: Optional[list[dict[str, Any]]] = None
-        tool_choice: Union[str, dict[str, Any], None] = None
         # accepted for client compatibility, no effect here
         frequency_penalty: Optional[float] = None
         presence_penalty: Optional[float] = None
         logit_bias: Optional[dict[str, Any]] = None
+        user: Optional[str] = None
+
+    class ChatRequest(Sampling):
+        """OpenAI's chat.completions fields."""
+        messages: list[Message] = Field(min_length=1)
+        max_tokens: Optional[int] = Field(None, ge=1)
+        max_completion_tokens: Optional[int] = Field(None, ge=1)
+        tools: Optional[list[dict[str, Any]]] = None
+        tool_choice: Union[str, dict[str, Any], None] = None
+        # accepted for client compatibility, no effect here
         logprobs: Optional[bool] = None
         top_logprobs: Optional[int] = None
         parallel_tool_calls: Optional[bool] = None
         response_format: Optional[dict[str, Any]] = None
-        user: Optional[str] = None
         metadata: Optional[dict[str, Any]] = None
         store: Optional[bool] = None
 
-    class CompletionRequest(BaseModel):
+    class CompletionRequest(Sampling):
         """OpenAI's legacy completions fields (raw prompt, no chat template). One prompt, n = 1."""
-        model_config = ConfigDict(extra="forbid")
-        model: str
         prompt: Union[str, list[str]]
         max_tokens: Optional[int] = Field(16, ge=1)
-        temperature: Optional[float] = Field(None, ge=0, le=2)
-        top_p: Optional[float] = Field(None, gt=0, le=1)
-        top_k: Optional[int] = Field(None, ge=0)
-        repetition_penalty: Optional[float] = Field(None, gt=0)
-        stop: Union[str, list[str], None] = None
-        n: int = Field(1, ge=1)
-        stream: bool = False
-        stream_options: Optional[StreamOptions] = None
-        seed: Optional[int] = None
         echo: bool = False
         suffix: Optional[str] = None
         # accepted for client compatibility, no effect here
         best_of: Optional[int] = None
-        frequency_penalty: Optional[float] = None
-        presence_penalty: Optional[float] = None
-        logit_bias: Optional[dict[str, Any]] = None
         logprobs: Optional[int] = None
-        user: Optional[str] = None
 
     return ChatRequest, CompletionRequest
 

@@ -55,8 +55,9 @@ class ExportError(ValueError):
     """A request that cannot be exported, said in one line naming the field."""
 
 
-class ExportAborted(Exception):
-    """SIGINT or SIGTERM arrived: the export stops and removes its partial files."""
+class ExportAborted(BaseException):
+    """SIGINT or SIGTERM arrived: the export stops and removes its partial files. A BaseException, like
+    KeyboardInterrupt, so library code catching Exception does not swallow it."""
 
 
 def _abort_on_signals() -> None:

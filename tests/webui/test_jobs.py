@@ -181,7 +181,13 @@ def test_list_runs_and_find_active(tmp_path):
 def test_no_zombie_left_after_exit(tmp_path):
     run_dir = start(tmp_path, "steps=1", "step_s=0.01")
     pid = json.loads((run_dir / "launch.json").read_text())["pid"]
-    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-             and not jobs.pid_alive(pid), what="reaped")
+
+    def ended() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and not jobs.pid_alive(pid)
+        except psutil.NoSuchProcess:  # already reaped (also between an exists-check and a look)
+            return True
+
+    wait_for(ended, what="reaped")
     wait_for(lambda: not psutil.pid_exists(pid), timeout=5, what="child reaped, not a zombie")
     assert os.getpid() != pid

@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from backend.cli import load_or_report
+    from backend.spec import load_or_report
 
     opts = build_parser().parse_intermixed_args(argv)
     spec = load_or_report(opts.spec)

@@ -48,8 +48,9 @@ def _clean(value):
 class RunDirCallback(TrainerCallback):
     """Writes trainer_log.jsonl (one line per logging step), status.json progress and log lines."""
 
-    def __init__(self, run_dir: RunDir, stop: StopSwitch):
+    def __init__(self, run_dir: RunDir, stop: StopSwitch, metric_keys: tuple[str, ...] = ()):
         self.run_dir = run_dir
+        self.metric_keys = metric_keys  # the stage's own metrics (rewards/*, kl, ...), from backend/stages
         self.stop = stop
         self.stop_reason: str | None = None
         self._t0 = None
@@ -96,10 +97,12 @@ class RunDirCallback(TrainerCallback):
             "eta_s": round(elapsed / steps_done * remaining, 2) if steps_done else None,
             "memory_mb": _memory_mb(),
         }
+        record.update({k: _clean(logs[k]) for k in self.metric_keys if k in logs})
         self.run_dir.append_metrics(record)
         self.run_dir.update_status(step=state.global_step, total_steps=state.max_steps)
         parts = [f"step {state.global_step}/{state.max_steps}"]
-        parts += [f"{k}={v:.4g}" for k, v in record.items() if k in ("loss", "eval_loss", "lr", "grad_norm") and v is not None]
+        shown = ("loss", "eval_loss", "lr", "grad_norm") + self.metric_keys
+        parts += [f"{k}={v:.4g}" for k, v in record.items() if k in shown and isinstance(v, (int, float))]
         if record["tokens_per_s"]:
             parts.append(f"{record['tokens_per_s']:.0f} tok/s")
         self.run_dir.log("  ".join(parts))

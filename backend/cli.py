@@ -30,33 +30,15 @@ Run `tuneboard <command> --help` for a command's options.
 """
 
 
+from backend.spec import load_or_report  # light: no torch
+
+
 def _offline_env() -> None:
     # Nothing may be downloaded here: fail fast instead of hanging on a hub lookup.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-
-
-def split_spec_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """`[SPEC.yaml] [key=value ...]` -> (path or None, overrides)."""
-    if args and "=" not in args[0]:
-        return args[0], list(args[1:])
-    return None, list(args)
-
-
-def load_or_report(args: list[str]):
-    """The validated spec, or None after printing every error (one per line)."""
-    from backend.spec import SpecError, load_spec
-
-    path, overrides = split_spec_args(args)
-    try:
-        return load_spec(path, overrides)
-    except SpecError as exc:
-        print("error: invalid run spec" + (f" {path}" if path else ""), file=sys.stderr)
-        for line in str(exc).splitlines():
-            print(f"  {line}", file=sys.stderr)
-        return None
 
 
 def cmd_validate(args: list[str]) -> int:

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import datasets
 
 from backend import paths
+from backend.stages import STAGE_IDS, get_stage, stages_with_data
 
 # ---------------------------------------------------------------------------------------------
 # Schema
@@ -58,8 +59,6 @@ DEFAULT_TAGS = {
 }
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
               ".txt": "text"}
-STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "orpo", "simpo")
-RANKING_STAGES = ("rm", "dpo", "orpo", "simpo")
 MAX_REASONS = 5  # skipped rows kept (per dataset) for the report
 
 
@@ -468,7 +467,7 @@ def _conversation(items: Any, spec: _Spec, stage: str) -> tuple[list[dict], str 
     if not messages:
         raise RowError("conversation is empty")
     last = len(items) - 1
-    if stage in RANKING_STAGES:
+    if _kind(stage) == "ranking":
         if prev_kind not in ("user", "tool"):
             raise RowError(f"a ranking row's conversation must end with a '{t['user_tag']}' turn "
                            f"(the answers are in chosen/rejected), it ends with {prev_role!r} at turn {last}")
@@ -561,7 +560,7 @@ def _alpaca_messages(row: dict, spec: _Spec) -> list[dict]:
 def convert_row(row: dict, spec: _Spec, stage: str) -> dict:
     """One raw row -> a normalized example (without _row/_source). Raises RowError with the reason."""
     c = spec.columns
-    if stage == "pt":
+    if _kind(stage) == "text":
         if spec.formatting == "alpaca":
             if c.get("text"):
                 parts = [_text(row, c["text"])]
@@ -602,7 +601,7 @@ def convert_row(row: dict, spec: _Spec, stage: str) -> dict:
         try:
             example["kto_tag"] = _kto_tag(row.get(c["kto_tag"]), c["kto_tag"])
         except RowError:
-            if stage == "kto":
+            if _kind(stage) == "kto":
                 raise
     return example
 
@@ -627,14 +626,19 @@ def _fill_identity(example: dict, name: str, author: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------
+def _kind(stage: str) -> str:
+    """The dataset kind a stage takes (backend.stages declares it)."""
+    return get_stage(stage).data
+
+
 def _check_stage(name: str, spec: _Spec, stage: str) -> None:
-    if stage in RANKING_STAGES and not spec.ranking:
+    if _kind(stage) == "ranking" and not spec.ranking:
         raise DatasetError(f"stage '{stage}' needs a ranking dataset (\"ranking\": true with chosen/rejected "
                            f"columns); dataset '{name}' is not one")
-    if stage not in RANKING_STAGES and spec.ranking:
+    if _kind(stage) != "ranking" and spec.ranking:
         raise DatasetError(f"dataset '{name}' is a ranking dataset (chosen/rejected pairs): use it with stage "
-                           f"{'/'.join(RANKING_STAGES)}, not '{stage}'")
-    if stage == "kto" and "kto_tag" not in spec.columns:
+                           f"{'/'.join(stages_with_data('ranking'))}, not '{stage}'")
+    if _kind(stage) == "kto" and "kto_tag" not in spec.columns:
         raise DatasetError(f"stage 'kto' needs a dataset with a 'columns.kto_tag' column (true/false per row); "
                            f"dataset '{name}' has none")
     media = [k for k in MEDIA_COLUMNS if k in spec.columns]
@@ -646,13 +650,13 @@ def _required_columns(spec: _Spec, stage: str) -> list[str]:
     """Column keys that must exist in the file: the ones the entry names, plus what the stage needs."""
     if spec.formatting != "alpaca":
         need = {"messages"}
-    elif stage == "pt":
+    elif _kind(stage) == "text":
         need = {"text"} if "text" in spec.columns else {"prompt"}
     else:
         need = {"prompt"} | ({"chosen", "rejected"} if spec.ranking else {"response"})
     if spec.ranking:
         need |= {"chosen", "rejected"}
-    if stage == "kto":
+    if _kind(stage) == "kto":
         need.add("kto_tag")
     return sorted(need | (spec.declared - set(MEDIA_COLUMNS)))
 
@@ -674,7 +678,7 @@ def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, s
         if file_rows:
             for key in _required_columns(spec, stage):
                 col = spec.columns[key]
-                if col not in present and not (stage == "pt" and key in ("response", "query")):
+                if col not in present and not (_kind(stage) == "text" and key in ("response", "query")):
                     raise DatasetError(f"dataset '{name}': {path} has no column '{col}' (columns.{key}); "
                                        f"its columns are: {', '.join(sorted(present))}")
         rows += [(path, i, r) for i, r in enumerate(file_rows)]
@@ -739,11 +743,11 @@ def load_examples(names: str | list[str], dataset_dir: str | os.PathLike | None 
                   identity_author: str = "the TuneBoard team", seed: int = 42) -> tuple[list[dict], "DataReport"]:
     """Load one or more datasets (comma separated names) as normalized examples, in order.
 
-    stage picks the shape: pt -> {"text"}; rm/dpo/orpo/simpo need ranking datasets (chosen/rejected);
-    kto needs a kto_tag column. max_samples keeps the first N rows of each dataset. Bad rows are
+    stage picks the shape by the dataset kind it declares (backend.stages): text -> {"text"}; ranking
+    stages need ranking datasets (chosen/rejected); kto needs a kto_tag column. max_samples keeps the first N rows of each dataset. Bad rows are
     skipped and counted in the returned DataReport."""
-    if stage not in STAGES:
-        raise DatasetError(f"unknown stage '{stage}' (expected one of {', '.join(STAGES)})")
+    if stage not in STAGE_IDS:
+        raise DatasetError(f"unknown stage '{stage}' (expected one of {', '.join(STAGE_IDS)})")
     if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1):
         raise DatasetError(f"max_samples must be a positive integer, got {max_samples!r}")
     dataset_dir = resolve_dataset_dir(dataset_dir)

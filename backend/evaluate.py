@@ -230,7 +230,7 @@ def main(args: list[str]) -> int:
               f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), status.json, "
               "running_log.txt")
         return 0 if args else 2
-    from backend.cli import load_or_report
+    from backend.spec import load_or_report
 
     spec = load_or_report(args)
     if spec is None:

@@ -543,7 +543,7 @@ def main(args: list[str]) -> int:
               "(f16|q8_0|f32|bf16), export_overwrite, infer_dtype\nwrites export_dir/export_report.json; exit 1 when a "
               "check fails")
         return 0 if args else 2
-    from backend.cli import load_or_report
+    from backend.spec import load_or_report
 
     spec = load_or_report(args)
     if spec is None:

@@ -30,11 +30,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from backend import paths
 from backend.paths import DEFAULT_MODEL_ID
+from backend.stages import IMPLEMENTED, STAGE_IDS, get_stage, stages_using_field, stages_with_data
 
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
 
-STAGES = ("pt", "sft", "rm", "dpo", "orpo", "simpo", "kto", "ppo", "grpo")
-RANKING_STAGES = ("rm", "dpo", "orpo", "simpo")
+STAGES = STAGE_IDS  # declared in backend/stages (the stage contract); kept here for readers of the spec
 GROUPS = ("model", "method", "lora", "freeze", "quantization", "data", "train", "logging", "eval", "export",
           "generation", "advanced")
 GROUP_TITLES = {"model": "Model", "method": "Method", "lora": "LoRA", "freeze": "Freeze",
@@ -47,12 +47,14 @@ _COMMA_FIELDS = ("adapter_name_or_path", "lora_target", "additional_target", "fr
                  "freeze_extra_modules", "galore_target", "dataset", "eval_dataset", "interleave_probs")
 
 
-def _f(default: Any, description: str, group: str, *, stages: list[str] | None = None,
-       methods: list[str] | None = None, **constraints: Any) -> Any:
-    """A field with its one-line description and the UI metadata (group, stages, methods)."""
+def _f(default: Any, description: str, group: str, *, methods: list[str] | None = None,
+       choices: tuple | None = None, **constraints: Any) -> Any:
+    """A field with its one-line description and the UI metadata (group, methods, the choices offered
+    when they are fewer than the type allows). Which stages a field applies to is declared by the stages
+    themselves (backend/stages)."""
     extra: dict[str, Any] = {"group": group}
-    if stages is not None:
-        extra["stages"] = stages
+    if choices is not None:
+        extra["choices"] = list(choices)
     if methods is not None:
         extra["methods"] = methods
     return Field(default, description=description, json_schema_extra=extra, **constraints)
@@ -198,24 +200,24 @@ class RunSpec(BaseModel):
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f("auto", "Weight dtype for inference and export.", "model")
 
     # ---------------------------------------------------------------- method (stage + finetuning type)
-    stage: Literal["pt", "sft", "rm", "dpo", "orpo", "simpo", "kto", "ppo", "grpo"] = _f("sft", "Training stage: pre-training, SFT, reward model, or a preference/RL method.", "method")
+    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, or a preference method (DPO, ORPO, SimPO, KTO).", "method", choices=IMPLEMENTED)
     do_train: bool = _f(True, "Run training.", "method")
     finetuning_type: Literal["lora", "freeze", "full"] = _f("lora", "What is trained: LoRA adapters, the last layers (freeze), or every weight (full).", "method")
-    pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method", stages=["dpo", "orpo", "simpo"])
-    pref_beta: float = _f(0.1, "Beta of the preference loss (strength of the reference-model constraint).", "method", stages=["dpo", "orpo", "simpo", "kto"], ge=0)
-    pref_ftx: float = _f(0.0, "Weight of the SFT loss added to the preference loss.", "method", stages=["dpo", "orpo", "simpo", "kto"], ge=0)
-    simpo_gamma: float = _f(0.5, "Target reward margin of the SimPO loss.", "method", stages=["simpo"])
-    dpo_label_smoothing: float = _f(0.0, "Robust DPO label smoothing, between 0 and 0.5.", "method", stages=["dpo"], ge=0, le=0.5)
-    kto_chosen_weight: float = _f(1.0, "KTO loss weight of desirable examples.", "method", stages=["kto"], ge=0)
-    kto_rejected_weight: float = _f(1.0, "KTO loss weight of undesirable examples.", "method", stages=["kto"], ge=0)
-    ref_model: Optional[str] = _f(None, "Reference model for DPO/KTO/PPO (default: the model itself).", "method", stages=["dpo", "kto", "ppo"])
-    reward_model: Optional[str] = _f(None, "Reward model for PPO: a path, or an API URL with reward_model_type api.", "method", stages=["ppo", "grpo"])
-    reward_model_type: Literal["lora", "full", "api"] = _f("lora", "How the reward model is stored.", "method", stages=["ppo"])
-    ppo_epochs: int = _f(4, "PPO optimisation epochs per batch.", "method", stages=["ppo"], ge=1)
-    ppo_buffer_size: int = _f(1, "Mini-batches in the PPO experience buffer.", "method", stages=["ppo"], ge=1)
-    ppo_target: float = _f(6.0, "Target KL for adaptive KL control in PPO.", "method", stages=["ppo"], gt=0)
-    ppo_score_norm: bool = _f(False, "Normalise PPO rewards.", "method", stages=["ppo"])
-    ppo_whiten_rewards: bool = _f(False, "Whiten PPO rewards before computing advantages.", "method", stages=["ppo"])
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")
+    pref_beta: float = _f(0.1, "Beta of the preference loss (strength of the reference-model constraint).", "method", ge=0)
+    pref_ftx: float = _f(0.0, "Weight of the SFT loss added to the preference loss.", "method", ge=0)
+    simpo_gamma: float = _f(0.5, "Target reward margin of the SimPO loss.", "method")
+    dpo_label_smoothing: float = _f(0.0, "Robust DPO label smoothing, between 0 and 0.5.", "method", ge=0, le=0.5)
+    kto_chosen_weight: float = _f(1.0, "KTO loss weight of desirable examples.", "method", ge=0)
+    kto_rejected_weight: float = _f(1.0, "KTO loss weight of undesirable examples.", "method", ge=0)
+    ref_model: Optional[str] = _f(None, "Reference model for DPO/KTO/PPO (default: the model itself).", "method")
+    reward_model: Optional[str] = _f(None, "Reward model for PPO: a path, or an API URL with reward_model_type api.", "method")
+    reward_model_type: Literal["lora", "full", "api"] = _f("lora", "How the reward model is stored.", "method")
+    ppo_epochs: int = _f(4, "PPO optimisation epochs per batch.", "method", ge=1)
+    ppo_buffer_size: int = _f(1, "Mini-batches in the PPO experience buffer.", "method", ge=1)
+    ppo_target: float = _f(6.0, "Target KL for adaptive KL control in PPO.", "method", gt=0)
+    ppo_score_norm: bool = _f(False, "Normalise PPO rewards.", "method")
+    ppo_whiten_rewards: bool = _f(False, "Whiten PPO rewards before computing advantages.", "method")
 
     # ---------------------------------------------------------------- lora
     lora_target: str = _f("all", "Modules that get LoRA adapters: 'all' (every linear layer but the head) or names, comma-separated.", "lora", methods=["lora"])
@@ -383,6 +385,21 @@ class RunSpec(BaseModel):
         if errors:
             raise _FieldErrors(errors)
         return out
+
+    @field_validator("stage")
+    @classmethod
+    def _implemented_stage(cls, value: str) -> str:
+        if not get_stage(value).implemented:
+            raise ValueError(f"stage {value!r} is not implemented yet (available: {', '.join(IMPLEMENTED)})")
+        return value
+
+    @field_validator("pref_loss")
+    @classmethod
+    def _available_pref_loss(cls, value: str) -> str:
+        if value == "kto_pair":
+            raise ValueError("kto_pair is not available (TRL dropped it from its DPO trainer): use stage: kto "
+                             "with a dataset that has a kto_tag column")
+        return value
 
     @field_validator("freeze_trainable_layers")
     @classmethod
@@ -592,9 +609,10 @@ def _field_info(name: str) -> dict[str, Any]:
             if getattr(meta, key, None) is not None:
                 bounds[key] = getattr(meta, key)
     extra = field.json_schema_extra or {}
+    choices = extra.get("choices", choices)
     return {"name": name, "type": ("optional-" if nullable else "") + base, "base": base, "nullable": nullable,
             "choices": choices, **bounds, "group": extra.get("group", "advanced"),
-            "stages": extra.get("stages"), "methods": extra.get("methods")}
+            "stages": list(stages_using_field(name) or ()) or None, "methods": extra.get("methods")}
 
 
 def spec_fields(include_passthrough: bool = False) -> list[dict[str, Any]]:
@@ -797,14 +815,15 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
             continue
         ranking = bool(entry.get("ranking"))
         columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
-        if spec.stage in RANKING_STAGES and not ranking:
+        kind = get_stage(spec.stage).data
+        if kind == "ranking" and not ranking:
             errors.append((field, f"stage {spec.stage} needs a ranking dataset (\"ranking\": true, with chosen and "
                                   f"rejected); {name!r} is not one", involved))
-        elif spec.stage == "kto" and "kto_tag" not in columns:
+        elif kind == "kto" and "kto_tag" not in columns:
             errors.append((field, f"stage kto needs a dataset with a kto_tag column; {name!r} has none", involved))
-        elif spec.stage not in RANKING_STAGES and ranking:
+        elif kind != "ranking" and ranking:
             errors.append((field, f"{name!r} is a ranking dataset: stage {spec.stage} cannot use it "
-                                  f"(use rm, dpo, orpo or simpo)", involved))
+                                  f"(use {', '.join(stages_with_data('ranking'))})", involved))
     return errors
 
 
@@ -934,6 +953,28 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, 
     data = read_spec_file(path) if path is not None else {}
     data.update(parse_overrides(overrides))
     return validate_spec(data, check_files=check_files)
+
+
+def split_spec_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """`[SPEC.yaml] [key=value ...]` -> (path or None, overrides)."""
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def load_or_report(args: list[str]) -> RunSpec | None:
+    """The validated spec of a command line, or None after printing every error (one per line) to
+    stderr. Shared by every command that takes a spec (train, validate, api, export, eval)."""
+    import sys
+
+    path, overrides = split_spec_args(args)
+    try:
+        return load_spec(path, overrides)
+    except SpecError as exc:
+        print("error: invalid run spec" + (f" {path}" if path else ""), file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"  {line}", file=sys.stderr)
+        return None
 
 
 def _dump_pair(key: str, value: Any) -> str:

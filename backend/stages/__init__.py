@@ -1,0 +1,101 @@
+"""The stage contract: the one place that knows which training stages exist.
+
+Each stage is declared once here, in a light module (no torch) that the web UI imports too:
+- `data`: the dataset kind it takes: "text" (pt), "plain" (conversations: sft), "ranking"
+  (prompt + chosen + rejected), "kto" (conversations tagged desirable / undesirable), "prompts".
+- `fields`: the stage-specific spec fields that apply to it (the form shows them for this stage only).
+- `metrics`: the keys it logs besides loss / eval_loss (also logged with an `eval_` prefix when it
+  evaluates); they land in trainer_log.jsonl and feed the plots named in `plots`.
+- `implemented`: False = validate refuses the stage and the form does not offer it.
+- `alias_of` + `pref_loss`: `stage: orpo` is `stage: dpo` with `pref_loss: orpo` (LLaMA-Factory has
+  them as losses of dpo; the aliases keep older recipes running).
+
+The heavy part (tokenizer -> rows -> model -> trainer) is `backend/stages/<module>.py` with
+`run(spec, run_dir, stop) -> StageResult`; `backend.train` imports it through `stage_module()`.
+Adding a stage = its module, its declaration below, and its locale key `train-stage.<id>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DATA_KINDS = ("text", "plain", "ranking", "kto", "prompts")
+
+_PREF_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                 "logps/chosen", "logps/rejected")
+
+
+@dataclass(frozen=True)
+class Stage:
+    id: str
+    title: str
+    data: str
+    fields: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+    plots: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    implemented: bool = True
+    alias_of: str | None = None
+    pref_loss: str | None = None  # an alias's fixed preference loss
+
+    @property
+    def module(self) -> str:
+        """The module under backend/stages/ that trains it."""
+        return self.alias_of or self.id
+
+    def logged_keys(self) -> tuple[str, ...]:
+        """Metric keys written to trainer_log.jsonl for this stage (train and eval_ variants)."""
+        return self.metrics + tuple(f"eval_{k}" for k in self.metrics)
+
+
+_DPO_FIELDS = ("pref_loss", "pref_beta", "pref_ftx", "dpo_label_smoothing", "simpo_gamma", "ref_model")
+_DPO_PLOTS = (("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
+              ("accuracy", ("rewards/accuracies",)))
+
+STAGES: dict[str, Stage] = {s.id: s for s in (
+    Stage("pt", "Pre-training", "text"),
+    Stage("sft", "Supervised fine-tuning", "plain"),
+    Stage("rm", "Reward model", "ranking",
+          metrics=("accuracy", "margin", "rewards/chosen", "rewards/rejected"),
+          plots=(("rewards", ("rewards/chosen", "rewards/rejected", "margin")), ("accuracy", ("accuracy",)))),
+    Stage("dpo", "DPO", "ranking", fields=_DPO_FIELDS, metrics=_PREF_METRICS, plots=_DPO_PLOTS),
+    Stage("orpo", "ORPO", "ranking", fields=("pref_beta", "pref_ftx"), metrics=_PREF_METRICS,
+          plots=_DPO_PLOTS, alias_of="dpo", pref_loss="orpo"),
+    Stage("simpo", "SimPO", "ranking", fields=("pref_beta", "pref_ftx", "simpo_gamma"), metrics=_PREF_METRICS,
+          plots=_DPO_PLOTS, alias_of="dpo", pref_loss="simpo"),
+    Stage("kto", "KTO", "kto",
+          fields=("pref_beta", "pref_ftx", "kto_chosen_weight", "kto_rejected_weight", "ref_model"),
+          metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"),
+          plots=(("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")), ("kl", ("kl",)))),
+    Stage("ppo", "PPO", "prompts", implemented=False,
+          fields=("ref_model", "reward_model", "reward_model_type", "ppo_epochs", "ppo_buffer_size", "ppo_target",
+                  "ppo_score_norm", "ppo_whiten_rewards")),
+    Stage("grpo", "GRPO", "prompts", implemented=False, fields=("reward_model",)),
+)}
+
+STAGE_IDS: tuple[str, ...] = tuple(STAGES)
+IMPLEMENTED: tuple[str, ...] = tuple(s.id for s in STAGES.values() if s.implemented)
+
+
+def get_stage(stage_id: str) -> Stage:
+    """The declaration of a stage id; KeyError names the known ones."""
+    try:
+        return STAGES[stage_id]
+    except KeyError:
+        raise KeyError(f"unknown stage {stage_id!r} (known: {', '.join(STAGE_IDS)})") from None
+
+
+def stages_with_data(kind: str) -> tuple[str, ...]:
+    """Implemented stages that take this dataset kind (for messages: 'use it with rm, dpo, ...')."""
+    return tuple(s.id for s in STAGES.values() if s.data == kind and s.implemented)
+
+
+def stages_using_field(name: str) -> tuple[str, ...] | None:
+    """The stages a stage-specific spec field applies to; None = a field of every stage."""
+    using = tuple(s.id for s in STAGES.values() if name in s.fields)
+    return using or None
+
+
+def stage_module(stage_id: str):
+    """The heavy module that trains this stage (imports torch): backend.stages.<module>."""
+    import importlib
+
+    return importlib.import_module(f"backend.stages.{get_stage(stage_id).module}")

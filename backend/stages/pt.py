@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from backend.models import load_tokenizer, resolve_model
 from backend.preprocess import build_pt_dataset
-from backend.train import StageResult, batching, fit, train_and_eval_rows, trainable_model
+from backend.stages.base import StageResult, batching, fit, train_and_eval_rows, trainable_model
 
 
 def run(spec, run_dir, stop) -> StageResult:

@@ -93,12 +93,12 @@ def test_pretraining_stage(tiny_llama, tmp_path):
     assert status(out)["state"] == "completed"
 
 
-def test_unimplemented_stage_fails_clearly(tiny_llama, tmp_path):
+def test_unimplemented_stage_is_refused_before_launch(tiny_llama, tmp_path):
     out = tmp_path / "ppo"
     proc = train(*tiny_args(tiny_llama, out, "stage=ppo"))
     assert proc.returncode == 1
-    st = status(out)
-    assert st["state"] == "failed" and "not implemented yet: ppo" in st["error"]
+    assert "stage: stage 'ppo' is not implemented yet" in proc.stderr
+    assert not out.exists()  # refused by validation: no run directory, nothing launched
 
 
 def test_unavailable_accelerations_warn_and_continue(tiny_llama, tmp_path):

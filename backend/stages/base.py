@@ -1,0 +1,210 @@
+"""The steps every training stage shares: rows, batching, the trainable model, TrainingArguments, and
+`fit()` (the Trainer with our logging callback, resume, save, plot).
+
+Stage modules (backend/stages/<id>.py) import these; backend.train (the run life cycle) imports the
+stage modules, never the other way round.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backend.rundir import LOG_FILE, RunDir
+
+
+@dataclass
+class StageResult:
+    stopped: bool = False
+    metrics: dict = field(default_factory=dict)
+
+
+class RunError(RuntimeError):
+    """A problem with the run's inputs, reported as one clear line (no traceback in the status)."""
+
+
+def resume_checkpoint(spec, out: Path) -> str | None:
+    """`resume_from_checkpoint: true` = the newest checkpoint-N in output_dir; a path = that one."""
+    value = spec.resume_from_checkpoint
+    if not value:
+        return None
+    if value is True or str(value).lower() == "true":
+        checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+        if not checkpoints:
+            raise RunError(f"resume_from_checkpoint: no checkpoint-N folder in {out}")
+        return str(checkpoints[-1])
+    path = Path(str(value))
+    if not path.is_dir():
+        raise RunError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
+    return str(path)
+
+
+def trim_log_to(out: Path, step: int) -> None:
+    """On resume, drop log lines past the checkpoint so the curve has no duplicate steps."""
+    log = out / LOG_FILE
+    if not log.exists():
+        return
+    kept = []
+    for line in log.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:
+            continue
+    log.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+
+# Same setting, older/newer name: the spec's table is read from one transformers release.
+_RENAMED = {"activation_checkpointing": "gradient_checkpointing", "gradient_checkpointing": "activation_checkpointing"}
+
+
+def fit_to_installed(kwargs: dict, args_class) -> dict:
+    """Keep the keys the installed TrainingArguments knows, under the name it uses."""
+    known = set(args_class.__dataclass_fields__)
+    fitted = {}
+    for key, value in kwargs.items():
+        if key not in known and _RENAMED.get(key) in known:
+            key = _RENAMED[key]
+        if key in known:
+            fitted[key] = value
+        else:
+            print(f"note: TrainingArguments of this transformers release has no '{key}': ignored", flush=True)
+    return fitted
+
+
+def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extra: dict | None = None):
+    """TrainingArguments (or a TRL config built on them: args_class, with its own keys in `extra`)
+    from the spec, with the settings our run directory relies on."""
+    from transformers import TrainingArguments
+
+    args_class = args_class or TrainingArguments
+    kwargs = fit_to_installed(spec.training_arguments(), args_class)
+    if "gradient_checkpointing" in args_class.__dataclass_fields__:  # TRL configs default it to True
+        kwargs["gradient_checkpointing"] = spec.gradient_checkpointing and not spec.disable_gradient_checkpointing
+    kwargs.update(extra or {})
+    kwargs["output_dir"] = str(out)
+    kwargs.setdefault("include_num_input_tokens_seen", "non_padding")  # for tokens/s
+    kwargs.setdefault("disable_tqdm", True)  # the run log says the progress, line by line
+    kwargs["remove_unused_columns"] = False  # our rows carry exactly what the collator needs
+    import torch
+
+    from backend.models import compute_dtype
+
+    if "dataloader_pin_memory" not in spec.passthrough:
+        kwargs["dataloader_pin_memory"] = torch.cuda.is_available()
+    # Mixed precision only where the model loader kept it (it already warned about the fallback).
+    dtype = compute_dtype(spec)
+    kwargs["bf16"] = bool(kwargs.get("bf16")) and dtype == torch.bfloat16
+    kwargs["fp16"] = bool(kwargs.get("fp16")) and dtype == torch.float16
+    if not has_eval:
+        kwargs["eval_strategy"] = "no"
+        kwargs["load_best_model_at_end"] = False
+    return args_class(**kwargs)
+
+
+def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collator=None, eval_dataset=None,
+        trainer_class=None, args_class=None, config: dict | None = None, **trainer_kwargs) -> StageResult:
+    """Train with a Trainer (the HF one, or a stage's TRL trainer: trainer_class + args_class with its
+    `config` keys and extra `trainer_kwargs` such as ref_model) and our callback, save, plot: the shared
+    tail of every stage. The callback logs the metric keys the stage declares (backend/stages)."""
+    from transformers import EarlyStoppingCallback, Trainer
+    from transformers.trainer_callback import PrinterCallback
+
+    from backend.callbacks import RunDirCallback
+    from backend.stages import get_stage
+
+    out = run_dir.path
+    checkpoint = resume_checkpoint(spec, out)
+    args = training_arguments(spec, out, has_eval=eval_dataset is not None, args_class=args_class, extra=config)
+    callback = RunDirCallback(run_dir, stop, metric_keys=get_stage(spec.stage).logged_keys())
+    callbacks = [callback]
+    early = None
+    if eval_dataset is not None and getattr(spec, "early_stopping_patience", None):
+        early = EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience)
+        callbacks.append(early)
+    trainer = (trainer_class or Trainer)(
+        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        data_collator=collator, processing_class=tokenizer, callbacks=callbacks, **trainer_kwargs,
+    )
+    trainer.remove_callback(PrinterCallback)  # our callback logs each step as one readable line
+    if checkpoint:
+        step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
+        trim_log_to(out, step)
+        run_dir.log(f"resuming from {checkpoint}")
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    if early is not None and early.early_stopping_patience_counter >= spec.early_stopping_patience:
+        best = trainer.state.best_metric
+        run_dir.log(f"early stopping at step {trainer.state.global_step} of {trainer.state.max_steps}: "
+                    f"{args.metric_for_best_model} did not improve for {spec.early_stopping_patience} evaluations"
+                    + (f" (best {best:.4g}, from {trainer.state.best_model_checkpoint})" if best is not None else ""))
+    trainer.save_model(str(out))
+    trainer.save_state()
+    tokenizer.save_pretrained(str(out))
+    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+    metrics["global_step"] = trainer.state.global_step
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if losses:
+        metrics["final_loss"] = losses[-1]
+    if eval_dataset is not None and not callback.stop_reason:
+        step = trainer.state.global_step
+        done = [h for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == step]
+        eval_metrics = done[-1] if done else trainer.evaluate()  # no second point at the same step
+        metrics.update({k: v for k, v in eval_metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))})
+    if spec.plot_loss:
+        from backend.plot import plot_loss
+
+        path = plot_loss(out)
+        if path:
+            run_dir.log(f"loss plot: {path}")
+    run_dir.log(f"saved to {out}")
+    return StageResult(stopped=callback.stop_reason is not None, metrics=metrics)
+
+
+# -- the steps every stage shares ------------------------------------------------------------
+
+def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
+    """Examples of the named datasets, with the data report in the run log."""
+    from backend.data import load_examples
+
+    examples, report = load_examples(
+        names, spec.resolved_dataset_dir(), stage=stage, max_samples=spec.max_samples,
+        identity_name=spec.identity_name, identity_author=spec.identity_author, seed=spec.seed,
+    )
+    for line in report.summary_lines():
+        run_dir.log(line)
+    return examples
+
+
+def train_and_eval_rows(spec, run_dir: RunDir, stage: str) -> tuple[list[dict], list[dict]]:
+    """Training rows and held-out rows: `eval_dataset` if given, else the `val_size` split."""
+    from backend.data import split_train_val
+
+    train, held_out = split_train_val(load_rows(spec, run_dir, spec.dataset, stage), spec.val_size, spec.seed)
+    if spec.eval_dataset:
+        held_out = load_rows(spec, run_dir, spec.eval_dataset, stage)
+    return train, held_out
+
+
+def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer):
+    """(rows, collator): packed sequences without cross-attention, or padded rows."""
+    from backend.preprocess import PackedCollator, PaddingCollator, pack_rows
+
+    if not rows:
+        raise RunError("no training rows left after preprocessing (see the warnings above)")
+    if spec.resolved_packing:
+        rows = pack_rows(rows, spec.cutoff_len)
+        run_dir.log(f"packed into {len(rows)} sequences of <= {spec.cutoff_len} tokens")
+        return rows, PackedCollator()
+    return rows, PaddingCollator(tokenizer)
+
+
+def trainable_model(spec, run_dir: RunDir, resolved):
+    """The model loaded for training, with adapters / frozen layers as the spec says."""
+    from backend.models import apply_finetuning, count_parameters, describe_model, load_model
+
+    model = load_model(spec, resolved, for_training=True, warn=run_dir.warn)
+    run_dir.log(f"model: {describe_model(model)}")
+    model = apply_finetuning(model, spec, warn=run_dir.warn)
+    trainable, total = count_parameters(model)
+    run_dir.log(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
+    return model

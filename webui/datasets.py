@@ -43,19 +43,57 @@ def run_preview(args: list[str], timeout: float = 300) -> dict:
     return {"error": "\n".join(tail) or f"preview exited with {proc.returncode}"}
 
 
-def render_segments(segments: list[dict]) -> str:
+def render_segments(segments: list[dict], elem_id: str | None = "data-rendered") -> str:
     """Trained spans in colour, masked spans dim, as HTML (escaped)."""
     out = []
     for s in segments:
         cls = "tb-trained" if s.get("trained") else "tb-masked"
         out.append(f'<span class="{cls}">{html.escape(s.get("text", ""))}</span>')
-    return '<div class="tb-preview-text" id="data-rendered">' + "".join(out) + "</div>"
+    id_attr = f' id="{elem_id}"' if elem_id else ""
+    return f'<div class="tb-preview-text"{id_attr}>' + "".join(out) + "</div>"
+
+
+_PART_LABEL = 'style="font-weight:600;font-size:0.85rem;margin:2px 0 4px"'
+_TAG_STYLE = {"desirable": "background:rgba(22,163,74,.15);color:#15803d",
+              "undesirable": "background:rgba(220,38,38,.12);color:#b91c1c"}
+
+
+def _part(part: dict, name: str, label: str) -> str:
+    return (f'<div class="tb-pref-part" data-part="{name}"><div class="tb-pref-label" {_PART_LABEL}>'
+            f'{html.escape(label)} · {part.get("num_tokens", "?")} tokens</div>'
+            f'{render_segments(part.get("segments") or [], elem_id=None)}</div>')
+
+
+def render_row(row: dict) -> str:
+    """One previewed row as HTML, by its kind: a conversation (trained spans in colour); a ranking pair as
+    its prompt once, then the chosen and the rejected answer side by side; a KTO row with its tag."""
+    kind = row.get("kind")
+    if kind == "ranking":
+        answers = (_part(row["chosen"], "chosen", "✓ chosen (preferred answer)")
+                   + _part(row["rejected"], "rejected", "✗ rejected"))
+        return ('<div class="tb-pref" data-kind="ranking" style="display:flex;flex-direction:column;gap:8px">'
+                + _part(row["prompt"], "prompt", "prompt (the same for both answers)")
+                + '<div style="display:grid;grid-template-columns:repeat(auto-fit,minmax(240px,1fr));gap:8px">'
+                + answers + "</div></div>")
+    body = render_segments(row.get("segments") or [])
+    if kind == "kto":
+        tag = row.get("tag") or ("desirable" if row.get("kto_tag") else "undesirable")
+        badge = (f'<span class="tb-kto-tag" data-tag="{tag}" style="{_TAG_STYLE.get(tag, "")};padding:1px 8px;'
+                 f'border-radius:10px;font-size:0.85rem;font-weight:600">{"👍" if tag == "desirable" else "👎"} '
+                 f'{tag}</span>')
+        return f'<div class="tb-pref" data-kind="kto"><div {_PART_LABEL}>KTO label: {badge}</div>{body}</div>'
+    return body
 
 
 def row_summary(row: dict) -> str:
     parts = [f"**{row.get('source', '')} row {row.get('row', '')}**"]
-    if row.get("num_tokens") is not None:
+    if row.get("kind") == "ranking":
+        parts.append(f"prompt {row['prompt']['num_tokens']} + chosen {row['chosen']['num_tokens']} / rejected "
+                     f"{row['rejected']['num_tokens']} tokens, {row.get('num_trained', 0)} trained")
+    elif row.get("num_tokens") is not None:
         parts.append(f"{row['num_tokens']} tokens, {row.get('num_trained', 0)} trained")
+    if row.get("kind") == "kto":
+        parts.append(row.get("tag", ""))
     if row.get("truncated"):
         parts.append("⚠ truncated at cutoff_len")
     if row.get("num_trained") == 0:

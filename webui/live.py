@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from datetime import datetime
 
 import pandas as pd
+
+from backend.stages import STAGES, get_stage
 
 MAX_POINTS = 2000  # a LinePlot value is sent whole each tick: thin long runs instead of sending 100k points
 
@@ -57,6 +60,54 @@ def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | No
     if log_scale and len(df):
         df["value"] = [math.log10(max(v, 1e-8)) for v in df["value"]]
     return _thin(df)
+
+
+def metric_frame(records: list[dict], keys, run_label: str | None = None) -> pd.DataFrame:
+    """Long-format frame (step, value, series) of metric keys as logged in trainer_log.jsonl (e.g.
+    rewards/chosen), each with its eval_ variant when the run evaluated. One series per key present."""
+    wanted = []
+    for key in keys:
+        wanted += [key] if key.startswith("eval_") else [key, f"eval_{key}"]
+    prefix = f"{run_label} " if run_label else ""
+    rows = []
+    for key in dict.fromkeys(wanted):
+        for r in records:
+            step, value = _num(r.get("step")), _num(r.get(key))
+            if step is not None and value is not None:
+                rows.append((int(step), value, prefix + key))
+    return _thin(pd.DataFrame(rows, columns=["step", "value", "series"]))
+
+
+# ------------------------------------------------------------------ the stage's own plots (backend/stages)
+
+def plot_names() -> tuple[str, ...]:
+    """Every plot some stage declares, in declaration order: the Train tab has one LinePlot per name and
+    shows those of the attached run's stage."""
+    return tuple(dict.fromkeys(name for s in STAGES.values() for name, _ in s.plots))
+
+
+def plot_elem_id(name: str) -> str:
+    return "train-plot_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def stage_plots(stage_id: str | None) -> dict[str, tuple[str, ...]]:
+    """plot name -> metric keys of a stage; {} for an unknown stage or one with no plots (pt, sft)."""
+    try:
+        return dict(get_stage(stage_id).plots) if stage_id else {}
+    except KeyError:
+        return {}
+
+
+# Bookkeeping columns of trainer_log.jsonl that are not worth a curve in the Runs overlay.
+NOT_METRICS = ("step", "total_steps", "elapsed_s", "eta_s")
+
+
+def metric_keys(records: list[dict]) -> list[str]:
+    """The numeric keys of these records that can be plotted, loss first; an eval_ key whose train key
+    is also there is left out (it is drawn with it)."""
+    keys = dict.fromkeys(k for r in records for k, v in r.items() if k not in NOT_METRICS and _num(v) is not None)
+    out = [k for k in keys if not (k.startswith("eval_") and k[len("eval_"):] in keys)]
+    return sorted(out, key=lambda k: (k not in ("loss", "eval_loss"), k))
 
 
 def lr_frame(records: list[dict]) -> pd.DataFrame:

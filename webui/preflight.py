@@ -1,6 +1,8 @@
 """Pre-flight memory estimate: will this run fit the machine? A rough, documented formula (no model is
 loaded in the UI process): parameters from the model name (e.g. "135M", "7B") or the registry, bytes per
-weight from the quantization, trainable-state bytes from the method, activations from batch x cutoff."""
+weight from the quantization, trainable-state bytes from the method, activations from batch x cutoff.
+Preference stages add what they hold besides: a frozen reference model copy where one is used, and the
+chosen + rejected sequences of a pairwise stage (twice the batch through the model)."""
 from __future__ import annotations
 
 import re
@@ -8,6 +10,7 @@ import re
 import psutil
 
 from backend.paths import DEFAULT_MODEL_ID
+from backend.stages import get_stage, uses_reference
 
 KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
 
@@ -21,6 +24,26 @@ def param_count(model: str) -> float | None:
     if not m:
         return None
     return float(m.group(1)) * (1e9 if m.group(2) == "b" else 1e6)
+
+
+def reference_copy(flat: dict) -> bool:
+    """Whether the run loads a second, frozen model as its reference: DPO/KTO-style stages do, unless the
+    loss needs none (ORPO, SimPO) or LoRA trains without ref_model (the reference is then the same base
+    weights with the adapter switched off: no copy)."""
+    try:
+        if not uses_reference(flat.get("stage") or "sft", flat.get("pref_loss")):
+            return False
+    except KeyError:
+        return False
+    return bool(flat.get("ref_model")) or flat.get("finetuning_type", "lora") != "lora"
+
+
+def pairwise(flat: dict) -> bool:
+    """Whether each row is a chosen + rejected pair (both go through the model: the batch doubles)."""
+    try:
+        return get_stage(flat.get("stage") or "sft").data == "ranking"
+    except KeyError:
+        return False
 
 
 def estimate(flat: dict) -> dict:
@@ -38,11 +61,16 @@ def estimate(flat: dict) -> dict:
     weights = n * weight_b
     state = n * trainable * 16
     hidden = max(512.0, (n / 1e6) ** 0.5 * 60)
-    tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024)
+    pairs = pairwise(flat)
+    tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024) * (2 if pairs else 1)
     layers = max(12.0, n / 12 / hidden ** 2)
     acts = tokens * hidden * layers * 34 * (2 if half else 4) / (8 if flat.get("gradient_checkpointing") else 1)
-    total = (weights + state + acts) * 1.2
-    return {"known": True, "params": n, "weights": weights, "state": state, "activations": acts, "total": total,
+    reference = 0.0
+    if reference_copy(flat):
+        reference = (param_count(flat.get("ref_model") or "") or n) * weight_b  # frozen: weights only
+    total = (weights + state + acts + reference) * 1.2
+    return {"known": True, "params": n, "weights": weights, "state": state, "activations": acts,
+            "reference": reference, "pairs": pairs, "total": total,
             "available": psutil.virtual_memory().available, "machine": psutil.virtual_memory().total}
 
 
@@ -54,7 +82,9 @@ def summary_md(flat: dict) -> str:
     fits = e["total"] < e["available"]
     cls = "tb-mem-ok" if fits else "tb-mem-warn"
     verdict = "fits" if fits else "⚠ will likely NOT fit in free memory"
+    extra = f', reference model copy {e["reference"] / gib:.1f}' if e["reference"] else ""
+    pairs = " for chosen + rejected" if e["pairs"] else ""
     return (f'<span class="{cls}">Memory estimate: <b>{e["total"] / gib:.1f} GiB</b> '
             f'({e["params"] / 1e6:.0f}M params: weights {e["weights"] / gib:.1f}, trainable state '
-            f'{e["state"] / gib:.1f}, activations {e["activations"] / gib:.1f}) — '
+            f'{e["state"] / gib:.1f}, activations {e["activations"] / gib:.1f}{pairs}{extra}) — '
             f'{e["available"] / gib:.1f} GiB free of {e["machine"] / gib:.1f}: {verdict}</span>')

@@ -94,6 +94,16 @@ def stages_using_field(name: str) -> tuple[str, ...] | None:
     return using or None
 
 
+REFERENCE_FREE_LOSSES = ("orpo", "simpo")  # preference losses that need no reference model
+
+
+def uses_reference(stage_id: str, pref_loss: str | None = None) -> bool:
+    """Whether a stage trains against a frozen reference model: the stages that take `ref_model`, unless
+    their preference loss needs none (ORPO, SimPO). Read-only; the memory estimate uses it."""
+    stage = get_stage(stage_id)
+    return "ref_model" in stage.fields and (stage.pref_loss or pref_loss) not in REFERENCE_FREE_LOSSES
+
+
 def stage_module(stage_id: str):
     """The heavy module that trains this stage (imports torch): backend.stages.<module>."""
     import importlib

@@ -1,5 +1,6 @@
 """Data tab: page through a registered dataset's rows rendered by the chosen template, trained spans in
-colour; dataset statistics; register a new dataset (upload or path, format, column mapping, preview, save)."""
+colour (a ranking row as its prompt + chosen + rejected answers, a KTO row with its tag); dataset
+statistics; register a new dataset (upload or path, format, column mapping, preview, save)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -70,7 +71,7 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff):
         return f"⛔ {res['error']}", ""
     warn = "".join(f"\n\n⚠ {w}" for w in res.get("warnings") or [])
     return D.row_summary(res) + f" · template `{res.get('template', template)}`" + warn, \
-        D.render_segments(res.get("segments") or [])
+        D.render_row(res)
 
 
 def stats(dataset_dir, dataset, model, template, cutoff):
@@ -134,7 +135,7 @@ def wire(c: dict, top: dict, train: dict) -> None:
         if "error" in res:
             return f"⛔ {res['error']}", ""
         rows = res.get("rows") or [res]
-        body = "".join(f"<p>{D.row_summary(r)}</p>{D.render_segments(r['segments'])}" for r in rows)
+        body = "".join(f"<p>{D.row_summary(r)}</p>{D.render_row(r)}" for r in rows)
         return f"✓ {res.get('num_rows', len(rows))} rows read; the first {len(rows)} rendered below.", body
 
     c["reg_preview"].click(reg_preview, reg_in, [c["reg_message"], c["reg_rows"]])

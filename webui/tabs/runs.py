@@ -1,5 +1,6 @@
-"""Runs tab: every run directory (and queued spec) as a table; overlay loss curves; config diff; actions
-(open live view, resume, continue N more steps, clone into the form, delete with confirmation)."""
+"""Runs tab: every run directory (and queued spec) as a table; overlay any logged metric of several runs;
+config diff; actions (open live view, resume, continue N more steps, clone into the form, continue an SFT
+run with DPO, delete with confirmation)."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from backend import paths
-from backend.spec import SpecError, load_spec
+from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live
 from webui.tabs import train as train_tab
@@ -67,16 +68,33 @@ def table(rows: list[dict], status: str, model: str) -> pd.DataFrame:
     return pd.DataFrame([[r[c] for c in COLUMNS] for r in keep], columns=COLUMNS)
 
 
-def overlay_frame(run_dirs: list[str], root: Path | None = None) -> pd.DataFrame:
-    """Loss (and eval loss) of several runs on one plot, one series per run."""
+def _records(run_dir: str) -> list[dict]:
+    recs, _ = JsonlTail(str(Path(run_dir) / "trainer_log.jsonl")).read()
+    return recs
+
+
+def overlay_frame(run_dirs: list[str], root: Path | None = None, metric: str = "loss") -> pd.DataFrame:
+    """One logged metric (with its eval_ variant) of several runs on one plot, one series per run and
+    metric: loss by default, or any key of trainer_log.jsonl (rewards/accuracies, kl, grad_norm, ...)."""
     root = Path(root or paths.saves_dir())
+    metric = metric or "loss"
     frames = []
     for d in run_dirs:
-        recs, _ = JsonlTail(str(Path(d) / "trainer_log.jsonl")).read()
-        frames.append(live.loss_frame(recs, run_label=_rel(d, root)))
+        recs = _records(d)
+        frames.append(live.loss_frame(recs, run_label=_rel(d, root)) if metric == "loss"
+                      else live.metric_frame(recs, [metric], run_label=_rel(d, root)))
     if not frames:
         return train_tab.empty_loss()
     return pd.concat(frames, ignore_index=True)
+
+
+def overlay_metrics(run_dirs: list[str]) -> list[str]:
+    """The metrics the overlay can draw for these runs: every plottable key present in their logs, loss
+    first (always offered)."""
+    keys: dict = {"loss": None}
+    for d in run_dirs:
+        keys.update(dict.fromkeys(live.metric_keys(_records(d))))
+    return list(keys)
 
 
 def diff_md(a: str | None, b: str | None) -> str:
@@ -154,6 +172,44 @@ def clone_spec(run_dir: str | None):
     return spec.model_copy(update={"output_dir": None, "resume_from_checkpoint": None}), "Cloned into the Train form."
 
 
+# The SFT -> DPO chain: the bundled ranking dataset a "Continue with DPO" starts from (any other ranking
+# dataset can then be picked in the form).
+DPO_DATASET = "dpo_en_demo"
+
+
+def continue_dpo_spec(run_dir: str | None):
+    """The Train form's spec for DPO on top of a finished SFT LoRA run: the run's settings, stage dpo, a
+    ranking dataset, adapter_name_or_path = the run (its adapter is trained further), a fresh output_dir.
+    Returns (spec, message); spec is None when the run cannot be continued this way."""
+    if not run_dir:
+        return None, "Pick a run."
+    try:
+        spec = load_spec(Path(run_dir) / jobs.SPEC_FILE, check_files=False)
+    except (SpecError, OSError) as exc:
+        return None, f"Cannot continue: {exc}"
+    if spec.stage != "sft":
+        return None, f"Continue with DPO starts from an SFT run; this one is stage {spec.stage}."
+    if spec.finetuning_type != "lora":
+        return None, (f"Continue with DPO needs a LoRA run (its adapter is trained further); this one is "
+                      f"{spec.finetuning_type}.")
+    state = jobs.run_state(run_dir).state
+    if state != "completed":
+        return None, f"The run has not completed (it is {state}): continue from a finished run."
+    if not (Path(run_dir) / "adapter_config.json").exists():
+        return None, "The run folder holds no adapter (adapter_config.json)."
+    flat = spec.flat_dict(include_defaults=False)
+    flat.update(stage="dpo", dataset=DPO_DATASET, adapter_name_or_path=str(run_dir))
+    # eval_dataset: an SFT evaluation set is no ranking data, DPO cannot score it
+    for key in ("output_dir", "resume_from_checkpoint", "overwrite_output_dir", "eval_dataset"):
+        flat.pop(key, None)
+    try:
+        spec = validate_spec(flat, check_files=False)
+    except SpecError as exc:
+        return None, f"Cannot continue: {exc}"
+    return spec, (f"DPO on top of `{Path(run_dir).name}` is in the Train form (dataset {DPO_DATASET}): "
+                  "check it and press Start.")
+
+
 def build(reg) -> dict:
     c: dict = {}
     with gr.Row():
@@ -171,6 +227,8 @@ def build(reg) -> dict:
             c["select"] = gr.Dropdown(choices=names, value=[], multiselect=True, label="Overlay runs",
                                       elem_id="runs-select")
             reg._add(c["select"], "label")
+            c["metric"] = gr.Dropdown(choices=["loss"], value="loss", label="Metric", elem_id="runs-metric")
+            reg._add(c["metric"], "label")
             c["overlay"] = reg.comp(gr.LinePlot, "runs-overlay", value=train_tab.empty_loss(), x="step",
                                     y="value", color="series", height=400, x_title="step", y_title="loss")
         with gr.Column(scale=2):
@@ -180,6 +238,7 @@ def build(reg) -> dict:
                 c["open"] = reg.button("runs-open", size="sm", variant="primary")
                 c["resume"] = reg.button("runs-resume", size="sm")
                 c["clone"] = reg.button("runs-clone", size="sm")
+                c["continue_dpo"] = reg.button("runs-continue_dpo", size="sm")
             with gr.Row():
                 c["continue_n"] = reg.comp(gr.Number, "runs-continue_n", value=20, precision=0, minimum=1)
                 c["continue"] = reg.button("runs-continue", size="sm")
@@ -209,9 +268,24 @@ def wire(c: dict, state, train: dict, tabs) -> None:
     # re-scan when the tab is opened (runs started elsewhere appear)
     tabs.select(refresh, [c["status"], c["model"]], [c["table"], *pickers])
 
-    c["select"].change(lambda ds: overlay_frame(ds or []), [c["select"]], [c["overlay"]]).then(
-        lambda ds: train_tab.legend_update(train_tab.series_of(overlay_frame(ds or []))), [c["select"]],
-        [c["overlay"]], show_progress="hidden")
+    def pick_runs(run_dirs, metric):
+        """Inputs: selected runs, metric. Outputs: metric picker (the keys their logs hold; the metric is
+        kept when they still have it, else loss), overlay."""
+        offered = overlay_metrics(run_dirs or [])
+        metric = metric if metric in offered else "loss"
+        return gr.update(choices=offered, value=metric), draw_overlay(run_dirs, metric)
+
+    def draw_overlay(run_dirs, metric):
+        """Inputs: selected runs, metric. Outputs: overlay."""
+        return gr.update(value=overlay_frame(run_dirs or [], metric=metric or "loss"), y_title=metric or "loss")
+
+    def overlay_legend(run_dirs, metric):
+        return train_tab.legend_update(train_tab.series_of(overlay_frame(run_dirs or [], metric=metric or "loss")))
+
+    c["select"].change(pick_runs, [c["select"], c["metric"]], [c["metric"], c["overlay"]]).then(
+        overlay_legend, [c["select"], c["metric"]], [c["overlay"]], show_progress="hidden")
+    c["metric"].input(draw_overlay, [c["select"], c["metric"]], [c["overlay"]]).then(
+        overlay_legend, [c["select"], c["metric"]], [c["overlay"]], show_progress="hidden")
     for dd in (c["diff_a"], c["diff_b"]):
         dd.change(diff_md, [c["diff_a"], c["diff_b"]], [c["diff"]])
     c["max_concurrent"].change(lambda n: jobs.JobQueue().set_max_concurrent(int(n or 1)), [c["max_concurrent"]],
@@ -250,6 +324,16 @@ def wire(c: dict, state, train: dict, tabs) -> None:
         return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
 
     c["clone"].click(clone, [c["target"]], [c["message"], tabs, *inputs])
+
+    def continue_dpo(run_dir):
+        """Put DPO on top of a finished SFT LoRA run into the Train form (stage dpo, a ranking dataset, the
+        run as adapter_name_or_path). Outputs: message, tabs, inputs."""
+        spec, message = continue_dpo_spec(run_dir)
+        if spec is None:
+            return (message, gr.skip(), *([gr.skip()] * len(inputs)))
+        return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
+
+    c["continue_dpo"].click(continue_dpo, [c["target"]], [c["message"], tabs, *inputs])
 
     def delete(run_dir, confirmed, status, model):
         """Delete a run dir (only with the confirmation box ticked, never a live run). Outputs: message,

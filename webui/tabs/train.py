@@ -105,6 +105,12 @@ def build(reg, top: dict) -> dict:
                                       color="series", height=340, x_title="step", y_title="loss")
             with gr.Row():
                 c["log_scale"] = reg.comp(gr.Checkbox, "train-log_scale", value=False, scale=1)
+            # The stage's own curves (rewards, accuracy, kl, ...) as backend/stages declares them: one
+            # plot per declared name, shown while the attached run's stage has it (none for pt / sft).
+            c["stage_plots"] = {
+                name: reg.comp(gr.LinePlot, live.plot_elem_id(name), value=empty_loss(), x="step", y="value",
+                               color="series", height=260, x_title="step", y_title=name, visible=False)
+                for name in live.plot_names()}
             c["lr_plot"] = reg.comp(gr.LinePlot, "train-lr_plot", value=empty_lr(), x="step", y="lr",
                                     height=200, x_title="step", y_title="learning rate")
             c["log"] = reg.comp(gr.Textbox, "train-log", lines=12, max_lines=12, autoscroll=True,
@@ -183,16 +189,48 @@ def preview_of(spec) -> tuple[str, str]:
     return shlex.join(jobs.train_argv(spec_path)), spec.to_yaml()
 
 
+N_PLOTS = len(live.plot_names())
+# live view outputs between the state and the timer: progress, loss, lr, stage plots, log, final, image,
+# adapter picker
+N_VIEW = 7 + N_PLOTS
+
+
+def run_stage(run_dir: str) -> str | None:
+    """The stage of a run: from its run_spec.yaml, or from its queue entry while it waits there."""
+    stage = jobs.read_spec_dict(Path(run_dir)).get("stage")
+    if stage is None and (Path(run_dir) / jobs.SPEC_FILE).exists():
+        return "sft"  # the spec's default
+    if stage is None:
+        stage = next((e.spec.get("stage", "sft") for e in jobs.JobQueue().entries() if e.run_dir == run_dir), None)
+    return stage
+
+
+def stage_plot_updates(st: dict, records: list[dict]) -> list:
+    """One update per stage plot (live.plot_names() order): the attached run's stage's plots with their
+    series, the others hidden. Records each shown plot's series in st["series"] (for the legend)."""
+    plots = live.stage_plots(st.get("stage"))
+    out = []
+    for name in live.plot_names():
+        if name in plots:
+            frame = live.metric_frame(records, plots[name])
+            st.setdefault("series", {})[name] = series_of(frame)
+            out.append(gr.update(value=frame, visible=True))
+        else:
+            out.append(gr.update(visible=False))
+    return out
+
+
 def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
-    """Poll the attached run; returns (state, progress html, loss df|skip, lr df|skip, log, final md,
-    image update, adapter picker update, timer update). When the run has just ended, the top bar's
-    adapter picker is re-listed so its new adapter and checkpoints can be picked at once."""
+    """Poll the attached run; returns (state, progress html, loss df|skip, lr df|skip, one update per stage
+    plot, log, final md, image update, adapter picker update, timer update). When the run has just ended,
+    the top bar's adapter picker is re-listed so its new adapter and checkpoints can be picked at once."""
     run_dir = st.get("run_dir")
     if not run_dir:
-        return (st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                gr.Timer(active=False))
+        return (st, *([gr.skip()] * N_VIEW), gr.Timer(active=False))
     tail: RunTail = st.get("tail") or RunTail(run_dir)
     st["tail"] = tail
+    if st.get("stage") is None:
+        st["stage"] = run_stage(run_dir)
     before = len(tail.records)
     status = tail.poll()
     rs = jobs.run_state(run_dir)
@@ -203,11 +241,14 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     p = live.progress(tail.records, status)
     name = _run_name(run_dir)
     prog = live.progress_html(p, state, name)
-    changed = force_plot or len(tail.records) != before
+    # a run attached a moment ago is drawn once even with no record yet (the plots still hold the last run's)
+    changed = force_plot or len(tail.records) != before or st.get("plotted") != run_dir
+    st["plotted"] = run_dir
     loss = live.loss_frame(tail.records, log_scale) if changed else gr.skip()
     if changed:
-        st["series"] = series_of(loss)
+        st.setdefault("series", {})["loss"] = series_of(loss)
     lr = live.lr_frame(tail.records) if changed else gr.skip()
+    plots = stage_plot_updates(st, tail.records) if changed else [gr.skip()] * N_PLOTS
     done = not rs.active and state != "queued"
     final = live.final_metrics_md(status) if done else ""
     if tail.malformed:
@@ -215,7 +256,21 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     png = Path(run_dir) / "training_loss.png"
     image = gr.update(value=str(png), visible=True) if done and png.exists() else gr.update(visible=False)
     adapters = adapter_picker_update() if done else gr.skip()
-    return (st, prog, loss, lr, tail.log_text(), final, image, adapters, gr.Timer(active=not done))
+    return (st, prog, loss, lr, *plots, tail.log_text(), final, image, adapters, gr.Timer(active=not done))
+
+
+def legend_updates(st: dict, plot_keys: list[str]) -> list:
+    """One update per plot key ("loss", then the stage plots): legend_update where the plot's series
+    changed since its colours were last set, else a skip. Updates st["legend"] in place."""
+    series, legend = st.get("series") or {}, st.setdefault("legend", {})
+    out = []
+    for key in plot_keys:
+        if key not in series or series[key] == legend.get(key):
+            out.append(gr.skip())
+        else:
+            legend[key] = series[key]  # in place, like the ticks
+            out.append(legend_update(series[key]))
+    return out
 
 
 def adapter_picker_update():
@@ -245,8 +300,9 @@ def wire(c: dict, state) -> None:
     all_names = top_names + names
     inputs = [top[n] for n in top_names] + [top["booster"], c["extra_args"]] + [c["fields"][n] for n in names]
     field_comps = [top[n] for n in top_names] + [c["fields"][n] for n in names]
-    live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], c["log"], c["final"], c["loss_image"],
-                    top["adapter_name_or_path"], c["timer"]]
+    plot_comps = [c["stage_plots"][name] for name in live.plot_names()]
+    live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], *plot_comps, c["log"], c["final"],
+                    c["loss_image"], top["adapter_name_or_path"], c["timer"]]
 
     def do_preview(*values):
         """Inputs: top bar, booster, extra args, form fields. Outputs: errors box, per-field errors,
@@ -271,14 +327,14 @@ def wire(c: dict, state) -> None:
         spec, errors = check(flat, pre)
         if errors:
             return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
-                    "", st, *([gr.skip()] * 7), gr.Timer(active=False))
+                    "", st, *([gr.skip()] * N_VIEW), gr.Timer(active=False))
         spec = spec.with_output_dir()
         run_dir = Path(spec.output_dir)
         if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
             errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
                                      "empty for a new one)")]
             return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
-                    "", st, *([gr.skip()] * 7), gr.Timer(active=False))
+                    "", st, *([gr.skip()] * N_VIEW), gr.Timer(active=False))
         how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
         msg = (f"Started `{_run_name(run_dir)}`" if how == "started"
                else f"Queued `{_run_name(run_dir)}`: it starts when a running job finishes (see Runs)")
@@ -305,16 +361,12 @@ def wire(c: dict, state) -> None:
     c["abort"].click(do_abort, [state], [c["message"]])
 
     def refresh_legend(st):
-        """After a live update: rebuild the loss plot's colours when its set of series changed (see
-        legend_update). Inputs: state. Outputs: state, loss plot."""
-        series = (st or {}).get("series")
-        if series is None or series == st.get("legend"):
-            return gr.skip(), gr.skip()
-        st["legend"] = series  # in place, like the ticks
-        return gr.skip(), legend_update(series)
+        """After a live update: rebuild a plot's colours when its set of series changed (see
+        legend_update). Inputs: state. Outputs: state, loss plot, stage plots."""
+        return (gr.skip(), *legend_updates(st or {}, ["loss", *live.plot_names()]))
 
     def then_legend(event):
-        event.then(refresh_legend, [state], [state, c["loss_plot"]], show_progress="hidden")
+        event.then(refresh_legend, [state], [state, c["loss_plot"], *plot_comps], show_progress="hidden")
 
     then_legend(c["start"].click(do_start, [state, c["log_scale"], *inputs],
                                  [c["errors"], *field_comps, c["message"], *live_outputs]))

@@ -1,0 +1,83 @@
+"""`tuneboard preview` of preference data (what the Data tab shows): a ranking row is its prompt once plus
+the chosen and the rejected answer, split and counted exactly as backend.preference gives them to the DPO
+/ reward trainers; a KTO row carries its desirable / undesirable tag. In-process (main + capsys)."""
+import json
+
+import pytest
+
+from backend import preview
+
+
+def run(capsys, *args):
+    code = preview.main(list(args))
+    out = capsys.readouterr().out
+    return code, out
+
+
+def preview_json(capsys, *args):
+    code, out = run(capsys, *args, "--json")
+    result = json.loads(out)
+    assert code == 0, result
+    return result
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from backend.models import load_tokenizer, resolve_model
+    from backend.paths import DEFAULT_MODEL_ID
+
+    return load_tokenizer(resolve_model(DEFAULT_MODEL_ID))
+
+
+def text(part):
+    return "".join(s["text"] for s in part["segments"])
+
+
+def test_ranking_row_is_prompt_once_then_chosen_and_rejected(capsys, tokenizer):
+    row = preview_json(capsys, "--dataset", "dpo_en_demo", "--index", "2")
+    assert row["kind"] == "ranking" and row["source"] == "dpo_en_demo" and row["row"] == 2
+    prompt, chosen, rejected = text(row["prompt"]), text(row["chosen"]), text(row["rejected"])
+    assert "Convert the following text to uppercase." in prompt and prompt.count("Convert the following") == 1
+    assert prompt.endswith("<|im_start|>assistant\n")  # the answer's header belongs to the prompt
+    assert chosen == "THE TRAIN TO THE COAST LEAVES EVERY HOUR<|im_end|>"
+    assert rejected == "I can't help with that.<|im_end|>"
+    # the prompt is masked and each answer is trained (as the DPO trainer treats them)
+    assert not any(s["trained"] for s in row["prompt"]["segments"])
+    assert all(s["trained"] for s in row["chosen"]["segments"] + row["rejected"]["segments"])
+    # the shown text is exactly the tokens the trainer gets, and the counts are theirs
+    assert tokenizer.decode(row["prompt_ids"]) == prompt
+    assert tokenizer.decode(row["chosen_ids"]) == chosen and tokenizer.decode(row["rejected_ids"]) == rejected
+    assert [row[k]["num_tokens"] for k in ("prompt", "chosen", "rejected")] == \
+        [len(row["prompt_ids"]), len(row["chosen_ids"]), len(row["rejected_ids"])]
+    assert row["num_trained"] == len(row["chosen_ids"]) + len(row["rejected_ids"])
+    assert row["truncated"] is False
+
+
+def test_ranking_row_truncation_keeps_the_answers(capsys):
+    row = preview_json(capsys, "--dataset", "dpo_en_demo", "--index", "2", "--cutoff-len", "32")
+    assert row["truncated"] is True
+    assert row["prompt"]["num_tokens"] + max(row["chosen"]["num_tokens"], row["rejected"]["num_tokens"]) <= 32
+    assert row["chosen"]["num_tokens"] == 15  # untouched: the prompt lost its oldest tokens instead
+
+
+def test_kto_rows_carry_their_tag(capsys):
+    rows = preview_json(capsys, "--dataset", "kto_en_demo", "--index", "1", "--count", "2")["rows"]
+    assert [(r["kind"], r["tag"], r["kto_tag"]) for r in rows] == [("kto", "desirable", True),
+                                                                   ("kto", "undesirable", False)]
+    trained = "".join(s["text"] for s in rows[1]["segments"] if s["trained"])
+    assert trained == "I can't help with that.<|im_end|>"
+    assert rows[1]["num_trained"] == len(rows[1]["completion_ids"])
+
+
+def test_human_output_and_stats_of_a_ranking_dataset(capsys):
+    code, out = run(capsys, "--dataset", "dpo_en_demo")
+    assert code == 0 and "[prompt:" in out and "[chosen:" in out and "[rejected:" in out
+    stats = preview_json(capsys, "--dataset", "dpo_en_demo", "--stats")
+    assert stats["num_rows"] == 40 and stats["rows_without_trained_tokens"] == [] and stats["max_length"] > 0
+
+
+def test_a_stage_of_the_wrong_kind_is_refused_naming_the_dataset(capsys):
+    code, out = run(capsys, "--dataset", "dpo_en_demo", "--stage", "sft", "--json")
+    assert code == 1
+    error = json.loads(out)["error"]
+    assert "dpo_en_demo" in error and "ranking" in error

@@ -33,14 +33,26 @@ def text(part):
     return "".join(s["text"] for s in part["segments"])
 
 
+def raw_rows(name):
+    """The bundled file's own rows (the preview is checked against them, whatever the demo data holds)."""
+    from backend.paths import DATA_DIR
+
+    path = DATA_DIR / json.loads((DATA_DIR / "dataset_info.json").read_text())[name]["file_name"]
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(path.read_text())
+
+
 def test_ranking_row_is_prompt_once_then_chosen_and_rejected(capsys, tokenizer):
+    raw = raw_rows("dpo_en_demo")[2]
     row = preview_json(capsys, "--dataset", "dpo_en_demo", "--index", "2")
     assert row["kind"] == "ranking" and row["source"] == "dpo_en_demo" and row["row"] == 2
     prompt, chosen, rejected = text(row["prompt"]), text(row["chosen"]), text(row["rejected"])
-    assert "Convert the following text to uppercase." in prompt and prompt.count("Convert the following") == 1
+    assert prompt.count(raw["instruction"]) == 1 and raw["input"] in prompt
     assert prompt.endswith("<|im_start|>assistant\n")  # the answer's header belongs to the prompt
-    assert chosen == "THE TRAIN TO THE COAST LEAVES EVERY HOUR<|im_end|>"
-    assert rejected == "I can't help with that.<|im_end|>"
+    assert chosen == raw["chosen"] + "<|im_end|>"
+    assert rejected == raw["rejected"] + "<|im_end|>"
+    assert raw["chosen"] not in prompt and raw["rejected"] not in prompt
     # the prompt is masked and each answer is trained (as the DPO trainer treats them)
     assert not any(s["trained"] for s in row["prompt"]["segments"])
     assert all(s["trained"] for s in row["chosen"]["segments"] + row["rejected"]["segments"])
@@ -54,19 +66,27 @@ def test_ranking_row_is_prompt_once_then_chosen_and_rejected(capsys, tokenizer):
 
 
 def test_ranking_row_truncation_keeps_the_answers(capsys):
-    row = preview_json(capsys, "--dataset", "dpo_en_demo", "--index", "2", "--cutoff-len", "32")
+    full = preview_json(capsys, "--dataset", "dpo_en_demo", "--index", "2")
+    cutoff = full["num_tokens"] - 8
+    row = preview_json(capsys, "--dataset", "dpo_en_demo", "--index", "2", "--cutoff-len", str(cutoff))
     assert row["truncated"] is True
-    assert row["prompt"]["num_tokens"] + max(row["chosen"]["num_tokens"], row["rejected"]["num_tokens"]) <= 32
-    assert row["chosen"]["num_tokens"] == 15  # untouched: the prompt lost its oldest tokens instead
+    assert row["prompt"]["num_tokens"] + max(row["chosen"]["num_tokens"], row["rejected"]["num_tokens"]) <= cutoff
+    # the answers are untouched: the prompt lost its oldest tokens instead
+    assert row["chosen_ids"] == full["chosen_ids"] and row["rejected_ids"] == full["rejected_ids"]
+    assert row["prompt"]["num_tokens"] == full["prompt"]["num_tokens"] - 8
 
 
 def test_kto_rows_carry_their_tag(capsys):
-    rows = preview_json(capsys, "--dataset", "kto_en_demo", "--index", "1", "--count", "2")["rows"]
-    assert [(r["kind"], r["tag"], r["kto_tag"]) for r in rows] == [("kto", "desirable", True),
-                                                                   ("kto", "undesirable", False)]
-    trained = "".join(s["text"] for s in rows[1]["segments"] if s["trained"])
-    assert trained == "I can't help with that.<|im_end|>"
-    assert rows[1]["num_trained"] == len(rows[1]["completion_ids"])
+    raw = raw_rows("kto_en_demo")
+    good = next(i for i, r in enumerate(raw) if r["label"] is True)
+    bad = next(i for i, r in enumerate(raw) if r["label"] is False)
+    for i, tag in ((good, "desirable"), (bad, "undesirable")):
+        row = preview_json(capsys, "--dataset", "kto_en_demo", "--index", str(i))
+        assert (row["kind"], row["tag"], row["kto_tag"]) == ("kto", tag, raw[i]["label"])
+        # only the last answer is trained (the completion KTO scores), the rest is its prompt
+        trained = "".join(s["text"] for s in row["segments"] if s["trained"])
+        assert trained == raw[i]["messages"][-1]["content"] + "<|im_end|>"
+        assert row["num_trained"] == len(row["completion_ids"])
 
 
 def test_human_output_and_stats_of_a_ranking_dataset(capsys):

@@ -96,6 +96,7 @@ class DatasetCounts:
 @dataclass
 class DataReport:
     datasets: list[DatasetCounts] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. how several datasets were mixed
 
     @property
     def kept(self) -> int:
@@ -137,7 +138,7 @@ class DataReport:
                 lines.append(f"  ... and {d.skipped - len(d.first_skipped)} more skipped rows")
         if len(self.datasets) > 1:
             lines.append(f"datasets total: {self.kept} examples kept, {self.skipped} rows skipped")
-        return lines
+        return lines + self.notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,12 +741,16 @@ def _names(names: str | list[str]) -> list[str]:
 
 def load_examples(names: str | list[str], dataset_dir: str | os.PathLike | None = None, *, stage: str = "sft",
                   max_samples: int | None = None, identity_name: str = "TuneBoard Assistant",
-                  identity_author: str = "the TuneBoard team", seed: int = 42) -> tuple[list[dict], "DataReport"]:
-    """Load one or more datasets (comma separated names) as normalized examples, in order.
+                  identity_author: str = "the TuneBoard team", seed: int = 42, default_system: str | None = None,
+                  mix_strategy: str = "concat", interleave_probs: str | list | None = None,
+                  ) -> tuple[list[dict], "DataReport"]:
+    """Load one or more datasets (comma separated names) as normalized examples.
 
     stage picks the shape by the dataset kind it declares (backend.stages): text -> {"text"}; ranking
     stages need ranking datasets (chosen/rejected); kto needs a kto_tag column. max_samples keeps the first N rows of each dataset. Bad rows are
-    skipped and counted in the returned DataReport."""
+    skipped and counted in the returned DataReport. Several datasets are concatenated in order, or
+    interleaved (mix_strategy, interleave_probs: see mix_datasets). default_system becomes the system message
+    of every conversation that has none, as chat and the API do when serving (see add_default_system)."""
     if stage not in STAGE_IDS:
         raise DatasetError(f"unknown stage '{stage}' (expected one of {', '.join(STAGE_IDS)})")
     if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1):
@@ -754,7 +759,7 @@ def load_examples(names: str | list[str], dataset_dir: str | os.PathLike | None 
     info_path = dataset_dir / "dataset_info.json"
     info = load_dataset_info(dataset_dir)
     report = DataReport()
-    examples: list[dict] = []
+    parts: list[list[dict]] = []
     for name in _names(names):
         if name not in info:
             close = difflib.get_close_matches(name, list(info), n=3, cutoff=0.5)
@@ -763,9 +768,54 @@ def load_examples(names: str | list[str], dataset_dir: str | os.PathLike | None 
                                f"(known: {', '.join(sorted(info)) or 'none'})")
         got, counts = _load_entry(name, info[name], dataset_dir, info_path, stage=stage, max_samples=max_samples,
                                   seed=seed, identity=(identity_name, identity_author))
-        examples += got
+        parts.append(got)
         report.datasets.append(counts)
-    return examples, report
+    examples = mix_datasets(parts, mix_strategy, interleave_probs, seed)
+    if mix_strategy != "concat" and len(parts) > 1:
+        report.notes.append(f"{mix_strategy}: {len(examples)} examples drawn from {len(parts)} datasets")
+    return add_default_system(examples, default_system), report
+
+
+def add_default_system(examples: list[dict], system: str | None) -> list[dict]:
+    """Conversations without a system message get `system` as their first message: the prompt the model is
+    trained and evaluated with is then the one chat and the API serve (backend.engine puts the same
+    default_system before a conversation that has none). Text rows (stage pt) have no messages: unchanged."""
+    if not system:
+        return examples
+    out = []
+    for example in examples:
+        messages = example.get("messages")
+        if messages is not None and not (messages and messages[0].get("role") == "system"):
+            example = {**example, "messages": [{"role": "system", "content": system}] + list(messages)}
+        out.append(example)
+    return out
+
+
+MIX_STRATEGIES = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted"}
+
+
+def mix_datasets(parts: list[list[dict]], strategy: str = "concat", probs: str | list | None = None,
+                 seed: int = 42) -> list[dict]:
+    """Several datasets' examples -> one list. concat: one after the other. interleave_under / interleave_over:
+    datasets.interleave_datasets with stopping_strategy first_exhausted / all_exhausted (LLaMA-Factory's
+    meaning): round robin, or with `probs` a seeded random draw of the next dataset; under stops when one
+    dataset runs out, over repeats rows of the smaller datasets until every row of each was used. The library
+    draws the order (over row indices), so the semantics are exactly its own."""
+    if strategy == "concat" or len(parts) < 2:
+        return [e for part in parts for e in part]
+    if strategy not in MIX_STRATEGIES:
+        raise DatasetError(f"mix_strategy must be concat, interleave_under or interleave_over (got {strategy!r})")
+    if isinstance(probs, str):
+        probs = [float(p) for p in probs.split(",") if p.strip()]
+    if probs is not None and len(probs) != len(parts):
+        raise DatasetError(f"interleave_probs has {len(probs)} values for {len(parts)} datasets")
+    flat = [e for part in parts for e in part]
+    starts = [sum(len(p) for p in parts[:k]) for k in range(len(parts))]
+    indexed = [datasets.Dataset.from_dict({"i": list(range(start, start + len(part)))})
+               for start, part in zip(starts, parts)]
+    mixed = datasets.interleave_datasets(indexed, probabilities=list(probs) if probs else None, seed=seed,
+                                         stopping_strategy=MIX_STRATEGIES[strategy])
+    return [flat[i] for i in mixed["i"]]
 
 
 def split_train_val(examples: list, val_size: float | int | None, seed: int = 42) -> tuple[list, list]:

@@ -624,10 +624,12 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
 
     resolved = resolve_model(spec.model_name_or_path)
     log(f"loading {resolved.model_id} ...")
-    tokenizer = load_tokenizer(resolved, trust_remote_code=bool(getattr(spec, "trust_remote_code", False)))
+    tokenizer = load_tokenizer(resolved, trust_remote_code=bool(getattr(spec, "trust_remote_code", False)),
+                               new_special_tokens=getattr(spec, "new_special_tokens", None))
     defaults = sampling_defaults(spec)
     system = getattr(spec, "default_system", None)
-    base_template = pick_template(spec.template, resolved, tokenizer, warn=warn)
+    base_template = pick_template(spec.template, resolved, tokenizer, warn=warn,
+                                  enable_thinking=getattr(spec, "enable_thinking", True))
 
     def template_for(entry: Served):
         if spec.template == "auto" and entry.adapters:

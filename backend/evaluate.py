@@ -43,7 +43,8 @@ def eval_examples(spec, log=print) -> list[dict]:
     from backend.data import load_examples, split_train_val
 
     common = dict(stage="sft", max_samples=spec.max_samples, identity_name=spec.identity_name,
-                  identity_author=spec.identity_author, seed=spec.seed)
+                  identity_author=spec.identity_author, seed=spec.seed, default_system=spec.default_system,
+                  mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs)
     if spec.eval_dataset:
         examples, report = load_examples(spec.eval_dataset, spec.resolved_dataset_dir(), **common)
     elif spec.dataset:
@@ -165,8 +166,9 @@ def run(spec) -> int:
         from backend.resolve import pick_template
 
         resolved = resolve_model(spec.model_name_or_path)
-        tokenizer = load_tokenizer(resolved)
-        template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+        tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
+        template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn,
+                                 enable_thinking=spec.enable_thinking)
         run_dir.log(f"eval: model {spec.model_name_or_path}"
                     + (f" + adapter {spec.adapter_name_or_path}" if spec.adapter_name_or_path else "")
                     + f", template {template.name}, output {out}")

@@ -414,10 +414,14 @@ def export(spec) -> dict:
         warn(f"quantization_bit {spec.quantization_bit} ignored: adapters are merged into a full-precision reload")
 
     _say(2, f"loading {resolved.model_id} in float32 from {folder}")
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = load_tokenizer(resolved, new_special_tokens=getattr(spec, "new_special_tokens", None))
     template = pick_template(spec.template, resolved, tokenizer, warn=warn)
     device = _device(spec)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    if getattr(spec, "resize_vocab", False) or getattr(spec, "new_special_tokens", None):
+        from backend.models import resize_vocab
+
+        resize_vocab(model, spec, resolved, warn)  # the shapes the adapter was trained with
     if kind == "gguf":
         from backend.gguf_export import check_supported, vocab_metadata
 

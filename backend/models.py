@@ -38,7 +38,7 @@ Warn = Callable[[str], None]
 REGISTRY_FILE = Path(__file__).with_name("model_registry.yaml")
 
 # Methods the spec accepts (LLaMA-Factory names) that a later issue implements.
-_NOT_YET = ("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon", "use_llama_pro", "use_unsloth")
+_NOT_YET = ("use_apollo", "use_badam", "use_adam_mini", "use_muon", "use_llama_pro", "use_unsloth")
 
 
 def _get(spec: Any, name: str, default: Any = None) -> Any:
@@ -319,9 +319,11 @@ def model_folder(resolved: ResolvedModel) -> Path:
 
 
 # --------------------------------------------------------------------------------------------- loading
-def load_tokenizer(resolved: ResolvedModel, *, trust_remote_code: bool = False):
+def load_tokenizer(resolved: ResolvedModel, *, trust_remote_code: bool = False, new_special_tokens: Any = None):
     """The model's tokenizer, with a pad token (eos when it has none). Padding is only used for batching:
-    labels come from explicit spans, never from pad ids, so pad == eos does not unlearn the stop token."""
+    labels come from explicit spans, never from pad ids, so pad == eos does not unlearn the stop token.
+    new_special_tokens (a comma list) are added as special tokens (never split); load_model() then grows the
+    embeddings to match (see resize_vocab)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder(resolved), trust_remote_code=trust_remote_code)
@@ -329,6 +331,9 @@ def load_tokenizer(resolved: ResolvedModel, *, trust_remote_code: bool = False):
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {resolved.model_id} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
+    tokens = [t for t in _split(new_special_tokens) if t not in tokenizer.get_vocab()]
+    if tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": tokens}, replace_extra_special_tokens=False)
     return tokenizer
 
 
@@ -443,11 +448,14 @@ def quantization_config(spec: Any, dtype: torch.dtype):
     raise ValueError(f"quantization_bit: {bits} is not supported (choose 4 or 8, through bitsandbytes)")
 
 
-def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True, warn: Warn | None = None):
+def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True, warn: Warn | None = None,
+               reward_head: bool = False):
     """The base model, ready for apply_finetuning(): dtype from bf16/fp16 (fp32 fallback), attention from
     flash_attn, liger patches where a GPU can run them, bitsandbytes 4/8-bit + prepare_model_for_kbit_training
-    for QLoRA, gradient checkpointing. GGUF models load from their materialized folder."""
-    from transformers import AutoModelForCausalLM
+    for QLoRA, gradient checkpointing. GGUF models load from their materialized folder.
+    reward_head: the model with a one-output score head instead of the LM head (a reward model: stage rm);
+    the head is new (random) unless the folder is a saved reward model."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     warn = warn or _default_warn
     folder = model_folder(resolved)
@@ -461,18 +469,25 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
             f"got '{_get(spec, 'finetuning_type')}'"
         )
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
+    if reward_head:
+        kwargs["num_labels"] = 1
     if quant is not None:
         kwargs["quantization_config"] = quant
         kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
     if remote:
         kwargs["trust_remote_code"] = True
+    if _get(spec, "rope_scaling", None):
+        kwargs["config"] = rope_scaled_config(spec, folder, remote, warn)
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        auto_class = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
+        model = auto_class.from_pretrained(folder, **kwargs)
     except ImportError as exc:
         if attn == "flash_attention_2":
             raise
         raise ValueError(f"cannot load {resolved.model_id} from {folder}: {exc}") from exc
+    if _get(spec, "resize_vocab", False) or _get(spec, "new_special_tokens", None):
+        resize_vocab(model, spec, resolved, warn)
 
     if _get(spec, "enable_liger_kernel", False):
         if _liger_usable():
@@ -504,6 +519,113 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
         # adapters on frozen embeddings need an input that requires grad for the backward to reach them
         model.enable_input_require_grads()
     return model
+
+
+def resize_vocab(model, spec: Any, resolved: ResolvedModel, warn: Warn) -> None:
+    """Grow the input and output embeddings to the tokenizer's size (with new_special_tokens added), padded to
+    a multiple of 64 as LLaMA-Factory does; the new rows start at the mean of the old ones (transformers'
+    mean_resizing). Marks the model so that apply_finetuning trains the embeddings and a LoRA adapter saves
+    them (modules_to_save), and the same spec at chat/export time rebuilds the same shapes."""
+    tokenizer = load_tokenizer(resolved, trust_remote_code=bool(_get(spec, "trust_remote_code", False)),
+                               new_special_tokens=_get(spec, "new_special_tokens", None))
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= rows:
+        warn(f"resize_vocab: the embeddings ({rows} rows) already hold the tokenizer's {len(tokenizer)} tokens: "
+             "nothing to resize")
+        return
+    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    model.tuneboard_resized_vocab = True
+    logger.info("resized the embeddings from %d to %d rows", rows, model.get_input_embeddings().weight.shape[0])
+
+
+def rope_scaled_config(spec: Any, folder: Path, remote: bool, warn: Warn):
+    """The model config with LLaMA-Factory's rope_scaling: factor ceil(cutoff_len / max_position_embeddings),
+    max_position_embeddings raised by that factor (not for dynamic: transformers' dynamic NTK starts
+    rescaling past max_position_embeddings), the original length kept for dynamic / yarn / llama3
+    (llama3 with Meta's low/high frequency factors 1 and 4). Only where cutoff_len exceeds the model's
+    positions (else nothing would change: an error, as validate says for local folders)."""
+    import math
+
+    from transformers import AutoConfig
+
+    kind = str(_get(spec, "rope_scaling"))
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=remote)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    params = getattr(text, "rope_parameters", None)
+    nested = isinstance(params, dict) and hasattr(text, "nested_rope_parameter_keys") and \
+        text.nested_rope_parameter_keys(params)
+    if not isinstance(limit, int) or not isinstance(params, dict) or nested:
+        raise ValueError(f"rope_scaling: {getattr(text, 'model_type', 'this model')} has no single RoPE setting "
+                         "to scale; drop rope_scaling")
+    cutoff = int(_get(spec, "cutoff_len", 1024))
+    if cutoff <= limit:
+        raise ValueError(f"rope_scaling: it stretches the model's {limit} positions to cover cutoff_len (factor "
+                         f"ceil(cutoff_len / {limit})), and cutoff_len {cutoff} fits already: raise cutoff_len "
+                         f"above {limit} or drop rope_scaling")
+    factor = float(math.ceil(cutoff / limit))
+    scaled = {**params, "rope_type": kind, "factor": factor}
+    if kind in ("dynamic", "yarn", "llama3"):
+        scaled["original_max_position_embeddings"] = limit
+    if kind == "llama3":
+        scaled.setdefault("low_freq_factor", 1.0)
+        scaled.setdefault("high_freq_factor", 4.0)
+    text.rope_parameters = scaled
+    if kind != "dynamic":  # transformers' dynamic NTK rescales past max_position_embeddings: keep the original
+        text.max_position_embeddings = int(limit * factor)
+    warn(f"rope_scaling {kind}: factor {factor:g} ({limit} -> {int(limit * factor)} positions)")
+    return config
+
+
+# --------------------------------------------------------------------------------------------- optimizers
+def install_optimizer(trainer, spec: Any) -> None:
+    """LoRA+ (loraplus_lr_ratio) and GaLore (use_galore) build their own optimizer: hook it into the Trainer's
+    create_optimizer (called once the model is placed), as LLaMA-Factory's trainers do. No-op otherwise."""
+    if not (_get(spec, "loraplus_lr_ratio", None) or _get(spec, "use_galore", False)):
+        return
+    default = trainer.create_optimizer
+
+    def create_optimizer(model=None):
+        if trainer.optimizer is None:
+            trainer.optimizer = build_optimizer(spec, model or trainer.model, trainer.args)
+        return default(model) if model is not None else default()
+
+    trainer.create_optimizer = create_optimizer
+
+
+def build_optimizer(spec: Any, model, args):
+    """The LoRA+ or GaLore optimizer for this model and these TrainingArguments (see install_optimizer)."""
+    import copy
+
+    from transformers import Trainer
+
+    if _get(spec, "use_galore", False):
+        from backend.spec import GALORE_OPTIMIZERS
+
+        galore = copy.copy(args)  # the TrainingArguments of transformers' own GaLore optimizers
+        galore.optim = GALORE_OPTIMIZERS.get(args.optim, args.optim)
+        targets = _split(_get(spec, "galore_target", "all")) or ["all"]
+        available = find_all_linear_modules(model)
+        if targets == ["all"]:
+            targets = available
+        else:
+            _check_names("galore_target", targets, available)
+        # names ending in .<target> (transformers would also take a target found anywhere inside a name)
+        galore.optim_target_modules = [rf".*\.{re.escape(t)}" for t in targets]
+        galore.optim_args = (f"rank={int(_get(spec, 'galore_rank', 16))},"
+                             f"update_proj_gap={int(_get(spec, 'galore_update_interval', 200))},"
+                             f"scale={float(_get(spec, 'galore_scale', 2.0))},proj_type=std")
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(galore, model)
+        params = kwargs.pop("params")
+        return optimizer_cls(params, **kwargs)
+
+    from peft.optimizers import create_loraplus_optimizer
+
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    kwargs = {k: v for k, v in kwargs.items() if k != "lr"}
+    return create_loraplus_optimizer(model, optimizer_cls, lr=args.learning_rate,
+                                     loraplus_lr_ratio=float(_get(spec, "loraplus_lr_ratio")),
+                                     loraplus_weight_decay=args.weight_decay, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------- finetuning
@@ -631,6 +753,9 @@ def _setup_lora(model, spec: Any, for_training: bool):
 
     target = _split(_get(spec, "lora_target", "all")) or ["all"]
     available = find_all_linear_modules(model)
+    reward = is_reward_model(model)
+    if reward:  # the score head is trained in full and saved with the adapter (modules_to_save), not LoRA'd
+        available = [name for name in available if name != "score"]
     if target == ["all"]:
         target = available
     else:
@@ -638,6 +763,10 @@ def _setup_lora(model, spec: Any, for_training: bool):
     modules_to_save = _split(_get(spec, "additional_target", None)) or None
     if modules_to_save:
         _check_names("additional_target", modules_to_save, _module_short_names(model))
+    if reward:
+        modules_to_save = sorted(set(modules_to_save or []) | {"score"})
+    if getattr(model, "tuneboard_resized_vocab", False):  # the new tokens' rows are trained and saved with the adapter
+        modules_to_save = sorted(set(modules_to_save or []) | set(_embedding_names(model)))
 
     rank = int(_get(spec, "lora_rank", 8))
     init: Any = True
@@ -645,7 +774,7 @@ def _setup_lora(model, spec: Any, for_training: bool):
         niter = int(_get(spec, "pissa_iter", 16))
         init = f"pissa_niter_{niter}" if niter > 0 else "pissa"
     config = LoraConfig(
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if reward else "CAUSAL_LM",
         r=rank,
         lora_alpha=int(_get(spec, "lora_alpha", None) or 2 * rank),
         lora_dropout=float(_get(spec, "lora_dropout", 0.0)),
@@ -656,6 +785,18 @@ def _setup_lora(model, spec: Any, for_training: bool):
         init_lora_weights=init,
     )
     return get_peft_model(model, config)
+
+
+def is_reward_model(model) -> bool:
+    """A sequence-classification model with one output (what load_model(reward_head=True) builds)."""
+    return type(model).__name__.endswith("ForSequenceClassification") and getattr(model.config, "num_labels", 0) == 1
+
+
+def _embedding_names(model) -> list[str]:
+    """Short module names of the input and output embeddings (embed_tokens, lm_head for most families)."""
+    wanted = [model.get_input_embeddings(), model.get_output_embeddings()]
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if name and any(module is w for w in wanted if w is not None)})
 
 
 def _decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
@@ -695,6 +836,10 @@ def _setup_freeze(model, spec: Any) -> None:
     extra = _split(_get(spec, "freeze_extra_modules", None))
     _check_names("freeze_extra_modules", extra, set(outer))
     prefixes += [p for e in extra for p in outer[e]]
+    if is_reward_model(model):  # a new score head must learn whatever layers train
+        prefixes += outer.get("score", [])
+    if getattr(model, "tuneboard_resized_vocab", False):  # new tokens' rows must learn too
+        prefixes += [p for e in _embedding_names(model) for p in outer.get(e, [])]
 
     for name, param in model.named_parameters():
         param.requires_grad_(any(name.startswith(p) for p in prefixes))

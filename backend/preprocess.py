@@ -289,12 +289,21 @@ class Stats:
     total_tokens: int = 0
     trained_tokens: int = 0
     cutoff_len: int | None = None
+    workers: int = 1  # processes that tokenized (preprocessing_num_workers)
 
     MAX_IDS = 5
 
+    def merge(self, other: "Stats") -> None:
+        """Add another slice's counts (the first few ids/reasons stay the first few overall)."""
+        for name in ("rows_in", "rows", "truncated", "dropped", "failed", "total_tokens", "trained_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.dropped_ids = (self.dropped_ids + other.dropped_ids)[: self.MAX_IDS]
+        self.failed_reasons = (self.failed_reasons + other.failed_reasons)[: self.MAX_IDS]
+
     def __str__(self) -> str:
         return (f"{self.rows} rows from {self.rows_in} ({self.truncated} truncated, {self.dropped} dropped, "
-                f"{self.failed} skipped), {self.total_tokens:,} tokens, {self.trained_tokens:,} trained")
+                f"{self.failed} skipped), {self.total_tokens:,} tokens, {self.trained_tokens:,} trained"
+                + (f", tokenized in {self.workers} processes" if self.workers > 1 else ""))
 
     def warnings(self) -> list[str]:
         lines = []
@@ -329,10 +338,18 @@ def _finish(rows: list[dict], stats: Stats, log: Callable[[str], Any] | None, wh
 
 def build_sft_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len: int | None, *,
                       train_on_prompt: bool = False, mask_history: bool = False,
-                      log: Callable[[str], Any] | None = None) -> tuple[list[dict], Stats]:
+                      log: Callable[[str], Any] | None = None, num_workers: int | None = None) -> tuple[list[dict], Stats]:
     """Normalized examples -> rows {input_ids, labels, attention_mask} (a list: the HF Trainer takes any
     sized sequence, and ``pack_rows`` works on it directly), plus Stats. Rows with no trained token left
-    are dropped and counted; one warning line per kind goes to ``log``. Every row dropped -> ValueError."""
+    are dropped and counted; one warning line per kind goes to ``log``. Every row dropped -> ValueError.
+    num_workers > 1 tokenizes in that many processes (see in_workers): the same rows, in the same order."""
+    rows, stats = in_workers(_sft_rows, list(examples), num_workers, template=template, tokenizer=tokenizer,
+                             cutoff_len=cutoff_len, train_on_prompt=train_on_prompt, mask_history=mask_history)
+    return _finish(rows, stats, log, "sft")
+
+
+def _sft_rows(examples: list[dict], template, tokenizer, cutoff_len: int | None, *, train_on_prompt: bool,
+              mask_history: bool) -> tuple[list[dict], Stats]:
     stats = Stats(cutoff_len=cutoff_len)
     rows: list[dict] = []
     for example in examples:
@@ -354,14 +371,22 @@ def build_sft_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len:
         stats.total_tokens += len(enc.input_ids)
         stats.trained_tokens += enc.num_trained
         rows.append(_row(enc))
-    return _finish(rows, stats, log, "sft")
+    return rows, stats
 
 
 def build_pt_dataset(examples: Iterable[dict], tokenizer, cutoff_len: int | None, *,
                      add_bos: bool = False, add_eos: bool = True,
-                     log: Callable[[str], Any] | None = None) -> tuple[list[dict], Stats]:
+                     log: Callable[[str], Any] | None = None, num_workers: int | None = None) -> tuple[list[dict], Stats]:
     """Pre-training rows ({"text": ...}) -> blocks of at most cutoff_len tokens (see ``encode_text``).
-    ``Stats.truncated`` stays 0 (long texts are chunked, not cut); empty texts are dropped and counted."""
+    ``Stats.truncated`` stays 0 (long texts are chunked, not cut); empty texts are dropped and counted.
+    num_workers as in build_sft_dataset."""
+    rows, stats = in_workers(_pt_rows, list(examples), num_workers, tokenizer=tokenizer, cutoff_len=cutoff_len,
+                             add_bos=add_bos, add_eos=add_eos)
+    return _finish(rows, stats, log, "pt")
+
+
+def _pt_rows(examples: list[dict], tokenizer, cutoff_len: int | None, *, add_bos: bool,
+             add_eos: bool) -> tuple[list[dict], Stats]:
     stats = Stats(cutoff_len=cutoff_len)
     rows: list[dict] = []
     for example in examples:
@@ -379,7 +404,50 @@ def build_pt_dataset(examples: Iterable[dict], tokenizer, cutoff_len: int | None
             stats.total_tokens += len(enc.input_ids)
             stats.trained_tokens += enc.num_trained
             rows.append(_row(enc))
-    return _finish(rows, stats, log, "pt")
+    return rows, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# preprocessing_num_workers
+# --------------------------------------------------------------------------------------------------
+
+_FORKED: tuple | None = None  # (build, chunks, kwargs), inherited by the forked workers (nothing is pickled in)
+
+
+def _run_chunk(k: int) -> tuple[list[dict], Stats]:
+    build, chunks, kwargs = _FORKED
+    return build(chunks[k], **kwargs)
+
+
+def in_workers(build: Callable[..., tuple[list[dict], Stats]], examples: list[dict], num_workers: int | None,
+               **kwargs) -> tuple[list[dict], Stats]:
+    """build(examples, **kwargs) -> (rows, stats), run on num_workers contiguous slices of the examples in
+    forked processes (preprocessing_num_workers), the results joined in order: the rows are exactly those
+    of one process. Fork means the tokenizer and template are inherited, not pickled. At most one worker
+    per CPU and per example; with one, or where fork does not exist, it runs here. Stats.workers says how
+    many processes tokenized."""
+    global _FORKED
+    import multiprocessing
+    import os
+
+    workers = min(int(num_workers or 1), os.cpu_count() or 1, max(len(examples), 1))
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        rows, stats = build(examples, **kwargs)
+        return rows, stats
+    size = -(-len(examples) // workers)
+    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
+    _FORKED = (build, chunks, kwargs)
+    try:
+        with multiprocessing.get_context("fork").Pool(len(chunks)) as pool:
+            parts = pool.map(_run_chunk, range(len(chunks)))
+    finally:
+        _FORKED = None
+    rows = [row for part_rows, _ in parts for row in part_rows]
+    stats = parts[0][1]
+    for _, more in parts[1:]:
+        stats.merge(more)
+    stats.workers = len(chunks)
+    return rows, stats
 
 
 # --------------------------------------------------------------------------------------------------

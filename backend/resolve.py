@@ -7,10 +7,18 @@ from typing import Callable
 PLAIN_TEMPLATES = {"default", "empty", "alpaca", "vicuna"}
 
 
-def pick_template(name: str, resolved, tokenizer, warn: Callable[[str], None] = print):
+def pick_template(name: str, resolved, tokenizer, warn: Callable[[str], None] = print,
+                  enable_thinking: bool | None = True):
     """`auto`: the tokenizer's own chat template, else the registry's template for the model,
     else `default` with a warning. A named template is used as is, with a warning when an
-    instruct template is put on a model the registry knows as a base model."""
+    instruct template is put on a model the registry knows as a base model. enable_thinking: false puts the
+    empty think block of a reasoning template into the prompt (backend.templates.with_thinking)."""
+    from backend.templates import with_thinking
+
+    return with_thinking(_pick(name, resolved, tokenizer, warn), enable_thinking)
+
+
+def _pick(name: str, resolved, tokenizer, warn: Callable[[str], None]):
     from backend.templates import get_template
 
     registry_template = getattr(resolved, "template", None)

@@ -48,11 +48,14 @@ _COMMA_FIELDS = ("adapter_name_or_path", "lora_target", "additional_target", "fr
 
 
 def _f(default: Any, description: str, group: str, *, methods: list[str] | None = None,
-       choices: tuple | None = None, **constraints: Any) -> Any:
+       choices: tuple | None = None, refused: str | None = None, **constraints: Any) -> Any:
     """A field with its one-line description and the UI metadata (group, methods, the choices offered
     when they are fewer than the type allows). Which stages a field applies to is declared by the stages
-    themselves (backend/stages)."""
+    themselves (backend/stages). `refused`: a LLaMA-Factory key TuneBoard does not do; any value but the
+    default is refused at validate with this reason (the form does not offer it)."""
     extra: dict[str, Any] = {"group": group}
+    if refused is not None:
+        extra["refused"] = refused
     if choices is not None:
         extra["choices"] = list(choices)
     if methods is not None:
@@ -187,21 +190,21 @@ class RunSpec(BaseModel):
     adapter_name_or_path: Optional[str] = _f(None, "Adapter folder(s) to load on top of the model, comma-separated.", "model", methods=["lora"])
     template: str = _f("auto", "Chat template: 'auto' (the tokenizer's own) or a name from templates/.", "model")
     trust_remote_code: bool = _f(False, "Allow model code from the hub repository to run.", "model")
-    cache_dir: Optional[str] = _f(None, "Where downloaded models are cached (default: the HF cache).", "model")
-    model_revision: str = _f("main", "Model revision to use: branch, tag or commit id.", "model")
-    use_fast_tokenizer: bool = _f(True, "Use the fast (Rust) tokenizer when the model has one.", "model")
+    cache_dir: Optional[str] = _f(None, "Where downloaded models are cached (default: the HF cache).", "model", refused="nothing is downloaded here: give a local folder or .gguf file, or a hub id already in the local Hugging Face cache (set HF_HOME to use another cache folder)")
+    model_revision: str = _f("main", "Model revision to use: branch, tag or commit id.", "model", refused="models are read as they are from a local folder or the local Hugging Face cache: put the revision you want in a folder and give that folder as model_name_or_path")
+    use_fast_tokenizer: bool = _f(True, "Use the fast (Rust) tokenizer when the model has one.", "model", refused="TuneBoard always uses the fast tokenizer (trained spans are found from its character offsets); drop use_fast_tokenizer")
     resize_vocab: bool = _f(False, "Resize the embeddings to the tokenizer's vocabulary size.", "model")
     new_special_tokens: Optional[str] = _f(None, "Special tokens to add to the tokenizer, comma-separated.", "model")
     rope_scaling: Optional[Literal["linear", "dynamic", "yarn", "llama3"]] = _f(None, "RoPE scaling strategy for longer contexts.", "model")
     flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3"] = _f("auto", "Attention kernel: auto, eager (disabled), SDPA, FlashAttention-2/3 (falls back to SDPA if missing).", "model")
     enable_liger_kernel: bool = _f(False, "Use Liger fused kernels (GPU only; ignored with a warning on CPU).", "model")
-    use_unsloth: bool = _f(False, "Use Unsloth's optimized LoRA kernels (GPU only).", "model", methods=["lora"])
-    low_cpu_mem_usage: bool = _f(True, "Load the model with low CPU memory usage.", "model")
+    use_unsloth: bool = _f(False, "Use Unsloth's optimized LoRA kernels (GPU only).", "model", methods=["lora"], refused="Unsloth is not integrated (its kernels need a GPU and the package is not installed): drop use_unsloth; flash_attn and enable_liger_kernel are the supported speed-ups")
+    low_cpu_mem_usage: bool = _f(True, "Load the model with low CPU memory usage.", "model", refused="transformers 5 always loads weights without a second copy in memory (it ignores low_cpu_mem_usage); drop the key")
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f("auto", "Weight dtype for inference and export.", "model")
 
     # ---------------------------------------------------------------- method (stage + finetuning type)
     stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, or a preference method (DPO, ORPO, SimPO, KTO).", "method", choices=IMPLEMENTED)
-    do_train: bool = _f(True, "Run training.", "method")
+    do_train: bool = _f(True, "Run training.", "method", refused="`tuneboard train` always trains: to only evaluate or predict, run `tuneboard eval` with this spec (do_eval / do_predict pick the parts)")
     finetuning_type: Literal["lora", "freeze", "full"] = _f("lora", "What is trained: LoRA adapters, the last layers (freeze), or every weight (full).", "method")
     pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")
     pref_beta: float = _f(0.1, "Beta of the preference loss (strength of the reference-model constraint).", "method", ge=0)
@@ -236,7 +239,7 @@ class RunSpec(BaseModel):
     freeze_trainable_layers: int = _f(2, "Layers to train: positive = the last N, negative = the first N.", "freeze", methods=["freeze"])
     freeze_trainable_modules: str = _f("all", "Modules trained inside those layers: 'all' or names, comma-separated.", "freeze", methods=["freeze"])
     freeze_extra_modules: Optional[str] = _f(None, "Modules outside the layers to train as well (e.g. embed_tokens), comma-separated.", "freeze", methods=["freeze"])
-    use_llama_pro: bool = _f(False, "LLaMA Pro: train only the expanded (new) blocks.", "freeze", methods=["freeze"])
+    use_llama_pro: bool = _f(False, "LLaMA Pro: train only the expanded (new) blocks.", "freeze", methods=["freeze"], refused="LLaMA Pro (a model expanded with new blocks) is not implemented: use finetuning_type freeze with freeze_trainable_layers, or LoRA")
     use_galore: bool = _f(False, "Use GaLore gradient low-rank projection (full or freeze).", "freeze", methods=["full", "freeze"])
     galore_rank: int = _f(16, "GaLore projection rank.", "freeze", methods=["full", "freeze"], ge=1)
     galore_target: str = _f("all", "Modules GaLore applies to: 'all' or names, comma-separated.", "freeze", methods=["full", "freeze"])
@@ -260,16 +263,16 @@ class RunSpec(BaseModel):
     mask_history: bool = _f(False, "Train only the last assistant turn of multi-turn rows.", "data")
     val_size: float = _f(0.0, "Held-out validation split: a fraction below 1, or a row count from 1.", "data", ge=0)
     max_samples: Optional[int] = _f(None, "Use at most this many rows per dataset.", "data", ge=1)
-    overwrite_cache: bool = _f(False, "Re-tokenize instead of using the cached dataset.", "data")
+    overwrite_cache: bool = _f(True, "Re-tokenize instead of using the cached dataset (always: TuneBoard keeps no tokenized cache).", "data", refused="TuneBoard keeps no tokenized-dataset cache: every run tokenizes its data afresh, so overwrite_cache is always true")
     preprocessing_num_workers: Optional[int] = _f(None, "Processes used to tokenize the dataset.", "data", ge=1)
-    streaming: bool = _f(False, "Stream the dataset instead of loading it (needs max_steps).", "data")
-    buffer_size: int = _f(16384, "Shuffle buffer size when streaming.", "data", ge=1)
+    streaming: bool = _f(False, "Stream the dataset instead of loading it (needs max_steps).", "data", refused="streaming datasets are not supported: datasets are read from local files into memory; use max_samples to train on part of a large file")
+    buffer_size: int = _f(16384, "Shuffle buffer size when streaming.", "data", ge=1, refused="it is the shuffle buffer of streaming, which is not supported (datasets are loaded into memory and shuffled whole)")
     mix_strategy: Literal["concat", "interleave_under", "interleave_over"] = _f("concat", "How several datasets are mixed.", "data")
     interleave_probs: Optional[str] = _f(None, "Sampling probabilities for interleaved datasets, comma-separated.", "data")
-    tool_format: Optional[str] = _f(None, "Tool-call format of the template (default: the template's own).", "data")
+    tool_format: Optional[str] = _f(None, "Tool-call format of the template (default: the template's own).", "data", refused="the template decides how tools and tool calls are written (templates/<name>.yaml: tools, tool_call): pick the template of your model family instead")
     default_system: Optional[str] = _f(None, "System prompt used when a row has none (default: the template's).", "data")
     enable_thinking: Optional[bool] = _f(True, "For reasoning templates: allow thinking blocks.", "data")
-    tokenized_path: Optional[str] = _f(None, "Save/load the tokenized dataset here.", "data")
+    tokenized_path: Optional[str] = _f(None, "Save/load the tokenized dataset here.", "data", refused="saving or loading a tokenized dataset is not supported: every run tokenizes dataset from dataset_info.json (preprocessing_num_workers makes it parallel)")
     identity_name: str = _f("TuneBoard Assistant", "Fills {{name}} in the identity dataset.", "data")
     identity_author: str = _f("the TuneBoard team", "Fills {{author}} in the identity dataset.", "data")
 
@@ -309,7 +312,7 @@ class RunSpec(BaseModel):
     # ---------------------------------------------------------------- eval
     do_eval: bool = _f(False, "Evaluate on the validation set after training.", "eval")
     do_predict: bool = _f(False, "Generate predictions on the evaluation set.", "eval")
-    predict_with_generate: bool = _f(False, "Use generation when predicting (for metrics on outputs).", "eval")
+    predict_with_generate: bool = _f(True, "Use generation when predicting (always: predictions are generated text).", "eval", refused="predictions are always generated (do_predict writes generated_predictions.jsonl), so predict_with_generate is always true")
     per_device_eval_batch_size: int = _f(2, "Rows per device per evaluation pass.", "eval", ge=1)
     eval_strategy: Literal["no", "steps", "epoch"] = _f("no", "When to evaluate during training (needs val_size or eval_dataset).", "eval")
     eval_steps: Union[int, float, None] = _f(None, "Evaluate every N steps (default: logging_steps).", "eval", gt=0)
@@ -320,10 +323,10 @@ class RunSpec(BaseModel):
     export_dir: Optional[str] = _f(None, "Folder to write the exported (merged) model to.", "export")
     export_size: float = _f(5, "Maximum shard size of the exported model, in GB (0.5 = 500 MB).", "export", gt=0)
     export_device: Literal["cpu", "auto"] = _f("cpu", "Device used to merge and export.", "export")
-    export_legacy_format: bool = _f(False, "Save .bin files instead of safetensors.", "export")
-    export_quantization_bit: Optional[Literal[2, 3, 4, 8]] = _f(None, "Quantize the exported model to this many bits (GPTQ).", "export")
-    export_quantization_dataset: Optional[str] = _f(None, "Calibration dataset for export quantization.", "export")
-    export_hub_model_id: Optional[str] = _f(None, "Push the exported model to this hub repository.", "export")
+    export_legacy_format: bool = _f(False, "Save .bin files instead of safetensors.", "export", refused="transformers 5 writes safetensors only (.bin files cannot be written): set export_legacy_format: false")
+    export_quantization_bit: Optional[Literal[2, 3, 4, 8]] = _f(None, "Quantize the exported model to this many bits (GPTQ).", "export", refused="GPTQ export quantization is not implemented: for a quantized file use export_format: gguf with export_gguf_type: q8_0")
+    export_quantization_dataset: Optional[str] = _f(None, "Calibration dataset for export quantization.", "export", refused="it is the calibration data of GPTQ export quantization, which is not implemented: for a quantized file use export_format: gguf with export_gguf_type: q8_0")
+    export_hub_model_id: Optional[str] = _f(None, "Push the exported model to this hub repository.", "export", refused="pushing to the hub is not available (no network): upload export_dir yourself (huggingface-cli upload)")
     export_format: Literal["safetensors", "gguf"] = _f("safetensors", "Exported file format: HF safetensors folder or a GGUF file.", "export")
     export_gguf_type: Literal["f16", "q8_0", "f32", "bf16"] = _f("f16", "GGUF tensor type when export_format is gguf.", "export")
     export_overwrite: bool = _f(False, "Replace the contents of a non-empty export_dir.", "export")
@@ -612,7 +615,8 @@ def _field_info(name: str) -> dict[str, Any]:
     choices = extra.get("choices", choices)
     return {"name": name, "type": ("optional-" if nullable else "") + base, "base": base, "nullable": nullable,
             "choices": choices, **bounds, "group": extra.get("group", "advanced"),
-            "stages": list(stages_using_field(name) or ()) or None, "methods": extra.get("methods")}
+            "stages": list(stages_using_field(name) or ()) or None, "methods": extra.get("methods"),
+            "refused": extra.get("refused")}
 
 
 def spec_fields(include_passthrough: bool = False) -> list[dict[str, Any]]:
@@ -755,14 +759,156 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     if spec.export_quantization_bit is not None and spec.adapter_name_or_path:
         err("export_quantization_bit", "merge the adapter first, then quantize the merged model",
             "adapter_name_or_path")
-    if spec.streaming and spec.max_steps <= 0 and spec.do_train:
-        err("streaming", "a streamed dataset has no length: set max_steps", "max_steps")
     if spec.interleave_probs and spec.mix_strategy == "concat":
         err("interleave_probs", "only used with mix_strategy interleave_under or interleave_over", "mix_strategy")
+    errors.extend(_refusals(spec, check_files))
+    if spec.stage == "kto":
+        if spec.per_device_train_batch_size < 2:
+            err("per_device_train_batch_size", "KTO estimates its KL term by pairing each prompt with another row's "
+                "answer of the same batch: it needs 2 or more rows per batch (with 1 the KL term equals the reward)",
+                "stage")
+        if spec.pref_ftx > 0:
+            err("pref_ftx", "TRL's KTO trainer has no SFT loss term: set pref_ftx to 0 for stage kto "
+                "(stage dpo takes it)", "stage")
+        sampling = spec.passthrough.get("train_sampling_strategy", "sequential")
+        if sampling != "sequential":
+            err("train_sampling_strategy", f"KTO needs sequential sampling (got {sampling}): its KL pairs are built "
+                "within fixed batches of neighbouring rows", "stage")
+    if spec.stage in ("rm", "kto") or get_stage(spec.stage).module == "dpo":
+        if spec.resolved_packing:
+            err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "
+                "(set packing and neat_packing to false)", "stage", "neat_packing")
+        if spec.train_on_prompt:
+            err("train_on_prompt", f"stage {spec.stage} scores the answer given the prompt: there is no prompt "
+                "loss to switch on", "stage")
+    if get_stage(spec.stage).module == "dpo":
+        errors.extend(_preference_errors(spec))
     if check_files:
         errors.extend(_template_errors(spec))
         errors.extend(_dataset_errors(spec))
     return errors
+
+
+def _preference_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """Stage dpo and its aliases (orpo, simpo): combinations that cannot run, and keys its loss would ignore."""
+    stage = get_stage(spec.stage)
+    loss = stage.pref_loss or spec.pref_loss
+    errors: list[tuple[str, str, frozenset]] = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field, "stage", "pref_loss") + involved)))
+
+    default = RunSpec.model_fields
+    if stage.pref_loss and spec.pref_loss not in (default["pref_loss"].default, stage.pref_loss):
+        err("pref_loss", f"stage {spec.stage} trains with pref_loss {stage.pref_loss}: drop pref_loss, or use "
+            f"stage dpo with pref_loss {spec.pref_loss}")
+    if spec.pref_beta <= 0:
+        err("pref_beta", f"must be above 0 for pref_loss {loss} (it scales the preference margin)")
+    if spec.ref_model and loss in ("orpo", "simpo"):
+        err("ref_model", f"{REFUSED}: {loss} trains without a reference model (drop ref_model, or use pref_loss "
+            "sigmoid, hinge or ipo)")
+    if spec.dpo_label_smoothing and loss != "sigmoid":
+        err("dpo_label_smoothing", f"{REFUSED}: label smoothing (conservative DPO) is a variant of pref_loss "
+            f"sigmoid; the {loss} loss has none", "dpo_label_smoothing")
+    if spec.dpo_label_smoothing >= 0.5:
+        err("dpo_label_smoothing", "must be below 0.5 (at 0.5 chosen and rejected weigh the same: nothing is learnt)")
+    if spec.simpo_gamma != default["simpo_gamma"].default and loss != "simpo":
+        err("simpo_gamma", f"{REFUSED}: the SimPO target margin is used by pref_loss simpo only (this run uses {loss})")
+    if spec.pref_ftx and loss == "orpo":
+        err("pref_ftx", f"{REFUSED}: the ORPO loss has its SFT term built in (weight 1; pref_beta weighs the "
+            "odds-ratio term), and TRL's ORPO trainer takes no second SFT weight: set pref_ftx to 0")
+    if spec.finetuning_type == "lora" and spec.lora_dropout:
+        err("lora_dropout", f"{REFUSED}: TRL's preference trainers switch dropout off (the policy and the reference "
+            "must score the same sequence the same way), so lora_dropout would do nothing: set it to 0",
+            "finetuning_type")
+    if spec.mask_history:
+        err("mask_history", f"{REFUSED}: stage {spec.stage} always trains on the last turn only (the chosen and "
+            "rejected answers): drop mask_history")
+    if spec.do_predict:
+        err("do_predict", f"{REFUSED}: stage {spec.stage} writes no predictions: run `tuneboard chat` or "
+            "`tuneboard eval` (stage sft) with the trained adapter")
+    return errors
+
+
+# Optimizers GaLore has a variant of (transformers' galore_* optimizers, package galore-torch). The 8-bit one is
+# not offered: galore-torch's GaLoreAdamW8bit calls torch.cuda.synchronize() in its step.
+GALORE_OPTIMIZERS = {"adamw_torch": "galore_adamw", "adamw_torch_fused": "galore_adamw", "adamw_hf": "galore_adamw",
+                     "adafactor": "galore_adafactor"}
+REFUSED = "not supported"  # every refusal starts with it (tests/backend/test_every_key.py looks for it)
+
+
+def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, frozenset]]:
+    """Keys that would change nothing in this run are refused, with the reason and what to do instead: a key
+    that is accepted and ignored is the worst answer (the user believes a setting that is not there)."""
+    errors: list[tuple[str, str, frozenset]] = []
+
+    def refuse(field: str, reason: str, *involved: str) -> None:
+        errors.append((field, f"{REFUSED}: {reason}", frozenset((field,) + involved)))
+
+    for name, field in RunSpec.model_fields.items():
+        value = getattr(spec, name)
+        if value == field.default:
+            continue
+        reason = (field.json_schema_extra or {}).get("refused")
+        if reason:
+            refuse(name, reason)
+            continue
+        using = stages_using_field(name)
+        if using and not any(get_stage(s).implemented for s in using):
+            refuse(name, f"only used by stage {', '.join(using)}, which is not implemented yet")
+    if spec.use_galore and spec.optim not in GALORE_OPTIMIZERS:
+        refuse("use_galore", f"GaLore has no variant of optim {spec.optim}: use one of "
+               f"{', '.join(GALORE_OPTIMIZERS)}", "optim")
+    if spec.mix_strategy != "concat" and len(spec.dataset_names) < 2 and len(spec.eval_dataset_names) < 2:
+        refuse("mix_strategy", f"{spec.mix_strategy} mixes several datasets, and `dataset` names one: give two or more "
+               "names, comma-separated, or leave mix_strategy at concat", "dataset", "eval_dataset")
+    if spec.interleave_probs and spec.mix_strategy != "concat":
+        errors.extend(_interleave_errors(spec))
+    if spec.enable_thinking is False and spec.template != "auto" and check_files:
+        path = Path(paths.TEMPLATES_DIR) / f"{spec.template}.yaml"
+        try:
+            thinking = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("thinking")
+        except (OSError, yaml.YAMLError, AttributeError):
+            thinking = True  # a missing or broken template file is reported by _template_errors
+        if not thinking:
+            refuse("enable_thinking", f"template {spec.template} has no reasoning (think) block to switch off: "
+                   "use a reasoning template (qwen3) or drop enable_thinking", "template")
+    if spec.rope_scaling is not None and check_files:
+        limit = _local_max_positions(spec.model_name_or_path)
+        if limit is not None and spec.cutoff_len <= limit:
+            refuse("rope_scaling", f"it stretches the model's {limit} positions to cover cutoff_len (factor "
+                   f"ceil(cutoff_len / {limit})), and cutoff_len {spec.cutoff_len} fits already: raise cutoff_len "
+                   f"above {limit} or drop rope_scaling", "cutoff_len", "model_name_or_path")
+    return errors
+
+
+def _interleave_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    involved = frozenset({"interleave_probs", "dataset", "eval_dataset", "mix_strategy"})
+    try:
+        probs = [float(p) for p in _split(spec.interleave_probs)]
+    except ValueError:
+        return [("interleave_probs", f"must be numbers, comma-separated (got {spec.interleave_probs!r})", involved)]
+    if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+        return [("interleave_probs", f"must be probabilities >= 0 that add up to 1 (got {spec.interleave_probs!r}, "
+                                     f"sum {sum(probs):g})", involved)]
+    errors = []
+    for field, names in (("dataset", spec.dataset_names), ("eval_dataset", spec.eval_dataset_names)):
+        if (field == "dataset" or len(names) > 1) and len(names) != len(probs):
+            errors.append(("interleave_probs", f"has {len(probs)} values but {field} names {len(names)} datasets: "
+                                               "give one probability per dataset", involved))
+    return errors
+
+
+def _local_max_positions(model: str) -> int | None:
+    """max_position_embeddings from a local model folder's config.json (None for anything else: a GGUF file
+    or a hub id is checked when the model is loaded)."""
+    try:
+        config = json.loads((Path(model).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) else None
 
 
 def _template_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:

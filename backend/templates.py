@@ -484,6 +484,30 @@ def get_template(name: str, tokenizer=None) -> Template | "TokenizerTemplate":
     return Template(name, _resolve_tokens(spec, values))
 
 
+def with_thinking(template, enable_thinking: bool | None):
+    """The template for LLaMA-Factory's `enable_thinking` (None/True: the template as it is). False, on a
+    reasoning template (qwen3): the empty think block goes into the prompt (the generation prompt ends with
+    it, and in training rows it is untrained scaffold), so the model learns to answer without thinking;
+    rows that do carry reasoning keep it trained. This is exactly templates/qwen3_nothink.yaml. On the
+    tokenizer's own template ("auto"), False is passed to apply_chat_template as enable_thinking (Qwen3's
+    jinja reads it). A template without a reasoning switch: ValueError (nothing would change)."""
+    if enable_thinking is not False:
+        return template
+    if isinstance(template, TokenizerTemplate):
+        if "enable_thinking" not in template._source:
+            raise ValueError("enable_thinking: false: the tokenizer's chat template has no enable_thinking switch "
+                             "(nothing would change); drop enable_thinking or use a reasoning template (qwen3)")
+        return TokenizerTemplate(template.tokenizer, enable_thinking=False)
+    thinking = template.spec["thinking"]
+    if not thinking:
+        raise ValueError(f"enable_thinking: false: template {template.name!r} has no reasoning (think) block "
+                         "(nothing would change); drop enable_thinking or use a reasoning template (qwen3)")
+    th = {**_THINKING_KEYS, **thinking}
+    spec = {**template.spec, "thinking": {**th, "trained": False},
+            "generation_prompt": template.generation_prompt + th["open"] + th["close"]}
+    return Template(template.name, spec)
+
+
 # ---------------------------------------------------------------------------- tokenizer's own
 # End-of-turn markers of common families: the trained span of an assistant turn extends over the
 # first one that follows the content (besides the tokenizer's eos_token).
@@ -502,7 +526,8 @@ class TokenizerTemplate:
     system_style = "native"
     default_system = None
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, enable_thinking: bool | None = None):
+        self.enable_thinking = enable_thinking  # passed to the jinja template when set (see with_thinking)
         template = getattr(tokenizer, "chat_template", None)
         if not template or not hasattr(tokenizer, "apply_chat_template"):
             raise ValueError("the tokenizer has no chat_template; use a named template (see list_templates())")
@@ -515,7 +540,9 @@ class TokenizerTemplate:
     def _apply(self, msgs, tools, agp) -> str:
         if not msgs:
             return ""
-        out = self.tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False, add_generation_prompt=agp)
+        extra = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        out = self.tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False, add_generation_prompt=agp,
+                                                 **extra)
         return out if isinstance(out, str) else out[0]
 
     @staticmethod

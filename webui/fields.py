@@ -99,7 +99,7 @@ def _kind(f: dict) -> str:
 def field_table() -> tuple[FieldRow, ...]:
     rows = []
     for f in spec_fields():
-        if f["group"] in SKIPPED_GROUPS:
+        if f["group"] in SKIPPED_GROUPS or f.get("refused"):  # a key always refused at validate is not offered
             continue
         over = OVERRIDES.get(f["name"], {})
         choices = over.get("choices", f.get("choices"))

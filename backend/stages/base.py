@@ -111,6 +111,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     from transformers.trainer_callback import PrinterCallback
 
     from backend.callbacks import RunDirCallback
+    from backend.models import install_optimizer
     from backend.stages import get_stage
 
     out = run_dir.path
@@ -127,6 +128,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         data_collator=collator, processing_class=tokenizer, callbacks=callbacks, **trainer_kwargs,
     )
     trainer.remove_callback(PrinterCallback)  # our callback logs each step as one readable line
+    install_optimizer(trainer, spec)  # LoRA+ / GaLore build their own optimizer (backend.models)
     if checkpoint:
         step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
         trim_log_to(out, step)
@@ -169,6 +171,7 @@ def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
     examples, report = load_examples(
         names, spec.resolved_dataset_dir(), stage=stage, max_samples=spec.max_samples,
         identity_name=spec.identity_name, identity_author=spec.identity_author, seed=spec.seed,
+        default_system=spec.default_system, mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs,
     )
     for line in report.summary_lines():
         run_dir.log(line)

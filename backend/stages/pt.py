@@ -13,12 +13,13 @@ from backend.stages.base import StageResult, batching, fit, train_and_eval_rows,
 def run(spec, run_dir, stop) -> StageResult:
     # 1. tokenizer (no chat template: raw text, each document ends with the eos token)
     resolved = resolve_model(spec.model_name_or_path)
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
 
     # 2. dataset: documents split into blocks of cutoff_len, never mixed within a block
     train_examples, val_examples = train_and_eval_rows(spec, run_dir, "pt")
     add_bos = tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id
-    encode = dict(tokenizer=tokenizer, cutoff_len=spec.cutoff_len, add_bos=add_bos, add_eos=True, log=run_dir.warn)
+    encode = dict(tokenizer=tokenizer, cutoff_len=spec.cutoff_len, add_bos=add_bos, add_eos=True, log=run_dir.warn,
+                  num_workers=spec.preprocessing_num_workers)
     train_rows, stats = build_pt_dataset(train_examples, **encode)
     run_dir.log(f"train blocks: {stats}")
     eval_rows = build_pt_dataset(val_examples, **encode)[0] if val_examples else None

@@ -13,8 +13,8 @@ from backend.stages.base import StageResult, batching, fit, train_and_eval_rows,
 def run(spec, run_dir, stop) -> StageResult:
     # 1. tokenizer and template
     resolved = resolve_model(spec.model_name_or_path)
-    tokenizer = load_tokenizer(resolved)
-    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+    tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
+    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn, enable_thinking=spec.enable_thinking)
     run_dir.log(f"template: {template.name}")
 
     # 2. dataset: templated rows, labels on the assistant's tokens only
@@ -22,6 +22,7 @@ def run(spec, run_dir, stop) -> StageResult:
     encode = dict(
         template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len,
         train_on_prompt=spec.train_on_prompt, mask_history=spec.mask_history, log=run_dir.warn,
+        num_workers=spec.preprocessing_num_workers,
     )
     train_rows, stats = build_sft_dataset(train_examples, **encode)
     run_dir.log(f"train rows: {stats}")

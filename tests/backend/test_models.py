@@ -201,6 +201,8 @@ def test_load_tokenizer_sets_pad_only_when_missing(tiny_llama, tiny_qwen2):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallbacks")
 @pytest.mark.parametrize("request_kwargs, expected", [
     ({"bf16": True}, "bf16 requested but not supported on this machine: training in fp32"),
+    ({"pure_bf16": True}, "bf16 requested but not supported on this machine: training in fp32"),
+    ({"fp16": True}, "fp16 requested but not supported on this machine: training in fp32"),
     ({"flash_attn": "fa2"}, "flash_attn=fa2 requested but flash-attn is not installed / no GPU: using SDPA"),
     ({"enable_liger_kernel": True}, "enable_liger_kernel requested but liger-kernel is not installed / no GPU"),
 ])
@@ -365,9 +367,14 @@ def test_full_trains_everything(tiny_models, family):
 
 
 def test_methods_not_done_yet_say_so(tiny_llama):
+    """validate refuses use_llama_pro; a spec that skipped validation still fails clearly. use_galore works now
+    (tests/backend/test_features.py)."""
+    from types import SimpleNamespace
+
     model, _, s = load(tiny_llama, finetuning_type="full", use_galore=True)
-    with pytest.raises(NotImplementedError, match="not implemented yet: use_galore"):
-        apply_finetuning(model, s)
+    apply_finetuning(model, s)
+    with pytest.raises(NotImplementedError, match="not implemented yet: use_llama_pro"):
+        apply_finetuning(model, SimpleNamespace(finetuning_type="full", use_llama_pro=True))
 
 
 def test_find_all_linear_modules_excludes_a_tied_head(tiny_gemma2):

@@ -427,7 +427,7 @@ def test_yaml_round_trip(files):
     spec = validate_spec({"stage": "pt", "dataset": "c4_demo", "lora_rank": 32, "lora_alpha": 64, "learning_rate": 3e-5,
                           "warmup_ratio": 0.1, "report_to": ["tensorboard"], "default_system": "line one\nline two: yes",
                           "save_steps": 0.25, "quantization_bit": 8, "resume_from_checkpoint": True,
-                          "disable_tqdm": True, "label_names": ["labels"], "save_strategy": "no", "model_revision": "1.0"})
+                          "disable_tqdm": True, "label_names": ["labels"], "save_strategy": "no", "identity_author": "1.0"})
     text = spec.to_yaml()
     assert text.startswith("### Model\nmodel_name_or_path: ")
     assert "### TrainingArguments passthrough\ndisable_tqdm: true\n" in text

@@ -41,6 +41,15 @@ def _thin(df: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([df.iloc[::stride], df.iloc[[-1]]]).drop_duplicates()
 
 
+def _long_frame(rows: list[tuple[int, float, str]]) -> pd.DataFrame:
+    """(step, value, series) rows -> a frame with numeric columns even when empty: an untyped empty frame
+    concatenated with others turns `value` into objects, and the plot then draws it as categories (a y
+    axis sorted as text, upside down)."""
+    return pd.DataFrame({"step": pd.Series([r[0] for r in rows], dtype="int64"),
+                         "value": pd.Series([r[1] for r in rows], dtype="float64"),
+                         "series": pd.Series([r[2] for r in rows], dtype="str")})
+
+
 def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | None = None) -> pd.DataFrame:
     """Long-format frame (step, value, series) for the loss plot: loss, its smoothed curve, eval loss.
     Zero losses are real values and are kept (on a log axis they are drawn at 1e-8)."""
@@ -56,7 +65,7 @@ def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | No
         if run_label is None:
             rows += [(s, v, "smoothed") for s, v in zip(steps, smooth(list(values)))]
     rows += [(s, v, prefix + "eval_loss") for s, v in evals]
-    df = pd.DataFrame(rows, columns=["step", "value", "series"])
+    df = _long_frame(rows)
     if log_scale and len(df):
         df["value"] = [math.log10(max(v, 1e-8)) for v in df["value"]]
     return _thin(df)
@@ -64,18 +73,20 @@ def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | No
 
 def metric_frame(records: list[dict], keys, run_label: str | None = None) -> pd.DataFrame:
     """Long-format frame (step, value, series) of metric keys as logged in trainer_log.jsonl (e.g.
-    rewards/chosen), each with its eval_ variant when the run evaluated. One series per key present."""
+    rewards/chosen), each with its eval_ variant when the run evaluated. One series per key present, named
+    by the key; with a run label (the Runs overlay, one metric of several runs) by the run, and
+    "<run> eval" for the eval variant, so the legend stays short enough to be read whole."""
     wanted = []
     for key in keys:
         wanted += [key] if key.startswith("eval_") else [key, f"eval_{key}"]
-    prefix = f"{run_label} " if run_label else ""
     rows = []
     for key in dict.fromkeys(wanted):
+        name = key if run_label is None else run_label + (" eval" if key.startswith("eval_") else "")
         for r in records:
             step, value = _num(r.get("step")), _num(r.get(key))
             if step is not None and value is not None:
-                rows.append((int(step), value, prefix + key))
-    return _thin(pd.DataFrame(rows, columns=["step", "value", "series"]))
+                rows.append((int(step), value, name))
+    return _thin(_long_frame(rows))
 
 
 # ------------------------------------------------------------------ the stage's own plots (backend/stages)

@@ -13,6 +13,9 @@ from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import get_stage, uses_reference
 
 KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
+# The spec fields the estimate reads: the Train tab refreshes it when one of them changes.
+FIELDS = ("model_name_or_path", "finetuning_type", "quantization_bit", "stage", "pref_loss", "ref_model",
+          "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16")
 
 
 def param_count(model: str) -> float | None:

@@ -79,8 +79,11 @@ def test_metric_frame_takes_the_declared_keys_and_their_eval_variants():
     assert list(frame[frame.series == "eval_rewards/accuracies"].step) == [2, 4]
     # a key that is absent makes no series; a run label prefixes each series (the Runs overlay)
     assert len(live.metric_frame(dpo_records(2), ("kl",))) == 0
-    assert T.series_of(live.metric_frame(dpo_records(2), ("kl", "rewards/margins"), run_label="r")) == \
-        ["r rewards/margins"]
+    assert T.series_of(live.metric_frame(dpo_records(2, eval_at=(2,)), ("kl", "rewards/margins"), run_label="r")) \
+        == ["r", "r eval"]
+    # numeric columns even when empty (an object column makes the plot draw the values as categories)
+    for f in (live.metric_frame([], ("kl",)), live.loss_frame([]), frame):
+        assert str(f["value"].dtype) == "float64" and str(f["step"].dtype) == "int64"
 
 
 def _view(run_dir):
@@ -139,7 +142,8 @@ def test_runs_table_has_the_stage_and_the_overlay_plots_any_logged_metric(root):
     assert "step" not in offered and "eval_rewards/accuracies" not in offered  # drawn with its train key
     assert runs.overlay_metrics([str(b)]) == ["loss", "lr"]
     frame = runs.overlay_frame([str(a), str(b)], root=root, metric="rewards/accuracies")
-    assert T.series_of(frame) == ["a rewards/accuracies", "a eval_rewards/accuracies"]
+    assert T.series_of(frame) == ["a", "a eval"]  # b logged no such metric
+    assert str(frame["value"].dtype) == "float64"
     assert T.series_of(runs.overlay_frame([str(a), str(b)], root=root)) == ["a loss", "a eval_loss", "b loss"]
 
 
@@ -207,6 +211,14 @@ def test_preflight_counts_a_reference_copy_only_where_one_is_loaded():
     assert full_dpo["total"] > full_sft["total"]
     assert "reference model copy" in preflight.summary_md({**BASE, "stage": "dpo", "finetuning_type": "full"})
     assert "reference" not in preflight.summary_md({**BASE, "stage": "sft"})
+
+
+def test_preflight_is_refreshed_by_the_fields_it_reads():
+    form = set(NAMES) | set(TOP)
+    assert set(preflight.FIELDS) <= form, set(preflight.FIELDS) - form
+    flat, _ = T.collect(NAMES, TOP, T.spec_to_inputs(T.validate_spec({"stage": "dpo", "dataset": "dpo_en_demo"}),
+                                                     TOP, NAMES))
+    assert "chosen + rejected" in preflight.summary_md(flat)
 
 
 def test_preflight_doubles_the_batch_of_pairwise_stages():

@@ -83,6 +83,7 @@ def overlay_frame(run_dirs: list[str], root: Path | None = None, metric: str = "
         recs = _records(d)
         frames.append(live.loss_frame(recs, run_label=_rel(d, root)) if metric == "loss"
                       else live.metric_frame(recs, [metric], run_label=_rel(d, root)))
+    frames = [f for f in frames if len(f)]
     if not frames:
         return train_tab.empty_loss()
     return pd.concat(frames, ignore_index=True)

@@ -109,7 +109,8 @@ def build(reg, top: dict) -> dict:
             # plot per declared name, shown while the attached run's stage has it (none for pt / sft).
             c["stage_plots"] = {
                 name: reg.comp(gr.LinePlot, live.plot_elem_id(name), value=empty_loss(), x="step", y="value",
-                               color="series", height=260, x_title="step", y_title=name, visible=False)
+                               color="series", height=300, x_title="step", y_title=name, visible=False,
+                               elem_classes=["tb-plot"])
                 for name in live.plot_names()}
             c["lr_plot"] = reg.comp(gr.LinePlot, "train-lr_plot", value=empty_lr(), x="step", y="lr",
                                     height=200, x_title="step", y_title="learning rate")
@@ -319,6 +320,16 @@ def wire(c: dict, state) -> None:
 
     c["preview"].click(do_preview, inputs, [c["errors"], *field_comps, c["preview_cmd"], c["preview_yaml"],
                                             c["preview_acc"], c["preflight"]])
+
+    def refresh_preflight(*values):
+        """Inputs: top bar, booster, extra args, form. Outputs: the pre-flight memory estimate."""
+        flat, _ = collect(names, top_names, list(values))
+        return preflight.summary_md(flat)
+
+    for name in preflight.FIELDS:
+        comp = top.get(name) if name in top_names else c["fields"].get(name)
+        if comp is not None:
+            comp.change(refresh_preflight, inputs, [c["preflight"]], show_progress="hidden")
 
     def do_start(st, log_scale, *values):
         """Inputs: state, log-scale, form. Validates first; launches (or queues) `tuneboard train` with

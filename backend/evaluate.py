@@ -37,12 +37,12 @@ def eval_output_dir(spec) -> Path:
     return saves_dir() / spec.model_short_name() / "eval" / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def eval_examples(spec, log=print) -> list[dict]:
+def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:
     """The rows to evaluate: eval_dataset; else the validation split of dataset (same seed as training, so
     the same rows training held out); else all of dataset."""
     from backend.data import load_examples, split_train_val
 
-    common = dict(stage="sft", max_samples=spec.max_samples, identity_name=spec.identity_name,
+    common = dict(stage=stage, max_samples=spec.max_samples, identity_name=spec.identity_name,
                   identity_author=spec.identity_author, seed=spec.seed, default_system=spec.default_system,
                   mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs)
     if spec.eval_dataset:
@@ -140,6 +140,29 @@ def predict(model, tokenizer, template, examples: list[dict], out_file: Path, sp
             for k, v in metrics.compute(predictions, references).items()}
 
 
+def reward_eval(spec, resolved, template, out: Path, run_dir, stop=None) -> dict:
+    """stage rm: a reward model (model_name_or_path, + adapter_name_or_path: the output_dir of an rm run) on
+    held-out pairs: pairwise accuracy (chosen scored above rejected), mean margin and mean scores, as the
+    training run's eval_ metrics name them, and one line per pair in generated_predictions.jsonl."""
+    from backend.stages.rm import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
+
+    model, tokenizer = load_reward_model(spec, resolved, warn=run_dir.warn)
+    examples = eval_examples(spec, log=run_dir.log, stage="rm")
+    pairs = encode_pairs(examples, template, tokenizer, spec.cutoff_len, log=run_dir.warn)
+    if not pairs:
+        raise EvalError("no held-out pair could be encoded (see the warnings above)")
+    run_dir.log(f"scoring {len(pairs)} pairs with the reward model")
+    run_dir.update_status(total_steps=len(pairs))
+    scores = score_pairs(model, tokenizer, [row for _, row in pairs], spec.per_device_eval_batch_size, stop=stop,
+                         progress=lambda n: run_dir.update_status(step=n))
+    write_scores(out / PREDICTIONS_FILE, [example for example, _ in pairs], scores)
+    metrics = pair_metrics(scores)
+    run_dir.log(f"pairwise accuracy {metrics['accuracy']:.3f}, mean margin {metrics['margin']:.4f} "
+                f"over {metrics['pairs']} pairs")
+    return {"model": spec.model_name_or_path, "adapter": spec.adapter_name_or_path, "template": template.name,
+            "rows": len(examples), **{f"eval_{k}": v for k, v in metrics.items()}}
+
+
 def run(spec) -> int:
     """Evaluate; return the exit code. Never raises."""
     from backend.callbacks import StopSwitch
@@ -172,6 +195,14 @@ def run(spec) -> int:
         run_dir.log(f"eval: model {spec.model_name_or_path}"
                     + (f" + adapter {spec.adapter_name_or_path}" if spec.adapter_name_or_path else "")
                     + f", template {template.name}, output {out}")
+        if spec.stage == "rm":  # a reward model: scores of held-out pairs instead of loss and generation
+            parts = {"eval": True, "predict": True}
+            results = reward_eval(spec, resolved, template, out, run_dir, stop=lambda: switch.reason)
+            if switch.reason:
+                results["stopped"] = switch.reason
+            results["seconds"] = round(time.time() - started, 1)
+            write_json_atomic(out / RESULTS_FILE, results)
+            return _finished(run_dir, out, results, parts, switch)
         examples = eval_examples(spec, log=run_dir.log)
         run_dir.log(f"{len(examples)} rows; parts: {', '.join(k for k, v in parts.items() if v)}")
         model = load_model(spec, resolved, for_training=False, warn=run_dir.warn)
@@ -209,12 +240,21 @@ def run(spec) -> int:
         run_dir.finish("failed", 1, error=message)
         run_dir.close()
         return 1
+    return _finished(run_dir, out, results, parts, switch)
+
+
+def _finished(run_dir, out: Path, results: dict, parts: dict, switch) -> int:
+    """Log the results, write the final status, return the exit code."""
     figures = {k: v for k, v in results.items() if isinstance(v, (int, float))}
     run_dir.log("results: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()))
     run_dir.log(f"wrote {out / RESULTS_FILE}" + (f" and {out / PREDICTIONS_FILE}" if parts["predict"] else ""))
     if switch.reason:
-        run_dir.log(f"stopped ({switch.reason}): the results cover the {results.get('predict_rows', 0)} rows "
-                    "predicted before the stop")
+        if "eval_pairs" in results:
+            run_dir.log(f"stopped ({switch.reason}): the results cover the {results['eval_pairs']} pairs scored "
+                        "before the stop")
+        else:
+            run_dir.log(f"stopped ({switch.reason}): the results cover the {results.get('predict_rows', 0)} rows "
+                        "predicted before the stop")
         run_dir.finish("aborted", 130, final_metrics=figures, stop_reason=switch.reason)
         run_dir.close()
         return 130

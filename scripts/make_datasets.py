@@ -680,12 +680,18 @@ def openai_row(rng: random.Random, i: int) -> dict:
 # preference data: dpo_en_demo (pairs) and kto_en_demo (single answers labelled good/bad)
 # ---------------------------------------------------------------------------------------------
 def preference_pair(rng: random.Random, i: int) -> tuple[str, str, str, str]:
-    """(instruction, input, good answer, bad answer)."""
+    """(instruction, input, good answer, bad answer).
+
+    Every bad answer differs from the good one in a way a small model can pick up from a few dozen pairs
+    (a vague guess, a wrong capital it has seen corrected, a refusal, a brush-off), so the bundled demo shows
+    a reward model / DPO / KTO learning in a short CPU run. A bad sum that is only off by a digit would be
+    the one kind it cannot learn: telling it apart needs arithmetic, not a preference."""
     kind = i % 4
     if kind == 0:
         a, b = rng.randint(11, 99), rng.randint(11, 99)
-        wrong = a + b + rng.choice([-10, -2, -1, 1, 2, 10])
-        return f"What is {a} + {b}?", "", f"{a} + {b} = {a + b}.", f"{a} + {b} = {wrong}."
+        guess = round((a + b) / 10) * 10
+        return (f"What is {a} + {b}?", "", f"{a} + {b} = {a + b}.",
+                f"I think it is somewhere around {guess}, but I am not sure.")
     if kind == 1:
         country = sorted(WRONG_CAPITAL)[i // 4 % len(WRONG_CAPITAL)]
         right = {"Australia": "Canberra", "Canada": "Ottawa", "India": "New Delhi", "Turkey": "Ankara",
@@ -701,7 +707,7 @@ def preference_pair(rng: random.Random, i: int) -> tuple[str, str, str, str]:
             f"{term.capitalize()} is a complicated topic and you should look it up yourself.")
 
 
-def make_dpo(rng: random.Random, n: int = 40) -> list[dict]:
+def make_dpo(rng: random.Random, n: int = 80) -> list[dict]:
     rows = []
     for i in range(n):
         instruction, inp, good, bad = preference_pair(rng, i)

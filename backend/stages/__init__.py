@@ -20,8 +20,11 @@ from dataclasses import dataclass
 
 DATA_KINDS = ("text", "plain", "ranking", "kto", "prompts")
 
+# What TRL's DPOTrainer (sigmoid, hinge, ipo), ORPOTrainer (orpo: + nll_loss, log_odds_*) and CPOTrainer
+# (simpo: + nll_loss) log; aux_loss for Mixture-of-Experts models only.
 _PREF_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                 "logps/chosen", "logps/rejected")
+                 "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
+                 "log_odds_ratio", "log_odds_chosen", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
 
 @dataclass(frozen=True)
@@ -54,16 +57,20 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
     Stage("pt", "Pre-training", "text"),
     Stage("sft", "Supervised fine-tuning", "plain"),
     Stage("rm", "Reward model", "ranking",
-          metrics=("accuracy", "margin", "rewards/chosen", "rewards/rejected"),
+          # TRL's RewardTrainer logs accuracy .. num_tokens; the rm stage adds the mean chosen / rejected scores
+          metrics=("accuracy", "margin", "rewards/chosen", "rewards/rejected", "min_reward", "mean_reward",
+                   "max_reward", "num_tokens"),
           plots=(("rewards", ("rewards/chosen", "rewards/rejected", "margin")), ("accuracy", ("accuracy",)))),
     Stage("dpo", "DPO", "ranking", fields=_DPO_FIELDS, metrics=_PREF_METRICS, plots=_DPO_PLOTS),
-    Stage("orpo", "ORPO", "ranking", fields=("pref_beta", "pref_ftx"), metrics=_PREF_METRICS,
+    Stage("orpo", "ORPO", "ranking", fields=("pref_beta",), metrics=_PREF_METRICS,
           plots=_DPO_PLOTS, alias_of="dpo", pref_loss="orpo"),
     Stage("simpo", "SimPO", "ranking", fields=("pref_beta", "pref_ftx", "simpo_gamma"), metrics=_PREF_METRICS,
           plots=_DPO_PLOTS, alias_of="dpo", pref_loss="simpo"),
     Stage("kto", "KTO", "kto",
           fields=("pref_beta", "pref_ftx", "kto_chosen_weight", "kto_rejected_weight", "ref_model"),
-          metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"),
+          # exactly what TRL's KTOTrainer logs (aux_loss: Mixture-of-Experts models only)
+          metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+                   "logits/chosen", "logits/rejected", "kl", "entropy", "num_tokens", "aux_loss"),
           plots=(("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")), ("kl", ("kl",)))),
     Stage("ppo", "PPO", "prompts", implemented=False,
           fields=("ref_model", "reward_model", "reward_model_type", "ppo_epochs", "ppo_buffer_size", "ppo_target",

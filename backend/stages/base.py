@@ -201,11 +201,12 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer):
     return rows, PaddingCollator(tokenizer)
 
 
-def trainable_model(spec, run_dir: RunDir, resolved):
-    """The model loaded for training, with adapters / frozen layers as the spec says."""
+def trainable_model(spec, run_dir: RunDir, resolved, **load_kwargs):
+    """The model loaded for training, with adapters / frozen layers as the spec says (load_kwargs go to
+    load_model, e.g. reward_head=True for stage rm)."""
     from backend.models import apply_finetuning, count_parameters, describe_model, load_model
 
-    model = load_model(spec, resolved, for_training=True, warn=run_dir.warn)
+    model = load_model(spec, resolved, for_training=True, warn=run_dir.warn, **load_kwargs)
     run_dir.log(f"model: {describe_model(model)}")
     model = apply_finetuning(model, spec, warn=run_dir.warn)
     trainable, total = count_parameters(model)

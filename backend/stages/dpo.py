@@ -1,0 +1,197 @@
+"""Direct preference optimisation: ranking pairs -> our templated tokens -> TRL's preference trainers.
+
+`stage: dpo` with `pref_loss` sigmoid | hinge | ipo trains against a reference model with TRL's DPOTrainer;
+`pref_loss: orpo` (TRL's ORPOTrainer) and `pref_loss: simpo` (TRL's CPOTrainer, SimPO loss) need no reference
+model. `stage: orpo` / `stage: simpo` are aliases with the loss fixed (backend/stages).
+
+Reads top to bottom: tokenizer/template -> ranking rows -> model (+adapter) -> reference -> trainer -> save.
+
+The reference model (sigmoid / hinge / ipo):
+- `ref_model` given: that model, loaded by our loader (same dtype / quantization as the policy), frozen.
+- LoRA: no second model. TRL keeps a frozen copy of the starting adapter under the name "ref" and computes
+  the reference with it on the shared base weights. A fresh adapter starts as a no-op, so the reference is
+  the base model; an adapter continued from an earlier run (`adapter_name_or_path`, the SFT -> DPO chain) makes
+  the reference that SFT model, as in the DPO paper. LLaMA-Factory disables the adapter instead, which makes
+  the base model the reference even after SFT (its issue #8459 reports that as a bug); we keep TRL's choice.
+- full / freeze: a frozen second copy of the model (our loader, not TRL's, so dtype / GGUF folders match).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from trl import DPOConfig, DPOTrainer
+from trl.experimental.cpo import CPOConfig, CPOTrainer
+from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+from backend.models import load_model, load_tokenizer, resolve_model
+from backend.preference import build_preference_dataset
+from backend.resolve import pick_template
+from backend.stages import REFERENCE_FREE_LOSSES, get_stage
+from backend.stages.base import RunError, StageResult, fit, train_and_eval_rows, trainable_model
+
+REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")  # DPOTrainer, with a reference model; orpo / simpo need none
+
+
+def preference_loss(spec) -> str:
+    """The loss this run trains with: an alias stage's fixed one (orpo, simpo), else spec.pref_loss."""
+    return get_stage(spec.stage).pref_loss or spec.pref_loss
+
+
+def run(spec, run_dir, stop) -> StageResult:
+    loss = preference_loss(spec)
+    run_dir.log(f"preference loss: {loss} (beta {spec.pref_beta:g})")
+
+    # 1. tokenizer and template
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+    run_dir.log(f"template: {template.name}")
+
+    # 2. dataset: prompt / chosen / rejected token ids, the answers being the template's trained spans
+    train_examples, val_examples = train_and_eval_rows(spec, run_dir, spec.stage)
+    encode = dict(template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len, log=run_dir.warn)
+    train_rows, stats = build_preference_dataset(train_examples, **encode)
+    run_dir.log(f"train pairs: {stats}")
+    eval_rows = build_preference_dataset(val_examples, **encode)[0] if val_examples else None
+
+    # 3. model (+adapter) and the reference it is held to
+    model = trainable_model(spec, run_dir, resolved)
+    ref_model = reference_model(spec, run_dir, resolved, loss)
+
+    # 4. train, save, plot
+    trainer_class, args_class, config = trainer_for(spec, loss)
+    extra = {"ref_model": ref_model} if loss in REFERENCE_LOSSES else {}
+    return fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=_dataset(train_rows),
+               eval_dataset=_dataset(eval_rows) if eval_rows else None, trainer_class=trainer_class,
+               args_class=args_class, config=config, **extra)
+
+
+def _dataset(rows: list[dict]):
+    from datasets import Dataset  # TRL's trainers map over a datasets.Dataset
+
+    return Dataset.from_list(rows)
+
+
+def reference_model(spec, run_dir, resolved, loss: str):
+    """The frozen reference model, or None where none is kept (see the module docstring)."""
+    if loss in REFERENCE_FREE_LOSSES:
+        run_dir.log(f"reference model: none ({loss} is reference-free)")
+        return None
+    if spec.ref_model:
+        try:
+            ref_resolved = resolve_model(spec.ref_model)
+        except (ValueError, FileNotFoundError) as exc:
+            raise RunError(f"ref_model: {exc}") from None
+        ref = load_model(spec, ref_resolved, for_training=False, warn=run_dir.warn)
+        policy_vocab = len(load_tokenizer(resolved))
+        if ref.get_input_embeddings().num_embeddings < policy_vocab:
+            raise RunError(f"ref_model: {spec.ref_model} has {ref.get_input_embeddings().num_embeddings} token "
+                           f"embeddings, fewer than the {policy_vocab} tokens of {spec.model_name_or_path}'s tokenizer")
+        run_dir.log(f"reference model: {spec.ref_model} (a second model in memory)")
+        return ref.requires_grad_(False)
+    if spec.finetuning_type == "lora":
+        start = "the adapter from " + spec.adapter_name_or_path if spec.adapter_name_or_path else "the base model"
+        run_dir.log(f"reference model: {start} (a frozen copy of the starting adapter on the shared base "
+                    f"weights; no second model in memory)")
+        return None
+    run_dir.log(f"reference model: a frozen copy of {spec.model_name_or_path} ({spec.finetuning_type} training "
+                f"changes the weights themselves)")
+    return load_model(spec, resolved, for_training=False, warn=run_dir.warn).requires_grad_(False)
+
+
+def trainer_for(spec, loss: str) -> tuple[type, type, dict]:
+    """(trainer class, config class, the config's own keys) for this preference loss."""
+    if loss in REFERENCE_LOSSES:
+        loss_types, weights = dpo_loss_terms(loss, spec.pref_ftx, spec.dpo_label_smoothing)
+        return _TokenizedDPOTrainer, DPOConfig, dict(
+            beta=spec.pref_beta, loss_type=loss_types, loss_weights=weights,
+            label_smoothing=spec.dpo_label_smoothing, max_length=spec.cutoff_len)
+    if loss == "orpo":
+        return _TokenizedORPOTrainer, ORPOConfig, dict(beta=spec.pref_beta, max_length=spec.cutoff_len)
+    if loss == "simpo":
+        return _TokenizedCPOTrainer, CPOConfig, dict(
+            loss_type="simpo", beta=spec.pref_beta, simpo_gamma=spec.simpo_gamma, cpo_alpha=spec.pref_ftx,
+            max_length=spec.cutoff_len)
+    raise RunError(f"pref_loss: {loss!r} is not a loss of stage dpo (choose sigmoid, hinge, ipo, orpo, simpo)")
+
+
+def dpo_loss_terms(loss: str, ftx: float, label_smoothing: float) -> tuple[list[str], list[float]]:
+    """DPOConfig's loss_type / loss_weights for our pref_loss, pref_ftx and dpo_label_smoothing.
+
+    dpo_label_smoothing is LLaMA-Factory's conservative DPO (cDPO): (1-e)*L(d) + e*L(-d) with
+    L(d) = -log sigmoid(beta*d). TRL 1.16's sigmoid loss has no smoothing and its "robust" loss is
+    R = ((1-e)*L(d) - e*L(-d)) / (1-2e), so cDPO = 2(1-e)*sigmoid - (1-2e)*robust, exactly, from TRL's own terms.
+    pref_ftx adds TRL's "sft" term (mean NLL of the chosen answers' tokens) with that weight."""
+    if label_smoothing and loss != "sigmoid":
+        raise RunError(f"dpo_label_smoothing applies to pref_loss sigmoid only (got {loss})")
+    if label_smoothing:
+        types, weights = ["sigmoid", "robust"], [2 * (1 - label_smoothing), -(1 - 2 * label_smoothing)]
+    else:
+        types, weights = [loss], [1.0]
+    if ftx:
+        types, weights = types + ["sft"], weights + [ftx]
+    return types, weights
+
+
+# -- TRL's trainers fed with our tokens ----------------------------------------------------------
+# Our rows are already tokenized by our templates (backend/preference.py). The trainers below change
+# only the step where TRL would tokenize text itself, so the tokens it trains on are exactly ours.
+
+def _without_ref_adapter_files(output_dir) -> None:
+    """TRL's "ref" adapter (the frozen starting copy) is saved next to ours as ref/: it is training state
+    only, and a run folder holds one adapter, the trained one."""
+    ref = Path(output_dir) / "ref"
+    if (ref / "adapter_config.json").is_file():
+        shutil.rmtree(ref)
+
+
+class _TokenizedDPOTrainer(DPOTrainer):
+    """DPOTrainer taking rows {prompt_ids, chosen_ids, rejected_ids} as they are."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        # TRL's version extracts a prompt from text and tokenizes it with the tokenizer's chat template;
+        # ours are final token ids already, fitted to cutoff_len.
+        return dataset
+
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        _without_ref_adapter_files(output_dir or self.args.output_dir)
+
+
+def _paired_features(row: dict) -> dict:
+    """Our row -> the columns TRL's ORPO / CPO collator pads (labels -100 on the prompt)."""
+    prompt, chosen, rejected = row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]
+    features = {"prompt_input_ids": prompt, "prompt_attention_mask": [1] * len(prompt)}
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        features[f"{name}_input_ids"] = prompt + answer
+        features[f"{name}_attention_mask"] = [1] * (len(prompt) + len(answer))
+        features[f"{name}_labels"] = [-100] * len(prompt) + answer
+    return features
+
+
+def _count_pair_tokens(trainer, inputs) -> None:
+    """A pair batch has no input_ids for the Trainer to count tokens/s by: count both sequences' real tokens."""
+    if trainer.args.include_num_input_tokens_seen == "no":
+        return
+    import torch
+
+    seen = inputs["chosen_attention_mask"].sum() + inputs["rejected_attention_mask"].sum()
+    seen = torch.as_tensor(seen, device=trainer.args.device, dtype=torch.int64)
+    trainer.state.num_input_tokens_seen += trainer.accelerator.gather(seen).sum().item()
+
+
+class _TokenizedORPOTrainer(ORPOTrainer):
+    def tokenize_row(self, feature, model=None):  # ours are token ids already
+        return _paired_features(feature)
+
+    def _track_num_input_tokens(self, inputs):
+        _count_pair_tokens(self, inputs)
+
+
+class _TokenizedCPOTrainer(CPOTrainer):
+    def tokenize_row(self, feature, model=None):  # ours are token ids already
+        return _paired_features(feature)
+
+    def _track_num_input_tokens(self, inputs):
+        _count_pair_tokens(self, inputs)

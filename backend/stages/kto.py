@@ -1,0 +1,145 @@
+"""KTO: single answers tagged desirable / undesirable (kto_tag) -> TRL's KTOTrainer.
+
+Reads top to bottom: tokenizer/template -> rows -> model (+adapter) -> reference model -> trainer -> train
+-> save -> predictions on the held-out rows (do_predict).
+
+Settings: pref_beta -> beta, kto_chosen_weight / kto_rejected_weight -> desirable_weight / undesirable_weight,
+cutoff_len -> max_length. TRL's KTO has no SFT term, so pref_ftx > 0 is refused at validate (backend/spec.py),
+as is per_device_train_batch_size 1: the KL estimate pairs each prompt with another row's answer of the
+same batch, and with one row per batch it would equal the reward itself.
+
+Reference model: `ref_model` when given; else for LoRA the model with its adapter disabled (no second copy in
+memory) while the adapter is still the identity, or TRL's frozen copy of the adapter weights ("ref") when
+training continues an adapter that already changes the model (adapter_name_or_path, PiSSA): the reference is
+the policy training starts from; for full / freeze a frozen copy of the base.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from backend.models import load_tokenizer, resolve_model
+from backend.preference import build_kto_dataset
+from backend.resolve import pick_template
+from backend.stages.base import RunError, StageResult, fit, train_and_eval_rows, trainable_model
+
+
+def run(spec, run_dir, stop) -> StageResult:
+    from datasets import Dataset
+    from trl import KTOConfig
+
+    # 1. tokenizer and template
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+    run_dir.log(f"template: {template.name}")
+
+    # 2. dataset: prompt and answer tokens with the desirable / undesirable label
+    train_examples, val_examples = train_and_eval_rows(spec, run_dir, spec.stage)
+    encode = dict(template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len, log=run_dir.warn)
+    train_rows, stats = build_kto_dataset(train_examples, **encode)
+    desirable = sum(r["label"] for r in train_rows)
+    run_dir.log(f"train rows: {stats}; {desirable} desirable, {len(train_rows) - desirable} undesirable")
+    if not desirable or desirable == len(train_rows):
+        run_dir.warn("the training rows are all " + ("desirable" if desirable else "undesirable")
+                     + ": KTO learns from both kinds (kto_tag true and false)")
+    eval_rows = build_kto_dataset(val_examples, **encode)[0] if val_examples else None
+
+    # 3. model and adapters, and the reference model
+    model = trainable_model(spec, run_dir, resolved)
+    ref_model = reference_model(spec, run_dir, resolved, model)
+
+    # 4. train, save, plot
+    result = fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=Dataset.from_list(train_rows),
+                 eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+                 trainer_class=_kto_trainer_class(), args_class=KTOConfig,
+                 config={"beta": spec.pref_beta, "desirable_weight": spec.kto_chosen_weight,
+                         "undesirable_weight": spec.kto_rejected_weight, "max_length": spec.cutoff_len},
+                 ref_model=ref_model)
+
+    # 5. predictions on the held-out rows (do_predict), as for sft
+    if spec.do_predict and val_examples and not result.stopped:
+        from backend.evaluate import predict
+
+        run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
+        model.eval()
+        result.metrics.update(predict(model, tokenizer, template, val_examples,
+                                      run_dir.path / "generated_predictions.jsonl", spec))
+    return result
+
+
+def reference_model(spec, run_dir, resolved, model):
+    """`ref_model` loaded frozen; None for LoRA (the trainer uses the adapter-disabled model); a frozen
+    copy of the base for full / freeze."""
+    from backend.models import load_model
+
+    if spec.ref_model:
+        ref_resolved = resolve_model(spec.ref_model)
+        ref = load_model(spec, ref_resolved, for_training=False, warn=run_dir.warn)
+        if ref.get_input_embeddings().num_embeddings != model.get_input_embeddings().num_embeddings:
+            raise RunError(f"ref_model: {spec.ref_model} has another vocabulary than {spec.model_name_or_path} "
+                           "(its log-probabilities cannot be compared token by token)")
+        run_dir.log(f"reference model: {spec.ref_model}")
+        return ref
+    if spec.finetuning_type == "lora":
+        if _adapter_is_identity(model, "default"):
+            run_dir.log("reference model: the base model (the new adapter disabled; no copy in memory)")
+        else:
+            run_dir.log("reference model: the starting adapter (a frozen copy of its LoRA weights on the shared "
+                        "base weights; no second model in memory)")
+        return None
+    run_dir.log("reference model: a frozen copy of the base model")
+    return load_model(spec, resolved, for_training=False, warn=run_dir.warn)
+
+
+def _kto_trainer_class():
+    from accelerate.utils import is_peft_model
+    from trl import KTOTrainer
+
+    class _KTOTrainer(KTOTrainer):
+        """TRL's KTOTrainer on our pre-tokenized rows, and with no copy of an adapter that is still the identity."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # TRL copies a PeftModel's adapter as the reference ("ref"). A fresh LoRA adapter (B = 0) changes
+            # nothing yet, so disabling it gives the same reference without the copy.
+            model = self.accelerator.unwrap_model(self.model)
+            if self.ref_model is None and is_peft_model(model) and "ref" in model.peft_config \
+                    and _adapter_is_identity(model, "default"):
+                model.delete_adapter("ref")
+                model.set_adapter("default")
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            # Our rows are already tokenized by our templates (backend.preference): TRL's own preparation would
+            # look for text prompt / completion columns and tokenize them with the tokenizer's chat template.
+            # Keep the one step it adds to tokenized rows: the KL completions, each prompt paired with the
+            # previous row's answer within a batch (sequential sampling keeps those batches together).
+            if not self.calculate_KL:
+                return dataset
+
+            def add_kl_completion_ids(batch):
+                batch["KL_completion_ids"] = [batch["completion_ids"][-1]] + batch["completion_ids"][:-1]
+                return batch
+
+            return dataset.map(add_kl_completion_ids, batched=True, batch_size=args.per_device_train_batch_size)
+
+        def _save(self, output_dir=None, state_dict=None):
+            super()._save(output_dir, state_dict)
+            # peft saves every adapter; the "ref" copy is training state only (the run folder and each
+            # checkpoint hold one adapter: the trained one)
+            ref = Path(output_dir or self.args.output_dir) / "ref"
+            if (ref / "adapter_config.json").is_file():
+                shutil.rmtree(ref)
+
+    return _KTOTrainer
+
+
+def _adapter_is_identity(model, adapter: str) -> bool:
+    """True when every LoRA B matrix of the adapter is zero (a freshly initialised LoRA / DoRA adapter)."""
+    found = False
+    for name, param in model.named_parameters():
+        if f"lora_B.{adapter}." in name or f"lora_embedding_B.{adapter}" in name:
+            found = True
+            if param.detach().abs().max() > 0:
+                return False
+    return found

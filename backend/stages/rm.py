@@ -1,0 +1,224 @@
+"""Reward model: ranking pairs -> a one-output score head on the base model -> TRL's RewardTrainer
+(pairwise loss -log sigmoid(score(prompt + chosen) - score(prompt + rejected))).
+
+Reads top to bottom: tokenizer/template -> pairs -> model with a score head (+adapter) -> trainer -> train
+-> save -> scores of the held-out pairs (do_predict).
+
+What a run saves and how it reloads (load_reward_model; `tuneboard eval` with stage rm, and PPO's
+`reward_model`, go through it):
+- lora: the adapter (task_type SEQ_CLS) with the trained score head inside it (peft modules_to_save), on the
+  run's base model (run_spec.yaml's model_name_or_path);
+- full / freeze: a sequence-classification model folder (config.json: ...ForSequenceClassification,
+  num_labels 1, pad_token_id).
+The score of a sequence is the head's output at its last token that is not the pad token (transformers'
+rule), so the model config carries the tokenizer's pad token, here and when reloaded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backend.models import load_tokenizer, resolve_model
+from backend.preference import build_preference_dataset
+from backend.resolve import pick_template
+from backend.stages.base import StageResult, fit, train_and_eval_rows, trainable_model
+
+PREDICTIONS_FILE = "generated_predictions.jsonl"
+
+
+def run(spec, run_dir, stop) -> StageResult:
+    from datasets import Dataset
+    from transformers import set_seed
+    from trl import RewardConfig
+
+    # 1. tokenizer and template
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+    run_dir.log(f"template: {template.name}")
+
+    # 2. dataset: prompt + chosen and prompt + rejected, each one sequence to score
+    train_examples, val_examples = train_and_eval_rows(spec, run_dir, spec.stage)
+    encode = dict(template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len, log=run_dir.warn)
+    train_rows, stats = build_preference_dataset(train_examples, **encode)
+    run_dir.log(f"train pairs: {stats}")
+    held_out = encode_pairs(val_examples, **encode)  # (example, row): do_predict names each pair's source row
+    eval_rows = [row for _, row in held_out] or None
+
+    # 3. model: the base with a new one-output score head (seeded: its initial weights are random)
+    set_seed(spec.seed)
+    model = trainable_model(spec, run_dir, resolved, reward_head=True)
+    set_pad_token(model, tokenizer)
+
+    # 4. train, save, plot
+    result = fit(spec, run_dir, stop, model=model, tokenizer=tokenizer,
+                 train_dataset=Dataset.from_list([sequences(r) for r in train_rows]),
+                 eval_dataset=Dataset.from_list([sequences(r) for r in eval_rows]) if eval_rows else None,
+                 trainer_class=_reward_trainer_class(), args_class=RewardConfig,
+                 config={"max_length": spec.cutoff_len})
+
+    # 5. scores of the held-out pairs (do_predict), one line per pair, and their accuracy / margin
+    if spec.do_predict and eval_rows and not result.stopped:
+        run_dir.log(f"scoring {len(eval_rows)} held-out pairs -> {PREDICTIONS_FILE}")
+        model.eval()
+        scores = score_pairs(model, tokenizer, eval_rows, spec.per_device_eval_batch_size)
+        write_scores(run_dir.path / PREDICTIONS_FILE, [example for example, _ in held_out], scores)
+        result.metrics.update({f"predict_{k}": v for k, v in pair_metrics(scores).items()})
+    return result
+
+
+def sequences(row: dict) -> dict:
+    """A preference row -> the two full sequences TRL's reward collator takes."""
+    return {"chosen_ids": row["prompt_ids"] + row["chosen_ids"], "rejected_ids": row["prompt_ids"] + row["rejected_ids"]}
+
+
+def set_pad_token(model, tokenizer) -> None:
+    """The score is read at the last non-pad token: the model must know the tokenizer's pad id."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def _reward_trainer_class():
+    import torch
+    from trl import RewardTrainer
+
+    class _RewardTrainer(RewardTrainer):
+        """TRL's RewardTrainer (it logs accuracy, margin, min/mean/max_reward), plus the mean score of the
+        chosen and of the rejected answers (rewards/chosen, rewards/rejected), as the DPO stages name them."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+            chosen, rejected = torch.chunk(outputs.logits.detach().squeeze(-1), chunks=2)
+            mode = "train" if self.model.training else "eval"
+            for key, scores in (("rewards/chosen", chosen), ("rewards/rejected", rejected)):
+                self._metrics[mode][key].append(self.accelerator.gather_for_metrics(scores.mean()).mean().item())
+            return (loss, outputs) if return_outputs else loss
+
+    return _RewardTrainer
+
+
+# -- scoring (this stage's do_predict, `tuneboard eval` with stage rm, PPO's reward_model) ----------------
+
+def encode_pairs(examples: list[dict], template, tokenizer, cutoff_len, log=None) -> list[tuple[dict, dict]]:
+    """(example, preference row) for each ranking example that encodes; why the others do not goes to log."""
+    pairs = []
+    for example in examples:
+        try:
+            rows, _ = build_preference_dataset([example], template, tokenizer, cutoff_len)
+        except ValueError as exc:
+            if log:
+                log(str(exc))
+            continue
+        pairs.append((example, rows[0]))
+    return pairs
+
+
+def score_pairs(model, tokenizer, rows: list[dict], batch_size: int = 8, *, stop=None,
+                progress=None) -> list[tuple[float, float]]:
+    """(chosen score, rejected score) of each preference row, batched and right-padded like training.
+    stop() -> a reason or None, asked before each batch: the pairs scored by then are returned.
+    progress(n): called with the number of pairs scored so far."""
+    import torch
+
+    flat = [seq for row in rows for seq in (sequences(row)["chosen_ids"], sequences(row)["rejected_ids"])]
+    scores: list[float] = []
+    device = next(model.parameters()).device
+    step = 2 * max(batch_size, 1)  # a pair's two sequences always share a batch
+    with torch.no_grad():
+        for i in range(0, len(flat), step):
+            if stop and stop():
+                break
+            chunk = flat[i:i + step]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for j, seq in enumerate(chunk):
+                ids[j, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+                mask[j, :len(seq)] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            scores.extend(float(x) for x in logits.float().view(-1))
+            if progress:
+                progress(len(scores) // 2)
+    return list(zip(scores[0::2], scores[1::2]))
+
+
+def pair_metrics(scores: list[tuple[float, float]]) -> dict:
+    """Pairwise accuracy (chosen scored above rejected), mean margin and mean scores."""
+    n = max(len(scores), 1)
+    return {
+        "accuracy": sum(c > r for c, r in scores) / n,
+        "margin": sum(c - r for c, r in scores) / n,
+        "rewards/chosen": sum(c for c, _ in scores) / n,
+        "rewards/rejected": sum(r for _, r in scores) / n,
+        "pairs": len(scores),
+    }
+
+
+def write_scores(path: Path, examples: list[dict], scores: list[tuple[float, float]]) -> None:
+    """One JSON line per pair: where it comes from, both scores, whether the chosen one won."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i, (example, (chosen, rejected)) in enumerate(zip(examples, scores)):
+            f.write(json.dumps({"index": i, "source": example.get("_source"), "row": example.get("_row"),
+                                "chosen_score": chosen, "rejected_score": rejected, "margin": chosen - rejected,
+                                "correct": chosen > rejected}, ensure_ascii=False) + "\n")
+
+
+def is_reward_model_dir(path: str | Path) -> bool:
+    """A folder this stage saved: a full reward model (config.json) or a reward adapter (SEQ_CLS)."""
+    path = Path(path)
+    try:
+        if (path / "adapter_config.json").is_file():
+            return json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("task_type") == "SEQ_CLS"
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+            and len(config.get("id2label") or {0: ""}) == 1)
+
+
+def reward_model_location(path: str | Path) -> tuple[str, str | None]:
+    """(model_name_or_path, adapter_name_or_path) that load a reward model run dir (for PPO's reward_model):
+    a full model is its own folder; an adapter goes on the base model its run_spec.yaml names (else the
+    base recorded in adapter_config.json)."""
+    path = Path(path).expanduser().resolve()
+    if not is_reward_model_dir(path):
+        raise ValueError(f"{path} is not a reward model (train one with stage: rm)")
+    if not (path / "adapter_config.json").is_file():
+        return str(path), None
+    import yaml
+
+    spec_file = path / "run_spec.yaml"
+    base = None
+    if spec_file.is_file():
+        base = (yaml.safe_load(spec_file.read_text(encoding="utf-8")) or {}).get("model_name_or_path")
+    if not base:
+        base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    return str(base), str(path)
+
+
+def load_reward_model(spec, resolved=None, *, warn=None):
+    """(model, tokenizer) for scoring: spec.model_name_or_path with a score head, plus adapter_name_or_path.
+    Refuses a model / adapter that no rm run saved (its score head would be random)."""
+    from backend.models import apply_finetuning, load_model
+
+    adapters = [a.strip() for a in str(spec.adapter_name_or_path or "").split(",") if a.strip()]
+    holder = adapters[-1] if adapters else spec.model_name_or_path
+    if not is_reward_model_dir(holder if adapters else _model_folder(spec, resolved)):
+        field = "adapter_name_or_path" if adapters else "model_name_or_path"
+        raise ValueError(f"{field}: {holder} is not a reward model (no trained score head): give the output_dir "
+                         "of a stage rm run")
+    resolved = resolved or resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    model = load_model(spec, resolved, for_training=False, warn=warn, reward_head=True)
+    if adapters:
+        model = apply_finetuning(model, spec, for_training=False, warn=warn)
+    set_pad_token(model, tokenizer)
+    model.eval()
+    return model, tokenizer
+
+
+def _model_folder(spec, resolved) -> Path:
+    from backend.models import model_folder
+
+    return model_folder(resolved or resolve_model(spec.model_name_or_path))

@@ -172,10 +172,10 @@ def test_a_model_without_a_trained_score_head_is_not_loaded_as_a_reward_model(kt
     from backend.stages.rm import load_reward_model
 
     with pytest.raises(ValueError, match="model_name_or_path: .* is not a reward model"):
-        load_reward_model(validate_spec({"model_name_or_path": str(tiny_qwen2), "stage": "rm"}))
+        load_reward_model(validate_spec({"model_name_or_path": str(tiny_qwen2), "stage": "rm", "dataset": "dpo_en_demo"}))
     with pytest.raises(ValueError, match="adapter_name_or_path: .* is not a reward model"):  # a KTO (causal LM) adapter
         load_reward_model(validate_spec({"model_name_or_path": str(tiny_qwen2), "adapter_name_or_path": str(kto_run),
-                                         "stage": "rm"}))
+                                         "stage": "rm", "dataset": "dpo_en_demo"}))
 
 
 # ------------------------------------------------------------------------------------------------ validate

@@ -8,9 +8,15 @@
 
 Any OpenAI client works against it (base_url http://HOST:PORT/v1). The request's `model` picks the
 served model; unknown names get 404. With an API key (--api-key or $TUNEBOARD_API_KEY) every /v1
-request needs `Authorization: Bearer KEY` (401 otherwise). Errors are always OpenAI-style JSON
-({"error": {"message", "type", "param", "code"}}): 400 bad values, 401, 404, 422 schema errors, and a
-500 only for a real engine failure, with a one-line message and no traceback.
+request needs `Authorization: Bearer KEY` (401 otherwise); a non-loopback --host needs a key (or an
+explicit --insecure-no-auth). Errors are always OpenAI-style JSON
+({"error": {"message", "type", "param", "code"}}): 400 bad values, 401, 404, 422 schema errors, 503 when
+the queue is full, and a 500 only for a real engine failure, with a one-line message and no traceback.
+
+One request cannot hold the server: max_tokens is bounded by the model's context (400 naming the field
+when the prompt plus max_tokens do not fit; left out, it is what fits), a generation stops at its next
+token once its client disconnects (streamed or not, on every route), and at most --max-queue requests
+wait while the model is busy (more get 503 at once, with Retry-After).
 
 Once the socket listens it prints `serving on http://HOST:PORT` (flushed) so a parent process (the
 web UI, the tests) can wait for that line; `--port 0` takes a free port and prints it.
@@ -18,6 +24,8 @@ web UI, the tests) can wait for that line; `--port 0` takes a free port and prin
 
 
 import argparse
+import asyncio
+import ipaddress
 import json
 import os
 import secrets
@@ -141,7 +149,67 @@ def to_engine_messages(messages) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- app
-def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | None = None):
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_MAX_QUEUE = 8
+
+
+class _Load:
+    """How busy the server is (event loop only): generation requests in progress, and those whose prompt
+    was handed to a model."""
+
+    def __init__(self):
+        self.requests = 0
+        self.generating = 0
+
+
+class _Gate:
+    """Plain ASGI middleware in front of the app: the API key on /v1 (401), then a bound on generation
+    requests in progress (counted from their arrival): `running` may generate at once (one per loaded
+    model) and `max_queue` more may wait; any further one is answered 503 at once instead of waiting
+    without end. A plain ASGI middleware
+    (not Starlette's BaseHTTPMiddleware) so the endpoints see the client's disconnect message."""
+
+    def __init__(self, app, *, api_key: str | None, running: int, max_queue: int, load: "_Load"):
+        self.app, self.api_key, self.capacity, self.max_queue = app, api_key, running + max_queue, max_queue
+        self.load = load
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.responses import JSONResponse
+
+        path, method = scope["path"], scope["method"]
+        if self.api_key and path.startswith("/v1") and method != "OPTIONS":
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                message = ("missing API key: send 'Authorization: Bearer KEY'" if not token
+                           else "incorrect API key provided")
+                response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401)
+                return await response(scope, receive, send)
+        if method != "POST" or path not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        if self.load.requests >= self.capacity:
+            message = (f"the server is busy: {self.load.requests} requests are generating or waiting, the most it "
+                       f"takes (--max-queue {self.max_queue}); retry later")
+            response = JSONResponse(error_body(message, "server_error", code="server_overloaded"), status_code=503,
+                                    headers={"Retry-After": "1"})
+            return await response(scope, receive, send)
+        self.load.requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.requests -= 1
+
+
+async def _until_disconnected(receive) -> None:
+    """Returns once the client has gone (the request body is read by then: what is left is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE):
     """The FastAPI app serving `engines` ({name: Engine}, in /v1/models order)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -149,9 +217,15 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from backend.engine import ContextLengthError
+
     ChatRequest, CompletionRequest = _models()
     app = FastAPI(title="TuneBoard OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    # engines on one base share its lock: one generation at a time per loaded model
+    models_at_once = len({id(getattr(e, "lock", e)) for e in engines.values()}) or 1
+    load = _Load()
+    app.add_middleware(_Gate, api_key=api_key, running=models_at_once, max_queue=max_queue, load=load)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -181,7 +255,12 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         """The JSON body as a ChatRequest (or `schema`), whatever the Content-Type (curl -d sends a form type)."""
         from pydantic import ValidationError
 
-        raw = await request.body()
+        from starlette.requests import ClientDisconnect
+
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # it left before sending the whole body: nobody reads the answer
+            raise APIError(400, "the client disconnected before sending its request") from None
         try:
             data = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -209,17 +288,6 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         return JSONResponse(error_body(f"internal error: {exc.__class__.__name__}: {exc}", "server_error"),
                             status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS":
-            header = request.headers.get("authorization", "")
-            token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), api_key.encode()):
-                message = ("missing API key: send 'Authorization: Bearer KEY'" if not token
-                           else "incorrect API key provided")
-                return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401)
-        return await call_next(request)
-
     if cors:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -228,7 +296,9 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
 
     @app.get("/health")
     def health():
-        return {"status": "ok"}
+        """Also how busy it is: `requests` = generation requests in progress (counted against --max-queue),
+        `generating` = those whose prompt was handed to a model (running or waiting for it)."""
+        return {"status": "ok", "requests": load.requests, "generating": load.generating}
 
     @app.get("/v1/models")
     def list_models():
@@ -249,6 +319,39 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                     repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
                     do_sample=(req.temperature > 0) if req.temperature is not None else None)
 
+    def too_long(exc: ContextLengthError, req, prompt_field: str) -> APIError:
+        """The 400 for a request that does not fit the model's context, naming the field to change."""
+        if exc.what == "prompt":
+            return APIError(400, f"{prompt_field}: {exc}", param=prompt_field, code="context_length_exceeded")
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        return APIError(400, f"{field}: {exc}".replace("max_new_tokens ", "", 1), param=field,
+                        code="context_length_exceeded")
+
+    async def generate(request: Request, cid: str, call, *args, **kwargs):
+        """call(*args, stop_event=..., **kwargs) in a worker thread, stopped at its next token if the client
+        disconnects first (then logged with the count, like a dropped stream, and None is returned)."""
+        stop_event = threading.Event()
+        work = asyncio.ensure_future(run_in_threadpool(call, *args, stop_event=stop_event, **kwargs))
+        gone = asyncio.ensure_future(_until_disconnected(request.receive))
+        try:
+            load.generating += 1
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                stop_event.set()
+                reply = await work
+                print(f"{cid}: client disconnected; generation stopped after {reply.completion_tokens} tokens "
+                      f"(limit {kwargs.get('max_new_tokens')})", file=sys.stderr, flush=True)
+                return None
+            return work.result()
+        finally:
+            load.generating -= 1
+            stop_event.set()  # also when this handler is cancelled: the thread stops at its next token
+            gone.cancel()
+
+    def gone_response() -> JSONResponse:
+        """What a request whose client left gets (nobody reads it; 499 as nginx logs it)."""
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+
     def tools_of(req):
         if req.tool_choice == "none":
             return None
@@ -265,9 +368,13 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not req.stream:
             try:
-                reply = await run_in_threadpool(engine.chat, messages, tools, **sampling)
+                reply = await generate(request, cid, engine.chat, messages, tools, **sampling)
+            except ContextLengthError as exc:
+                raise too_long(exc, req, "messages") from None
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
+            if reply is None:
+                return gone_response()
             message: dict[str, Any] = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls
                                        else None}
             if reply.tool_calls:
@@ -281,9 +388,13 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         try:
             if tools:  # tool calls are only known once the answer is complete
                 stream = None
-                reply_now = await run_in_threadpool(engine.chat, messages, tools, stop_event=stop_event, **sampling)
+                reply_now = await generate(request, cid, engine.chat, messages, tools, **sampling)
+                if reply_now is None:
+                    return gone_response()
             else:
                 stream, reply_now = engine.stream(messages, None, stop_event=stop_event, **sampling), None
+        except ContextLengthError as exc:
+            raise too_long(exc, req, "messages") from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -298,7 +409,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
             if reply.tool_calls:
                 yield chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(reply.tool_calls)]})
 
-        return _sse(cid, stream, reply_now, stop_event, sampling.get("max_new_tokens"),
+        return _sse(cid, stream, reply_now, stop_event, sampling.get("max_new_tokens"), load, request.receive,
                     head=[chunk({"role": "assistant", "content": ""})], piece=lambda text: chunk({"content": text}),
                     whole=whole, finish=lambda reason: chunk({}, reason),
                     usage=(lambda u: chunk(None, usage=u)) if _include_usage(req) else None)
@@ -318,21 +429,28 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         prompt, sampling = prompts[0], sampling_of(req)
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = prompt if req.echo else ""
-        if not req.stream:
-            reply = await run_in_threadpool(engine.chat, prompt, None, **sampling)
-            return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
-                    "choices": [{"index": 0, "text": echo + reply.text, "logprobs": None,
-                                 "finish_reason": _finish(reply.finish_reason)}],
-                    "usage": _usage(reply)}
-        stop_event = threading.Event()
-        stream = engine.stream(prompt, None, stop_event=stop_event, **sampling)
+        try:
+            if not req.stream:
+                reply = await generate(request, cid, engine.chat, prompt, None, **sampling)
+                if reply is None:
+                    return gone_response()
+                return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
+                        "choices": [{"index": 0, "text": echo + reply.text, "logprobs": None,
+                                     "finish_reason": _finish(reply.finish_reason)}],
+                        "usage": _usage(reply)}
+            stop_event = threading.Event()
+            stream = engine.stream(prompt, None, stop_event=stop_event, **sampling)
+        except ContextLengthError as exc:
+            raise too_long(exc, req, "prompt") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
 
         def chunk(text: str | None, finish: str | None = None, usage: dict | None = None) -> dict:
             choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
             return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
                     "choices": choices, **({"usage": usage} if usage else {})}
 
-        return _sse(cid, stream, None, stop_event, sampling.get("max_new_tokens"),
+        return _sse(cid, stream, None, stop_event, sampling.get("max_new_tokens"), load, request.receive,
                     head=[chunk(echo)] if echo else [], piece=chunk, whole=None,
                     finish=lambda reason: chunk("", reason),
                     usage=(lambda u: chunk(None, usage=u)) if _include_usage(req) else None)
@@ -344,12 +462,15 @@ def _include_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-def _sse(cid: str, stream, reply_now, stop_event: threading.Event, limit, *, head, piece, whole, finish, usage):
+def _sse(cid: str, stream, reply_now, stop_event: threading.Event, limit, load: _Load, receive, *, head, piece,
+         whole, finish, usage):
     """The server-sent events of one streamed answer: `head` chunks, then piece(text) per generated piece
     of `stream` (or whole(reply_now), when the answer had to be complete first), finish(reason), and
     usage(counts) when asked for; each chunk a dict. An error after the headers went out is reported in
     the stream, as OpenAI does. However the stream ends (done, error, client gone), stop_event is set so
-    the generation thread stops at its next token; a client that went away is logged with the count."""
+    the generation thread stops at its next token; a client that went away is logged with the count. The
+    disconnect is watched (`receive`) while waiting for the next piece too, so a stream still queued for
+    the model ends when its client leaves, not when its first token comes."""
     from starlette.concurrency import run_in_threadpool
     from fastapi.responses import StreamingResponse
 
@@ -358,6 +479,7 @@ def _sse(cid: str, stream, reply_now, stop_event: threading.Event, limit, *, hea
 
     async def events():
         end, finished = object(), False
+        load.generating += stream is not None
         try:
             for body in head:
                 yield data(body)
@@ -367,11 +489,21 @@ def _sse(cid: str, stream, reply_now, stop_event: threading.Event, limit, *, hea
                     yield data(body)
             else:
                 pieces = iter(stream)
-                while True:
-                    text = await run_in_threadpool(next, pieces, end)
-                    if text is end:
-                        break
-                    yield data(piece(text))
+                gone = asyncio.ensure_future(_until_disconnected(receive))
+                try:
+                    while True:
+                        step = asyncio.ensure_future(run_in_threadpool(next, pieces, end))
+                        await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+                        if not step.done():  # the client left: stop, let the thread hand back its piece
+                            stop_event.set()
+                            await step
+                            return
+                        text = step.result()
+                        if text is end:
+                            break
+                        yield data(piece(text))
+                finally:
+                    gone.cancel()
                 reply = stream.reply
             yield data(finish(_finish(reply.finish_reason)))
             if usage:
@@ -382,6 +514,7 @@ def _sse(cid: str, stream, reply_now, stop_event: threading.Event, limit, *, hea
             yield data(error_body(f"{exc.__class__.__name__}: {exc}", "server_error"))
             finished = True
         finally:
+            load.generating -= stream is not None
             stop_event.set()
             if not finished and stream is not None:  # cancelled or closed: the client went away
                 threading.Thread(target=_report_disconnect, args=(cid, stream, limit), daemon=True).start()
@@ -408,6 +541,16 @@ def _usage(reply) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- server
+def is_loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (port 0 = a free one), so the ready line can name the real port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -452,6 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free port; the ready line names it)")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key (anyone who reaches it can use it)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help=f"requests that may wait while the model is busy; more get 503 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; off by default)")
     return p
@@ -470,6 +617,17 @@ def main(argv: list[str]) -> int:
     if opts.template:
         changes["template"] = opts.template
     api_key = opts.api_key if opts.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if not api_key and not is_loopback(opts.host) and not opts.insecure_no_auth:
+        print(f"error: refusing to serve on {opts.host} without an API key: anyone who can reach this machine "
+              f"could use the model. Add --api-key KEY (or set ${API_KEY_ENV}), or pass --insecure-no-auth if "
+              "you really mean it.", file=sys.stderr)
+        return 2
+    if not api_key and not is_loopback(opts.host):
+        print(f"warning: serving on {opts.host} without an API key (--insecure-no-auth): anyone who can reach it "
+              "can use it", file=sys.stderr, flush=True)
+    if opts.max_queue < 0:
+        print(f"error: --max-queue must be >= 0 (got {opts.max_queue})", file=sys.stderr)
+        return 2
 
     from backend.engine import load_engines, replace_spec
 
@@ -487,6 +645,6 @@ def main(argv: list[str]) -> int:
         return 1
     for name in engines:
         print(f"model: {name}", flush=True)
-    app = create_app(engines, api_key=api_key, cors=opts.cors or None)
+    app = create_app(engines, api_key=api_key, cors=opts.cors or None, max_queue=opts.max_queue)
     serve(app, sock, opts.host, announce=lambda line: print(line, flush=True))
     return 0

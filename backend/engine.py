@@ -141,6 +141,49 @@ def make_sampling(defaults: dict, given: dict) -> Sampling:
     return s
 
 
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt plus the requested max_new_tokens, does not fit the model's context.
+    `what` is "prompt" (the prompt alone is too long) or "max_new_tokens" (the asked-for length is)."""
+
+    def __init__(self, what: str, prompt_tokens: int, max_new_tokens: int, context: int):
+        self.what, self.prompt_tokens, self.max_new_tokens, self.context = what, prompt_tokens, max_new_tokens, context
+        if what == "prompt":
+            message = (f"the prompt has {prompt_tokens} tokens, which leaves no room in this model's context of "
+                       f"{context} tokens")
+        else:
+            message = (f"max_new_tokens {max_new_tokens} is too large: the prompt has {prompt_tokens} tokens and "
+                       f"this model's context is {context}, so at most {context - prompt_tokens} can be generated")
+        super().__init__(message)
+
+
+def fit_context(s: Sampling, prompt_tokens: int, context: int | None, explicit: bool) -> Sampling:
+    """Bound generation by the model's context: a prompt that leaves no room, or an explicitly requested
+    max_new_tokens past the context, is a ContextLengthError; a default one is cut to what fits (as
+    OpenAI does when max_tokens is not given)."""
+    if not context:
+        return s
+    room = context - prompt_tokens
+    if room < 1:
+        raise ContextLengthError("prompt", prompt_tokens, s.max_new_tokens, context)
+    if s.max_new_tokens > room:
+        if explicit:
+            raise ContextLengthError("max_new_tokens", prompt_tokens, s.max_new_tokens, context)
+        s = replace(s, max_new_tokens=room)
+    return s
+
+
+def context_length(model, tokenizer) -> int | None:
+    """How many tokens (prompt + answer) the model takes: its config's position limit, else the
+    tokenizer's model_max_length when that is a real number (not transformers' 1e30 placeholder)."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 10**7 else None
+
+
 # ------------------------------------------------------------------------------------- stop strings
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """text up to the earliest stop string, and whether one was found."""
@@ -311,6 +354,7 @@ class HFEngine:
         self.defaults = dict(defaults or {})
         self.default_system = default_system
         self.eos_ids = stop_token_ids(tokenizer, template)
+        self.context_length = context_length(model, tokenizer)
 
     # -- prompt
     def prompt_ids(self, messages: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
@@ -370,29 +414,42 @@ class HFEngine:
         return Reply(text=text, tool_calls=calls, finish_reason=reason, prompt_tokens=prompt_len,
                      completion_tokens=criteria.generated)
 
-    def _run(self, ids: list[int], kwargs: dict, seed: int | None, **extra):
+    def _run(self, ids: list[int], kwargs: dict, seed: int | None, stop_event=None, **extra):
+        """generate() under the model's lock; None when stop_event was set while waiting for the lock
+        (the client left while its request was queued: nothing to generate)."""
         import torch
 
         inputs = torch.tensor([ids], device=self.model.device)
         with self.lock, self._active(), torch.inference_mode():
+            if stop_event is not None and stop_event.is_set():
+                return None
             if seed is not None:
                 torch.manual_seed(seed)
             return self.model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), **kwargs, **extra)
 
-    def chat(self, messages, tools=None, *, stop_event=None, **sampling) -> Reply:
+    def _sampling(self, sampling: dict, prompt_tokens: int) -> Sampling:
         s = make_sampling(self.defaults, sampling)
+        return fit_context(s, prompt_tokens, self.context_length, explicit=sampling.get("max_new_tokens") is not None)
+
+    def chat(self, messages, tools=None, *, stop_event=None, **sampling) -> Reply:
+        make_sampling(self.defaults, sampling)  # bad sampling values are reported before the prompt's
         ids = self.prompt_ids(messages, tools)
+        s = self._sampling(sampling, len(ids))
         stops = _stop_strings(self.tokenizer, self.template, s.stop)
         kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event)
-        output = self._run(ids, kwargs, s.seed)
+        output = self._run(ids, kwargs, s.seed, stop_event)
+        if output is None:
+            criteria.aborted = True
+            return self._finish("", criteria, s, len(ids), stops, None)
         text = self.tokenizer.decode(output[0][len(ids):], skip_special_tokens=True)
         return self._finish(text, criteria, s, len(ids), stops, tools)
 
     def stream(self, messages, tools=None, *, stop_event=None, **sampling) -> Stream:
         from transformers import TextIteratorStreamer
 
-        s = make_sampling(self.defaults, sampling)
+        make_sampling(self.defaults, sampling)
         ids = self.prompt_ids(messages, tools)  # errors surface here, before any thread starts
+        s = self._sampling(sampling, len(ids))
         stops = _stop_strings(self.tokenizer, self.template, s.stop)
         stop_event = stop_event or threading.Event()
         kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event)
@@ -401,7 +458,9 @@ class HFEngine:
 
         def work():
             try:
-                self._run(ids, kwargs, s.seed, streamer=streamer)
+                if self._run(ids, kwargs, s.seed, stop_event, streamer=streamer) is None:
+                    criteria.aborted = True
+                    streamer.end()
             except BaseException as exc:  # re-raised in the consumer
                 failure.append(exc)
                 streamer.end()
@@ -490,14 +549,20 @@ class VLLMEngine:
         self.defaults = dict(defaults or {})
         self.default_system = default_system
         self.eos_ids = stop_token_ids(tokenizer, template)
+        try:
+            self.context_length = int(llm.llm_engine.model_config.max_model_len)
+        except Exception:  # another vLLM release: the tokenizer's limit, if it has a real one
+            self.context_length = context_length(None, tokenizer)
 
     prompt_ids = HFEngine.prompt_ids
+    _sampling = HFEngine._sampling
 
     def chat(self, messages, tools=None, *, stop_event=None, **sampling) -> Reply:
         from vllm import SamplingParams
 
-        s = make_sampling(self.defaults, sampling)
+        make_sampling(self.defaults, sampling)
         ids = self.prompt_ids(messages, tools)
+        s = self._sampling(sampling, len(ids))
         stops = _stop_strings(self.tokenizer, self.template, s.stop)
         params = SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0 if s.greedy else s.temperature,
                                 top_p=1.0 if s.greedy else s.top_p, top_k=(s.top_k or -1) if not s.greedy else -1,

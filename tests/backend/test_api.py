@@ -2,6 +2,7 @@
 for requests the client would refuse to send)."""
 import json
 import os
+import socket
 import subprocess
 import re
 import sys
@@ -142,7 +143,7 @@ def test_api_key_is_required_and_checked(server):
         assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
     r = httpx.post(url + "/v1/chat/completions", json={"model": "my-adapter", "messages": HELLO})
     assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
-    assert httpx.get(url + "/health").json() == {"status": "ok"}  # health needs no key
+    assert httpx.get(url + "/health").json()["status"] == "ok"  # health needs no key
 
 
 def test_unknown_model_is_a_404(client):
@@ -252,3 +253,127 @@ def test_text_completions_raw_prompt_stream_echo_and_refusals(client, server, ad
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="my-adapter", prompt="a", suffix="b", max_tokens=2)
     assert err.value.body["param"] == "suffix"
+
+
+# ------------------------------------------------------------------ one request cannot hold the server
+def disconnect_lines(log) -> list[str]:
+    return [line for line in list(log) if "client disconnected" in line]
+
+
+def stopped_after(line: str) -> int:
+    return int(re.search(r"stopped after (\d+) tokens", line).group(1))
+
+
+def health(url) -> dict:
+    return httpx.get(url + "/health").json()
+
+
+def drop_non_streamed(url: str, path: str, body: dict, key: str | None = KEY) -> None:
+    """POST `body` on a raw socket and close it while the server generates the (non-streamed) answer: once
+    /health says its prompt was handed to the model, so the close is a disconnect mid-request."""
+    raw = json.dumps(body).encode()
+    host, port = url.split("//")[1].split(":")
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n" + (f"Authorization: Bearer {key}\r\n" if key else "") + "\r\n")
+    before = health(url)["generating"]
+    with socket.create_connection(("127.0.0.1", int(port))) as sock:
+        sock.sendall(head.encode() + raw)
+        wait_for(lambda: health(url)["generating"] > before, timeout=60, what="the request generating")
+
+
+def test_max_tokens_is_bounded_by_the_models_context(client, server):
+    """The tiny model's context is 1024 tokens: a max_tokens past it is a 400 naming the field (as OpenAI
+    answers), streamed or not, on both routes; a prompt alone past it names the prompt; left out,
+    max_tokens is what fits."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="my-adapter", prompt="Hi", max_tokens=1_000_000_000)
+    body = err.value.body
+    assert body["param"] == "max_tokens" and body["code"] == "context_length_exceeded"
+    assert body["message"].startswith("max_tokens: 1000000000 is too large") and "context is 1024" in body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="my-adapter", messages=HELLO, max_completion_tokens=1020, stream=True)
+    assert err.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=1_000_000_000)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="my-adapter", prompt=" hello" * 1100, max_tokens=1)
+    assert err.value.body["param"] == "prompt" and "1100 tokens" in err.value.body["message"]
+    # no max_tokens (the spec's default, 512) and a 1000-token prompt: the answer fills the 24 tokens left
+    reply = client.chat.completions.create(model="my-adapter", messages=[{"role": "user", "content": " hello" * 990}],
+                                           temperature=0, stop=["never-seen-stop"])
+    assert reply.usage.total_tokens == 1024 and reply.choices[0].finish_reason == "length", reply.usage
+
+
+def test_every_route_stops_generating_when_its_client_leaves(client, server):
+    """Non-streamed requests on both routes and a /v1/completions stream, each asking for 900 tokens,
+    dropped mid-generation: the server stops each (it logs how many tokens it generated); left alone the
+    same requests run far past that, so the counts are the server stopping, not the model."""
+    url, log = server[0], server[2]
+    prompt = "The quick brown fox"
+    full = client.completions.create(model="my-adapter", prompt=prompt, max_tokens=900, temperature=0,
+                                     stop=["never-seen-stop"])
+    assert full.usage.completion_tokens > 450
+    chat = {"model": "my-adapter", "messages": HELLO, "max_tokens": 900, "temperature": 0, "stop": ["never-seen-stop"]}
+    text = {"model": "my-adapter", "prompt": prompt, "max_tokens": 900, "temperature": 0, "stop": ["never-seen-stop"]}
+    for path, body in (("/v1/completions", text), ("/v1/chat/completions", chat)):
+        seen = len(disconnect_lines(log))
+        drop_non_streamed(url, path, body)
+        wait_for(lambda: len(disconnect_lines(log)) > seen, timeout=150, what=f"disconnect log line for {path}")
+        assert stopped_after(disconnect_lines(log)[-1]) < 450, (path, disconnect_lines(log)[-1])
+
+    seen = len(disconnect_lines(log))
+    with httpx.stream("POST", url + "/v1/completions", json={**text, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break
+    wait_for(lambda: len(disconnect_lines(log)) > seen, timeout=150, what="disconnect log line for the stream")
+    said = disconnect_lines(log)[-1]
+    assert said.startswith("cmpl-") and stopped_after(said) < 450, said
+    wait_for(lambda: health(url)["requests"] == 0, timeout=60, what="the server idle again")
+    assert client.completions.create(model="my-adapter", prompt=prompt, max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_host_beyond_loopback_needs_a_key_and_the_queue_is_bounded(tiny_qwen2):
+    """`--host 0.0.0.0` without a key is refused (exit 2, saying how to allow it); with --insecure-no-auth
+    it serves. With --max-queue 0 (one request at a time) a request that comes while another is in
+    progress gets 503 at once, with Retry-After; once that one is gone the next is served."""
+    env = {k: v for k, v in os.environ.items() if k != "TUNEBOARD_API_KEY"}
+    refused = subprocess.run([sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={tiny_qwen2}",
+                              "--host", "0.0.0.0", "--port", "0"], cwd=REPO_ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "without an API key" in refused.stderr and "--insecure-no-auth" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    cmd = [sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={tiny_qwen2}", "do_sample=false",
+           "--host", "0.0.0.0", "--insecure-no-auth", "--max-queue", "0", "--port", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving on "):
+                break
+        assert lines and lines[-1].startswith("serving on http://0.0.0.0:"), "".join(lines)
+        port = int(lines[-1].rsplit(":", 1)[1])
+        url = f"http://127.0.0.1:{port}"
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        keyless = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        # a request in progress for as long as this test likes: its body is still being sent
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            wait_for(lambda: health(url)["requests"] == 1, timeout=60, what="the slow request admitted")
+            with pytest.raises(openai.InternalServerError) as err:
+                keyless.completions.create(model=str(tiny_qwen2), prompt="Hi", max_tokens=2)
+            assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+            assert err.value.body["code"] == "server_overloaded" and "--max-queue 0" in err.value.body["message"]
+        wait_for(lambda: health(url)["requests"] == 0, timeout=60, what="the slow request gone")
+        assert keyless.completions.create(model=str(tiny_qwen2), prompt="Hi", max_tokens=2).usage.completion_tokens <= 2
+        assert "Traceback" not in "".join(lines)
+    finally:
+        stop_server(proc)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +19,14 @@ LOG_FILE = "trainer_log.jsonl"
 RUNNING_LOG = "running_log.txt"
 SPEC_FILE = "run_spec.yaml"
 STOP_FILE = "STOP"
+CHECKPOINT_PREFIX = "checkpoint-"
+# What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
+# a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.
+CHECKPOINT_COMPLETE_MARKER = "trainer_state.json"
+
+# status.json "state": a run in ACTIVE_STATES has a process behind it; FINAL_STATES are written once, at the end.
+ACTIVE_STATES = ("pending", "running")
+FINAL_STATES = ("completed", "aborted", "failed")
 
 TRAINER_LOG_KEYS = (
     "step", "total_steps", "epoch", "loss", "eval_loss", "lr", "grad_norm",
@@ -30,12 +39,21 @@ def now_iso() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    """Write `path` through a temp file and os.replace, so a reader never sees half a file. On any
+    failure (disk full, say) the temp file is removed and the old file stays as it was."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
 
 
 def read_status(run_dir: str | Path) -> dict:
@@ -44,6 +62,96 @@ def read_status(run_dir: str | Path) -> dict:
         return json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """N of a checkpoint-N folder name, else None."""
+    name = Path(path).name
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return None
+    tail = name[len(CHECKPOINT_PREFIX):]
+    return int(tail) if tail.isdigit() else None
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """Whether checkpoint-N was written to the end: its trainer_state.json (written last) exists and parses."""
+    try:
+        json.loads((Path(path) / CHECKPOINT_COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """The checkpoint-N folders of a run dir, oldest (smallest N) first, complete or not."""
+    found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def end_reason(returncode: int | None, step: Any = None, total: Any = None) -> str:
+    """Why a process ended without writing its final status, in words, with where it was."""
+    import signal
+
+    if returncode is None:
+        why = "the process ended without a final status (exit code unknown)"
+    elif returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = f"killed by signal {-returncode} ({name}"
+        why += ", out of memory?)" if -returncode == signal.SIGKILL else ")"
+    else:
+        why = f"the process exited with code {returncode} without a final status"
+    if isinstance(step, int) and step > 0:
+        where = f" at step {step}" + (f" of {total}" if isinstance(total, int) and total > 0 else "")
+    else:
+        where = " before the first training step"
+    return why + where
+
+
+def mark_ended(run_dir: str | Path, returncode: int | None = None, *, launched_at: float | None = None,
+               detail: str | None = None) -> dict | None:
+    """For the launcher / job watcher, once the run's process has ended: if status.json still says the
+    run is active, or there is none, or it is older than the launch (`launched_at`, a time.time()) and so
+    an earlier process's, write the final state the process could not write itself (killed, out of
+    memory, crashed before it started): `aborted` when a stop was requested, else `failed`, with the
+    reason (and `detail`, e.g. the last line of the process output). A status an earlier look wrote
+    without the exit code is replaced once the code is known. Returns the status written, or None when
+    the run already had its final status."""
+    path = Path(run_dir)
+    status = read_status(path)
+    state = status.get("state")
+    try:
+        stale = launched_at is not None and (path / STATUS_FILE).stat().st_mtime < launched_at
+    except OSError:
+        stale = False
+    guessed = status.get("ended_by") == "watcher" and status.get("exit_code") is None
+    if state in FINAL_STATES and not stale and not (guessed and returncode is not None):
+        return None
+    if returncode == 0 and not status:
+        return None  # a clean exit of a command that keeps no status (an export job)
+    if stale:  # the step and total of an earlier process say nothing about this one
+        status = {k: v for k, v in status.items() if k not in ("step", "total_steps")}
+    stop_requested = (path / STOP_FILE).exists()
+    reason = end_reason(returncode, status.get("step"), status.get("total_steps"))
+    if stop_requested:
+        reason += " (after a stop request)"
+    if detail:
+        reason += f": {detail}"
+    status.update(state="aborted" if stop_requested else "failed", exit_code=returncode, error=reason,
+                  finished_at=now_iso(), updated_at=now_iso(), ended_by="watcher")
+    status.setdefault("output_dir", str(path))
+    try:
+        write_json_atomic(path / STATUS_FILE, status)
+    except OSError:
+        return None
+    try:
+        with open(path / RUNNING_LOG, "a", encoding="utf-8") as log:
+            log.write(f"[{datetime.now().strftime('%H:%M:%S')}] {status['state'].upper()}: {reason}\n")
+    except OSError:
+        pass
+    return status
 
 
 class RunDir:
@@ -65,13 +173,47 @@ class RunDir:
         write_json_atomic(self.path / STATUS_FILE, self.status)
 
     def start(self) -> None:
+        self.clear_stale_stop()
+        self.status.pop("ended_by", None)  # a status the watcher wrote for an earlier process
         self.update_status(
             state="running", pid=os.getpid(), exit_code=None, error=None, warnings=[],
             started_at=now_iso(), finished_at=None, step=0, total_steps=None,
         )
 
+    def clear_stale_stop(self) -> None:
+        """Remove a STOP file left by an earlier abort, so a resumed run does not stop again at once. A STOP
+        written after this process started is a stop request for this run and stays."""
+        stop = self.path / STOP_FILE
+        try:
+            written = stop.stat().st_mtime
+        except OSError:
+            return
+        try:
+            import psutil
+
+            started = psutil.Process().create_time()
+        except Exception:  # no psutil: the RunDir's own creation time, slightly later
+            started = self._started
+        if written < started:
+            stop.unlink(missing_ok=True)
+            self.log(f"removed the {STOP_FILE} file left by an earlier stop "
+                     f"({datetime.fromtimestamp(written).strftime('%Y-%m-%d %H:%M:%S')})")
+
     def finish(self, state: str, exit_code: int, error: str | None = None, **extra: Any) -> None:
-        self.update_status(state=state, exit_code=exit_code, error=error, finished_at=now_iso(), **extra)
+        """The final status. If it cannot be written whole (a full disk, a huge error message), a small
+        one without the big fields is written instead, so the run never stays "running"."""
+        try:
+            self.update_status(state=state, exit_code=exit_code, error=error, finished_at=now_iso(), **extra)
+        except OSError as exc:
+            small = {"state": state, "exit_code": exit_code, "pid": self.status.get("pid"),
+                     "error": (error or "")[:500] or None, "finished_at": now_iso(), "updated_at": now_iso(),
+                     "step": self.status.get("step"), "total_steps": self.status.get("total_steps"),
+                     "output_dir": str(self.path), "note": f"the full status could not be written: {exc}"}
+            self.status = small
+            try:
+                write_json_atomic(self.path / STATUS_FILE, small)
+            except OSError as again:  # nothing fits: the launcher marks the run ended from its exit code
+                print(f"error: cannot write {STATUS_FILE}: {again}", file=sys.stderr, flush=True)
 
     def warn(self, message: str) -> None:
         """One warning: a line in running_log.txt and an entry in status.json (deduplicated)."""
@@ -83,11 +225,15 @@ class RunDir:
 
     # -- logs --------------------------------------------------------------------------------
     def log(self, message: str) -> None:
-        """A human-readable line, to running_log.txt and stdout (which the launcher also captures)."""
+        """A human-readable line, to running_log.txt and stdout (which the launcher also captures). A line
+        that cannot be written to the file (disk full) still goes to stdout."""
         line = f"[{datetime.now().strftime('%H:%M:%S')}] {message}"
         print(line, flush=True)
-        self._log.write(line + "\n")
-        self._log.flush()
+        try:
+            self._log.write(line + "\n")
+            self._log.flush()
+        except OSError:
+            pass
 
     def append_metrics(self, record: dict) -> None:
         row = {key: record.get(key) for key in TRAINER_LOG_KEYS}
@@ -101,4 +247,7 @@ class RunDir:
         return (self.path / STOP_FILE).exists()
 
     def close(self) -> None:
-        self._log.close()
+        try:
+            self._log.close()
+        except OSError:  # the last buffered line could not be written (disk full)
+            pass

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import os
 import re
 import types
 import typing
@@ -295,7 +296,7 @@ class RunSpec(BaseModel):
     bf16: bool = _f(False, "bfloat16 mixed precision (falls back to fp32 with a warning where unsupported).", "train")
     fp16: bool = _f(False, "float16 mixed precision.", "train")
     pure_bf16: bool = _f(False, "Train in pure bfloat16, without mixed precision.", "train")
-    seed: int = _f(42, "Random seed.", "train")
+    seed: int = _f(42, "Random seed.", "train", ge=0, le=2**32 - 1)
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.", "train")
     disable_gradient_checkpointing: bool = _f(False, "LLaMA-Factory compatibility: force gradient checkpointing off.", "train")
     resume_from_checkpoint: Union[bool, str, None] = _f(None, "Resume: true = latest checkpoint in output_dir, or a checkpoint path.", "train")
@@ -353,7 +354,11 @@ class RunSpec(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        extra = dict(data.pop("passthrough", None) or {})
+        given = data.pop("passthrough", None)
+        if given is not None and not isinstance(given, dict):
+            data["passthrough"] = given  # the field's own type check names it
+            return data
+        extra = dict(given or {})
         known = training_args_fields()
         for key in list(data):
             if isinstance(key, str) and key not in cls.model_fields and key in known:
@@ -786,7 +791,57 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     if check_files:
         errors.extend(_template_errors(spec))
         errors.extend(_dataset_errors(spec))
+        errors.extend(_model_path_errors(spec))
+        errors.extend(_output_dir_errors(spec))
     return errors
+
+
+def _looks_like_path(name: str) -> bool:
+    """A model name meant as a local path (backend.models resolves the same way; a hub id is 'org/name')."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or name.lower().endswith(".gguf") \
+        or (len(name) > 1 and name[1] == ":")
+
+
+def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """A local model path exists and holds a model (config.json, or one .gguf file), as loading will need."""
+    name = str(spec.model_name_or_path).strip()
+    if not name or name.lower() == DEFAULT_MODEL_ID.lower():
+        return []
+    path = Path(name).expanduser()
+    problem = None
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            problem = f"{path} is a file but not a .gguf model file: give a model folder or a .gguf file"
+    elif path.is_dir():
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            problem = (f"{path} is a LoRA adapter, not a model: set it as adapter_name_or_path and give its base "
+                       "model here")
+        elif not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            if not ggufs:
+                problem = f"{path} is not a model folder (no config.json and no .gguf file)"
+            elif len(ggufs) > 1:
+                problem = f"{path} holds several .gguf files ({', '.join(ggufs)}): give one file"
+    elif _looks_like_path(name):
+        problem = f"{path} does not exist"
+    return [("model_name_or_path", problem, frozenset({"model_name_or_path"}))] if problem else []
+
+
+def _output_dir_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """output_dir is a folder this user may write in, or can be created as one."""
+    if not spec.output_dir:
+        return []
+    path = Path(spec.output_dir).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = (f"{existing} is a file, not a folder" if existing == path
+                   else f"cannot create {path}: {existing} is a file")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable" if existing == path else f"cannot create {path}: {existing} is not writable"
+    return [("output_dir", problem, frozenset({"output_dir"}))] if problem else []
 
 
 def _preference_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
@@ -915,6 +970,9 @@ def _template_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     name = spec.template
     if name == "auto":
         return []
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or ".." in name:
+        return [("template", f"{name!r} is not a template name: give auto or a name from {paths.TEMPLATES_DIR} "
+                             "(a name, not a path)", frozenset({"template"}))]
     tdir = Path(paths.TEMPLATES_DIR)
     if (tdir / f"{name}.yaml").is_file():
         return []
@@ -959,6 +1017,14 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         if not isinstance(entry, dict):
             errors.append((field, f"malformed {info_path}: entry {name!r} must be an object", involved))
             continue
+        file_name = entry.get("file_name")
+        if isinstance(file_name, str) and file_name.strip():
+            data_path = Path(file_name).expanduser()
+            data_path = data_path if data_path.is_absolute() else info_path.parent / data_path
+            if not data_path.exists():
+                errors.append((field, f"dataset {name!r}: file not found: {data_path} (file_name in {info_path})",
+                               involved))
+                continue
         ranking = bool(entry.get("ranking"))
         columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
         kind = get_stage(spec.stage).data

@@ -7,11 +7,12 @@ them to `fit()`.
 """
 from __future__ import annotations
 
+import errno
 import shutil
 import traceback
 from pathlib import Path
 
-from backend.rundir import LOG_FILE, SPEC_FILE, RunDir
+from backend.rundir import LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
 from backend.stages import stage_module
 from backend.stages.base import RunError, StageResult  # noqa: F401 (the run life cycle's result and error)
 
@@ -45,15 +46,61 @@ def prepare_output_dir(spec) -> Path:
     return out
 
 
+def seed_everything(spec) -> None:
+    """Seed Python, numpy and torch from spec.seed before anything random happens (data order, model and
+    adapter initialisation), so one spec and seed give one run. The Trainer seeds again when it is built,
+    but by then the adapter weights were already drawn. full_determinism also asks torch for
+    deterministic kernels."""
+    from transformers import enable_full_determinism, set_seed
+
+    if spec.passthrough.get("full_determinism"):
+        enable_full_determinism(spec.seed)
+    else:
+        set_seed(spec.seed)
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """'no space left on device' / 'file too large' when `exc` (or what caused it) is a failed write."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        code = getattr(exc, "errno", None)
+        text = str(exc)
+        if code in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in text:
+            return "no space left on device"
+        if code == errno.EFBIG or "File too large" in text:
+            return "file too large for this file system or process limit"
+        if "unexpected pos" in text or "PytorchStreamWriter failed" in text:  # torch.save on a full disk
+            return "could not write a file (disk full?)"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def failure_message(exc: BaseException, out: Path) -> str:
+    """The one-line reason a run failed, for status.json. A failed write names the checkpoint it was saving."""
+    plain = isinstance(exc, (RunError, ValueError, FileNotFoundError, NotImplementedError))
+    message = str(exc) if plain else f"{type(exc).__name__}: {exc}"
+    why = _write_failure(exc)
+    if why:
+        found = checkpoints(out)
+        saving = found[-1].name if found and not is_complete_checkpoint(found[-1]) else None
+        message = why + (f" while saving {saving}" if saving else "") + f" ({message})"
+    return message
+
+
 def run(spec) -> int:
     """Run a training stage; return the process exit code. Never raises."""
     try:
         out = prepare_output_dir(spec)
+        run_dir = RunDir(out)
+        run_dir.start()
     except RunError as exc:
         print(f"error: {exc}", flush=True)
         return EXIT_FAILED
-    run_dir = RunDir(out)
-    run_dir.start()
+    except OSError as exc:  # output_dir is a file, not writable, or the disk is full
+        where = exc.filename or spec.output_dir
+        print(f"error: output_dir {spec.output_dir}: cannot write {where}: {exc.strerror or exc}", flush=True)
+        return EXIT_FAILED
     from backend.callbacks import StopSwitch
 
     stop = StopSwitch(run_dir)
@@ -61,9 +108,10 @@ def run(spec) -> int:
     try:
         stage = stage_module(spec.stage)
         run_dir.log(f"stage {spec.stage}, {spec.finetuning_type}, model {spec.model_name_or_path}, output {out}")
+        seed_everything(spec)
         result = stage.run(spec, run_dir, stop)
     except Exception as exc:  # the run ends here; the status says why
-        message = str(exc) if isinstance(exc, (RunError, ValueError, FileNotFoundError, NotImplementedError)) else f"{type(exc).__name__}: {exc}"
+        message = failure_message(exc, out)
         if not isinstance(exc, RunError):
             run_dir.log(traceback.format_exc().rstrip())
         run_dir.log(f"FAILED: {message}")

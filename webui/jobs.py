@@ -28,6 +28,7 @@ import psutil
 import yaml
 
 from backend import paths
+from backend.rundir import mark_ended
 
 SPEC_FILE = "run_spec.yaml"
 STATUS_FILE = "status.json"
@@ -136,11 +137,39 @@ def launch(run_dir: str | Path, argv: list[str], env: dict | None = None) -> int
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=str(paths.REPO_ROOT), env=full_env, close_fds=True)
+    launched_at = time.time()
     _atomic_write(run_dir / LAUNCH_FILE, json.dumps(
-        {"pid": proc.pid, "argv": argv, "launched_at": time.time()}, indent=1))
-    # Reap the child when it exits so it never lingers as a zombie (which would look alive).
-    threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
+        {"pid": proc.pid, "argv": argv, "launched_at": launched_at}, indent=1))
+    # Reap the child when it exits so it never lingers as a zombie (which would look alive), and write the
+    # final status it could not write itself (killed by a signal, out of memory, crashed).
+    threading.Thread(target=_watch, args=(run_dir, proc, launched_at), name=f"reap-{proc.pid}", daemon=True).start()
     return proc.pid
+
+
+def _watch(run_dir: Path, proc: subprocess.Popen, launched_at: float) -> None:
+    returncode = proc.wait()
+    status = read_json(run_dir / STATUS_FILE)
+    worker = status.get("pid")
+    if isinstance(worker, int) and worker != proc.pid and pid_alive(worker):
+        return  # the launched process was a launcher (torchrun); its worker still writes the status
+    written = mark_ended(run_dir, returncode, launched_at=launched_at, detail=_last_error_line(run_dir))
+    if written:
+        print(f"[tuneboard] run {run_dir}: {written['state']}: {written['error']}", file=sys.stderr, flush=True)
+
+
+def _last_error_line(run_dir: Path) -> str | None:
+    """The last 'error: ...' line of the process output (a spec the backend refused, say), if any."""
+    try:
+        with open(run_dir / PROCESS_LOG, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("error:"):
+            return " ".join(lines[i:i + 4])[:500]
+    return None
 
 
 def pid_alive(pid, not_after: float | None = None) -> bool:
@@ -191,19 +220,39 @@ def run_state(run_dir: str | Path) -> RunState:
         alive = pid_alive(launch_pid, launched_at)
         if alive:
             return RunState("starting", launch_pid, True, status)
-        return RunState("aborted" if stop_requested else DIED, launch_pid, False, status)
+        return _ended(run_dir, launch_pid, status, stop_requested, launched_at)
 
     if state in ("pending", "running"):
         pid = status_pid or launch_pid
         alive = pid_alive(pid, launched_at if pid == launch_pid else None)
         if alive:
             return RunState(state, pid, True, status)
-        return RunState("aborted" if stop_requested else DIED, pid, False, status)
+        return _ended(run_dir, pid, status, stop_requested)
     if state:
         return RunState(state, status_pid or launch_pid, False, status)
     if (run_dir / PROCESS_LOG).exists():
         return RunState("failed (launch error)", None, False, status)
     return RunState("unknown", None, False, status)
+
+
+def _ended(run_dir: Path, pid, status: dict, stop_requested: bool, launched_at=None) -> RunState:
+    """A run whose process is gone without a final status (its launcher's watcher is not there to say
+    how: a UI restart, a run started from the command line): status.json is made final here, so it never
+    stays "running". The exit code is unknown; a watcher that knows it may still replace this."""
+    if _zombie(pid):  # ended, not reaped yet: its parent (our watcher, with the exit code) writes the status
+        return RunState("aborted" if stop_requested else DIED, pid, False, status)
+    written = mark_ended(run_dir, launched_at=launched_at)
+    if written:
+        return RunState(written["state"], pid, False, written)
+    status = read_json(run_dir / STATUS_FILE)  # it wrote its own final status after all
+    return RunState(status.get("state") or ("aborted" if stop_requested else DIED), pid, False, status)
+
+
+def _zombie(pid) -> bool:
+    try:
+        return isinstance(pid, int) and pid > 0 and psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def _mtime(path: Path) -> float | None:

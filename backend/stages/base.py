@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.rundir import LOG_FILE, RunDir
+from backend.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, RunDir, checkpoint_step, checkpoints,
+                            is_complete_checkpoint)
 
 
 @dataclass
@@ -23,19 +24,30 @@ class RunError(RuntimeError):
     """A problem with the run's inputs, reported as one clear line (no traceback in the status)."""
 
 
-def resume_checkpoint(spec, out: Path) -> str | None:
-    """`resume_from_checkpoint: true` = the newest checkpoint-N in output_dir; a path = that one."""
+def resume_checkpoint(spec, out: Path, log=print) -> str | None:
+    """`resume_from_checkpoint: true` = the newest complete checkpoint-N in output_dir (one cut short by a
+    kill or a full disk has no trainer_state.json: skipped, and `log` says so); a path = that one."""
     value = spec.resume_from_checkpoint
     if not value:
         return None
     if value is True or str(value).lower() == "true":
-        checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-        if not checkpoints:
-            raise RunError(f"resume_from_checkpoint: no checkpoint-N folder in {out}")
-        return str(checkpoints[-1])
+        found = checkpoints(out)
+        complete = [c for c in found if is_complete_checkpoint(c)]
+        newer_partial = [c.name for c in found if not is_complete_checkpoint(c)
+                         and (not complete or checkpoint_step(c) > checkpoint_step(complete[-1]))]
+        if newer_partial:
+            log(f"skipping incomplete checkpoint(s) {', '.join(newer_partial)} (no {CHECKPOINT_COMPLETE_MARKER}: "
+                "the save was cut short)")
+        if not complete:
+            raise RunError(f"resume_from_checkpoint: no complete checkpoint-N folder in {out}"
+                           + (f" ({', '.join(newer_partial)} incomplete)" if newer_partial else ""))
+        return str(complete[-1])
     path = Path(str(value))
     if not path.is_dir():
         raise RunError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
+    if checkpoint_step(path) is not None and not is_complete_checkpoint(path):
+        raise RunError(f"resume_from_checkpoint: {path} is incomplete (no {CHECKPOINT_COMPLETE_MARKER}: the save "
+                       "was cut short); give an earlier checkpoint or true for the newest complete one")
     return str(path)
 
 
@@ -115,7 +127,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     from backend.stages import get_stage
 
     out = run_dir.path
-    checkpoint = resume_checkpoint(spec, out)
+    checkpoint = resume_checkpoint(spec, out, log=run_dir.log)
     args = training_arguments(spec, out, has_eval=eval_dataset is not None, args_class=args_class, extra=config)
     callback = RunDirCallback(run_dir, stop, metric_keys=get_stage(spec.stage).logged_keys())
     callbacks = [callback]

@@ -54,6 +54,8 @@ def test_example_validates(path, tmp_path, real_or_promised_templates):
         ddir = tmp_path / "data"
         ddir.mkdir()
         (ddir / "dataset_info.json").write_text(json.dumps(extra))
+        for entry in extra.values():  # validate checks that each registered file exists
+            (ddir / entry["file_name"]).touch()
         overrides.append(f"dataset_dir={ddir}")
     spec = load_spec(path, overrides)
     assert spec.model_name_or_path

@@ -108,6 +108,8 @@ def files(tmp_path, monkeypatch):
     data = tmp_path / "data"
     data.mkdir()
     (data / "dataset_info.json").write_text(json.dumps(FAKE_DATASET_INFO))
+    for entry in FAKE_DATASET_INFO.values():  # validate checks that each registered file exists
+        (data / entry["file_name"]).touch()
     tdir = tmp_path / "templates"
     tdir.mkdir()
     for name in ("qwen", "qwen3", "llama3", "chatml", "default"):
@@ -144,7 +146,8 @@ def test_defaults_are_valid_and_sensible(files):
 
 def test_default_output_dir_layout(files, monkeypatch, tmp_path):
     monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path / "saves"))
-    spec = RunSpec(model_name_or_path="/models/My Model.Q4_K_M.gguf", finetuning_type="freeze")
+    spec = RunSpec.model_validate({"model_name_or_path": "/models/My Model.Q4_K_M.gguf", "finetuning_type": "freeze"},
+                                  context={"check_files": False})  # a made-up path: only the folder name matters
     out = spec.default_output_dir(datetime(2025, 1, 2, 3, 4, 5))
     assert out == tmp_path / "saves" / "My_Model.Q4_K_M" / "freeze" / "20250102-030405"
     assert RunSpec().with_output_dir().output_dir.startswith(str(tmp_path / "saves" / "SmolLM2-135M-Instruct" / "lora"))
@@ -181,6 +184,7 @@ def test_guide_train_recipe_validates_verbatim(files, tmp_path):
     ddir = tmp_path / "guide_data"
     ddir.mkdir()
     (ddir / "dataset_info.json").write_text(json.dumps(GUIDE_DATASET_INFO))
+    (ddir / "aifetchly_extraction.json").touch()
     path = tmp_path / "train_qwen_qlora.yaml"
     path.write_text(GUIDE_TRAIN)
     spec = load_spec(path, [f"dataset_dir={ddir}"])
@@ -378,6 +382,7 @@ def test_dataset_dir_relative_resolution(files, tmp_path, monkeypatch):
     here = tmp_path / "work"
     (here / "mydata").mkdir(parents=True)
     (here / "mydata" / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "m.json"}}))
+    (here / "mydata" / "m.json").touch()
     monkeypatch.chdir(here)
     spec = validate_spec({"dataset_dir": "mydata", "dataset": "mine"})
     assert spec.resolved_dataset_dir() == (here / "mydata").resolve()

@@ -59,11 +59,12 @@ def test_launch_runs_to_completion_with_output_captured(tmp_path):
 
 def test_dead_process_with_running_status_is_failed(tmp_path):
     run_dir = start(tmp_path, "steps=50", "step_s=0.05", "crash_at=3")
-    wait_for(lambda: not jobs.run_state(run_dir).alive and (run_dir / "status.json").exists(),
-             what="crash")
+    # the process dies with status.json saying "running"; the launcher's watcher makes it final, with why
+    wait_for(lambda: jobs.read_json(run_dir / "status.json").get("state") == "failed", what="crash recorded")
     st = jobs.run_state(run_dir)
-    assert st.status["state"] == "running"
-    assert st.state == jobs.DIED
+    assert st.state == "failed" and not st.alive
+    assert st.status["exit_code"] == 3
+    assert st.status["error"] == "the process exited with code 3 without a final status at step 2 of 50"
 
 
 def test_abort_graceful_via_stop_file(tmp_path):

@@ -61,7 +61,14 @@ def saves(tmp_path, monkeypatch):
     monkeypatch.setattr(jobs, "tuneboard_argv", lambda: [sys.executable, str(cli)])
     monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path / "saves"))
     monkeypatch.setenv("FAKE_CLI_HOLD_S", "0")
+    (tmp_path / "models" / "tiny").mkdir(parents=True)  # validate checks that the model path holds a model
+    (tmp_path / "models" / "tiny" / "config.json").write_text("{}")
     return tmp_path / "saves"
+
+
+def tiny(saves: Path) -> str:
+    """The model folder the `saves` fixture made."""
+    return str(saves.parent / "models" / "tiny")
 
 
 def make_job(root: Path, name: str) -> Path:
@@ -105,7 +112,7 @@ def test_find_job_takes_the_newest_only_while_running_or_recent(tmp_path):
 
 
 def test_export_reattached_after_the_end_shows_its_report(saves, tmp_path):
-    flat = export.export_flat("/models/tiny", None, "full", "default", str(tmp_path / "out"), "safetensors",
+    flat = export.export_flat(tiny(saves), None, "full", "default", str(tmp_path / "out"), "safetensors",
                               "f16", 1, "cpu", False)
     st, message, started = export.start_export(export.new_state(), flat)
     assert started, message
@@ -125,7 +132,7 @@ def test_export_reattached_after_the_end_shows_its_report(saves, tmp_path):
 
 def test_export_abort_survives_a_reload(saves, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_CLI_HOLD_S", "60")
-    flat = export.export_flat("/models/tiny", None, "full", "default", str(tmp_path / "out"), "safetensors",
+    flat = export.export_flat(tiny(saves), None, "full", "default", str(tmp_path / "out"), "safetensors",
                               "f16", 1, "cpu", False)
     st, _, started = export.start_export(export.new_state(), flat)
     assert started
@@ -145,7 +152,7 @@ def test_export_abort_survives_a_reload(saves, tmp_path, monkeypatch):
 
 
 def start_compare(saves):
-    flat = evaluate.eval_flat("/models/tiny", "/saves/run-a", "lora", "none", "default", ["identity"], 2, 8)
+    flat = evaluate.eval_flat(tiny(saves), "/saves/run-a", "lora", "none", "default", ["identity"], 2, 8)
     st, message, started = evaluate.start_eval(evaluate.new_state(), flat, True)
     assert started, message
     return st

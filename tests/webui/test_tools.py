@@ -51,15 +51,18 @@ def test_export_spec_and_refusals(tmp_path, monkeypatch):
 
 def test_eval_plan_refusals_and_parts(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path))
-    flat = evaluate.eval_flat("/m", "", "lora", "none", "auto", [], 3, 8)
+    model = tmp_path / "m"  # validate checks that a model path holds a model
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    flat = evaluate.eval_flat(str(model), "", "lora", "none", "auto", [], 3, 8)
     assert evaluate.plan(flat, False)[0] is None and "dataset" in evaluate.plan(flat, False)[1]
-    flat = evaluate.eval_flat("/m", "", "lora", "none", "auto", ["identity", "alpaca_en_demo"], 3, 8)
+    flat = evaluate.eval_flat(str(model), "", "lora", "none", "auto", ["identity", "alpaca_en_demo"], 3, 8)
     assert flat["eval_dataset"] == "identity,alpaca_en_demo" and flat["do_sample"] is False
     parts, why = evaluate.plan(flat, True)
     assert parts is None and "adapter" in why
     parts, _ = evaluate.plan(flat, False)
     assert [p["name"] for p in parts] == ["base"]
-    flat = evaluate.eval_flat("/m", "/a", "lora", "4", "auto", ["identity"], 3, 8)
+    flat = evaluate.eval_flat(str(model), "/a", "lora", "4", "auto", ["identity"], 3, 8)
     assert flat["quantization_bit"] == 4
     parts, _ = evaluate.plan(flat, True)
     assert [(p["name"], p["adapter"]) for p in parts] == [("tuned", "/a"), ("base", None)]

@@ -1,0 +1,124 @@
+"""Real `tuneboard train` runs on a tiny model under faults (issue 9, items 5, 6 and 7):
+
+- one spec and seed give one run: two runs log the same losses and grad norms, step for step (the LoRA
+  weights used to be drawn before any seed was set);
+- a run stopped with the STOP file at step 3 and resumed gives the same steps as the run never stopped,
+  and the resume does not stop again at once on the STOP file the abort left behind;
+- a run killed with SIGKILL mid-training is marked failed by the launcher, with the signal and the step;
+- a run whose checkpoint save hits a full disk ends `failed` naming the checkpoint, leaves no .tmp file,
+  and a resume refuses the half-written checkpoint instead of loading it.
+
+Exact steps come from tests/reliability/train_with_hooks.py (the real CLI plus a step hook), not from
+timing."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from backend.paths import REPO_ROOT
+from backend.rundir import read_status
+from waiting import wait_for
+from webui import jobs
+
+pytestmark = pytest.mark.slow
+HOOKS = str(Path(__file__).with_name("train_with_hooks.py"))
+
+
+def tiny_args(model: Path, out: Path, *extra: str) -> list[str]:
+    return [f"model_name_or_path={model}", f"output_dir={out}", "dataset=identity", "template=llama3",
+            "cutoff_len=64", "per_device_train_batch_size=2", "gradient_accumulation_steps=1", "logging_steps=1",
+            "learning_rate=0.01", "lora_rank=4", "lora_dropout=0.1", "max_steps=6", "save_steps=100",
+            "plot_loss=false", *extra]
+
+
+def train(*args: str, hooks: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, HOOKS] if hooks else [sys.executable, "-m", "backend.cli", "train"]
+    proc = subprocess.run(argv + list(args), cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **(hooks or {})}, preexec_fn=preexec_fn)
+    return proc
+
+
+def steps(out: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in rows]
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_same_spec_same_run_and_a_stopped_run_resumes_into_the_same_run(tiny_llama, tmp_path):
+    first, second, stopped = tmp_path / "first", tmp_path / "second", tmp_path / "stopped"
+    for out in (first, second):
+        proc = train(*tiny_args(tiny_llama, out))
+        assert proc.returncode == 0, output(proc)
+    assert [s[0] for s in steps(first)] == [1, 2, 3, 4, 5, 6]
+    assert steps(first) == steps(second)  # losses, grad norms and learning rates, exactly
+
+    # the same spec stopped by the STOP file at step 3 (as Abort does), then resumed by the plain CLI
+    proc = train(*tiny_args(tiny_llama, stopped), hooks={"TUNEBOARD_TEST_STOP_AT": "3"})
+    assert proc.returncode == 130, output(proc)
+    assert read_status(stopped)["state"] == "aborted" and read_status(stopped)["step"] == 3
+    assert (stopped / "STOP").exists() and (stopped / "checkpoint-3" / "trainer_state.json").is_file()
+    proc = train(*tiny_args(tiny_llama, stopped, "resume_from_checkpoint=true"))
+    assert proc.returncode == 0, output(proc)  # it used to abort again at once on the old STOP file
+    assert read_status(stopped)["state"] == "completed" and not (stopped / "STOP").exists()
+    assert steps(stopped) == steps(first)  # step for step the run that was never stopped
+    assert "removed the STOP file left by an earlier stop" in (stopped / "running_log.txt").read_text()
+
+
+def test_a_run_killed_with_sigkill_is_marked_failed_with_the_signal_and_step(tiny_llama, tmp_path):
+    run = tmp_path / "killed"
+    spec = jobs.write_spec_yaml(run, "\n".join(a.replace("=", ": ", 1) for a in tiny_args(tiny_llama, run)) + "\n")
+    pid = jobs.launch(run, [sys.executable, HOOKS, str(spec)], env={"TUNEBOARD_TEST_PAUSE_AT": "2"})
+    wait_for(lambda: (run / "paused-at-2").exists(), timeout=600, what="training paused at step 2")
+    assert read_status(run)["state"] == "running"
+    os.killpg(pid, signal.SIGKILL)  # what the kernel's OOM killer does: no handler runs
+    wait_for(lambda: read_status(run).get("state") != "running", timeout=60, what="the watcher's final status")
+    status = read_status(run)
+    assert status["state"] == "failed" and status["exit_code"] == -9
+    assert status["error"] == "killed by signal 9 (SIGKILL, out of memory?) at step 2 of 6"
+    assert jobs.run_state(run).state == "failed"
+    assert "FAILED: killed by signal 9" in (run / "running_log.txt").read_text()
+    assert not [p for p in psutil.process_iter() if _in_group(p, pid)]  # nothing of the run left
+
+
+def _in_group(proc: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE
+    except (OSError, psutil.Error):
+        return False
+
+
+def _small_disk():
+    """In the child: every file write past 1 MiB fails (EFBIG), as a full disk fails one with ENOSPC. The
+    checkpoint's tokenizer.json (about 2 MiB) hits it; the logs and status stay far below."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_a_checkpoint_save_that_hits_a_full_disk_fails_the_run_and_is_never_resumed(tiny_llama, tmp_path):
+    run = tmp_path / "full"
+    proc = train(*tiny_args(tiny_llama, run, "max_steps=4", "save_steps=2"), preexec_fn=_small_disk)
+    assert proc.returncode == 1, output(proc)
+    status = read_status(run)
+    assert status["state"] == "failed" and status["step"] == 2
+    assert status["error"].startswith("file too large for this file system or process limit while saving "
+                                      "checkpoint-2"), status["error"]
+    assert not [p.name for p in run.rglob("*.tmp")]
+    assert not (run / "checkpoint-2" / "trainer_state.json").exists()  # half-written
+
+    proc = train(*tiny_args(tiny_llama, run, "max_steps=4", "save_steps=2", "resume_from_checkpoint=true"))
+    assert proc.returncode == 1
+    status = read_status(run)
+    assert status["state"] == "failed" and "no complete checkpoint-N folder" in status["error"]
+    assert "(checkpoint-2 incomplete)" in status["error"]
+    assert "skipping incomplete checkpoint(s) checkpoint-2" in (run / "running_log.txt").read_text()

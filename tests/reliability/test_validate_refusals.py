@@ -1,0 +1,98 @@
+"""`tuneboard validate` refuses what training would reject later (issue 9, item 8): each case is one clear
+line naming the field, exit code 1, and no traceback. The checks are plain file checks (no torch), so
+the web UI's form refuses the same values before it launches anything."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from backend.cli import main as tuneboard
+from backend.paths import REPO_ROOT
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    """A dataset_dir whose dataset_info.json registers one file that exists and one that does not."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "dataset_info.json").write_text(json.dumps({"here": {"file_name": "here.json"},
+                                                     "gone": {"file_name": "gone.json"}}))
+    (d / "here.json").write_text('[{"instruction": "hi", "output": "hello"}]')
+    return d
+
+
+def refusal(capsys, *args: str) -> dict[str, str]:
+    """The errors of `tuneboard validate ARGS` as {field: message} (it must refuse, without a traceback)."""
+    code = tuneboard(["validate", *args])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.startswith("error: invalid run spec") and "Traceback" not in err, err
+    return dict(line.strip().split(": ", 1) for line in err.splitlines()[1:])
+
+
+def test_a_model_path_must_exist_and_hold_a_model(capsys, tmp_path):
+    missing = tmp_path / "no-such-model"
+    assert refusal(capsys, f"model_name_or_path={missing}")["model_name_or_path"] == f"{missing} does not exist"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "not a model folder (no config.json and no .gguf file)" in \
+        refusal(capsys, f"model_name_or_path={empty}")["model_name_or_path"]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert "is a LoRA adapter, not a model" in refusal(capsys, f"model_name_or_path={adapter}")["model_name_or_path"]
+    text = tmp_path / "weights.txt"
+    text.write_text("x")
+    assert "not a .gguf model file" in refusal(capsys, f"model_name_or_path={text}")["model_name_or_path"]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert tuneboard(["validate", f"model_name_or_path={model}"]) == 0  # a folder with config.json passes
+
+
+def test_a_registered_dataset_file_must_exist(capsys, data_dir):
+    errors = refusal(capsys, f"dataset_dir={data_dir}", "dataset=here,gone")
+    assert errors["dataset"] == (f"dataset 'gone': file not found: {data_dir / 'gone.json'} "
+                                 f"(file_name in {data_dir / 'dataset_info.json'})")
+    assert tuneboard(["validate", f"dataset_dir={data_dir}", "dataset=here"]) == 0
+
+
+def test_seed_template_and_passthrough_values(capsys, tmp_path):
+    assert refusal(capsys, "seed=-1")["seed"] == "must be between 0 and 4294967295 (got -1)"
+    for name in ("../../x", "../templates/qwen", "/etc/passwd"):
+        assert "is not a template name" in refusal(capsys, f"template={name}")["template"]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("passthrough: 5\n")  # a TypeError inside validate before
+    assert "passthrough" in refusal(capsys, str(spec))
+
+
+def test_output_dir_must_be_a_writable_folder(capsys, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert refusal(capsys, f"output_dir={a_file}")["output_dir"] == f"{a_file} is a file, not a folder"
+    assert refusal(capsys, f"output_dir={a_file}/run")["output_dir"] == f"cannot create {a_file}/run: {a_file} is a file"
+    # a folder nobody may create runs in (root may write almost anywhere, but not into a process's /proc entry)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        where = locked if not os.access(locked, os.W_OK) else "/proc/1"
+        message = refusal(capsys, f"output_dir={where}/run")["output_dir"]
+        assert message == f"cannot create {where}/run: {where} is not writable"
+    finally:
+        locked.chmod(0o700)
+    assert tuneboard(["validate", f"output_dir={tmp_path / 'new' / 'run'}"]) == 0  # creatable: fine
+
+
+def test_a_mistake_prints_no_traceback_through_the_real_command(tmp_path):
+    """The same through the installed entry point in its own process (what a user runs)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("passthrough: 5\nseed: -1\ntemplate: ../../x\n")
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "validate", str(spec)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert {line.split(":")[0].strip() for line in proc.stderr.splitlines()[1:]} == {"passthrough", "seed", "template"}

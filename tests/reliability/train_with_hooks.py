@@ -1,0 +1,37 @@
+"""PROCESS FIXTURE for tests/reliability -- the real `tuneboard train`, with one test hook on the step
+callback, so a test acts at an exact step instead of racing the trainer with sleeps:
+
+    TUNEBOARD_TEST_STOP_AT=N    write the run's STOP file at the end of step N (the real stop switch then
+                                stops the run at that step, with its checkpoint, as an Abort from the UI does)
+    TUNEBOARD_TEST_PAUSE_AT=N   at the end of step N (status.json says step N), write <output_dir>/paused-at-N
+                                and wait there, so the test can kill the process mid-training
+
+usage: python train_with_hooks.py [SPEC.yaml] [key=value ...]    (the arguments of `tuneboard train`)
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, wherever this is started from
+
+from backend import callbacks  # noqa: E402
+from backend.cli import main  # noqa: E402
+from backend.rundir import STOP_FILE  # noqa: E402
+
+_original = callbacks.RunDirCallback.on_step_end
+
+
+def on_step_end(self, args, state, control, **kwargs):
+    step = str(state.global_step)
+    if step == os.environ.get("TUNEBOARD_TEST_STOP_AT"):
+        (self.run_dir.path / STOP_FILE).write_text("stop requested by the test\n")
+    result = _original(self, args, state, control, **kwargs)
+    if step == os.environ.get("TUNEBOARD_TEST_PAUSE_AT"):
+        (self.run_dir.path / f"paused-at-{step}").write_text("")
+        time.sleep(3600)
+    return result
+
+
+callbacks.RunDirCallback.on_step_end = on_step_end
+sys.exit(main(["train", *sys.argv[1:]]))

@@ -88,8 +88,9 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def end_reason(returncode: int | None, step: Any = None, total: Any = None) -> str:
-    """Why a process ended without writing its final status, in words, with where it was."""
+def end_reason(returncode: int | None, step: Any = None, total: Any = None, stop_requested: bool = False) -> str:
+    """Why a process ended without writing its final status, in words, with where it was. A SIGKILL out of
+    the blue is most often the kernel's out-of-memory killer; after a stop request it is the escalation."""
     import signal
 
     if returncode is None:
@@ -100,7 +101,7 @@ def end_reason(returncode: int | None, step: Any = None, total: Any = None) -> s
         except ValueError:
             name = f"signal {-returncode}"
         why = f"killed by signal {-returncode} ({name}"
-        why += ", out of memory?)" if -returncode == signal.SIGKILL else ")"
+        why += ", out of memory?)" if -returncode == signal.SIGKILL and not stop_requested else ")"
     else:
         why = f"the process exited with code {returncode} without a final status"
     if isinstance(step, int) and step > 0:
@@ -134,7 +135,7 @@ def mark_ended(run_dir: str | Path, returncode: int | None = None, *, launched_a
     if stale:  # the step and total of an earlier process say nothing about this one
         status = {k: v for k, v in status.items() if k not in ("step", "total_steps")}
     stop_requested = (path / STOP_FILE).exists()
-    reason = end_reason(returncode, status.get("step"), status.get("total_steps"))
+    reason = end_reason(returncode, status.get("step"), status.get("total_steps"), stop_requested)
     if stop_requested:
         reason += " (after a stop request)"
     if detail:

@@ -71,6 +71,15 @@ def test_a_run_whose_process_is_gone_is_made_final_by_the_next_look(tmp_path):
     assert mark_ended(run, -9) is None and read_status(run)["state"] == "completed"
 
 
+def test_a_kill_after_a_stop_request_is_an_abort_not_an_out_of_memory_guess(tmp_path):
+    """Abort's escalation: STOP file, SIGTERM, then SIGKILL of a run that would not stop."""
+    (tmp_path / STATUS_FILE).write_text(json.dumps({"state": "running", "step": 7, "total_steps": 9}))
+    (tmp_path / "STOP").write_text("stop requested\n")
+    written = mark_ended(tmp_path, -9)
+    assert written["state"] == "aborted"
+    assert written["error"] == "killed by signal 9 (SIGKILL) at step 7 of 9 (after a stop request)"
+
+
 def test_a_stale_status_from_an_earlier_process_is_not_taken_for_the_new_ones(tmp_path):
     """A resume whose process dies while loading: the status on disk is the earlier run's final one."""
     (tmp_path / STATUS_FILE).write_text(json.dumps({"state": "aborted", "exit_code": 130, "step": 3}))

@@ -52,7 +52,7 @@ def run(spec, run_dir, stop) -> StageResult:
     # 4. train, save, plot
     result = fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=Dataset.from_list(train_rows),
                  eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
-                 trainer_class=_kto_trainer_class(), args_class=KTOConfig,
+                 trainer_class=_kto_trainer_class(spec), args_class=KTOConfig,
                  config={"beta": spec.pref_beta, "desirable_weight": spec.kto_chosen_weight,
                          "undesirable_weight": spec.kto_rejected_weight, "max_length": spec.cutoff_len},
                  ref_model=ref_model)
@@ -92,15 +92,20 @@ def reference_model(spec, run_dir, resolved, model):
     return load_model(spec, resolved, for_training=False, warn=run_dir.warn)
 
 
-def _kto_trainer_class():
+def _kto_trainer_class(spec):
     from accelerate.utils import is_peft_model
     from trl import KTOTrainer
+
+    from backend.models import _upcast_trainable
 
     class _KTOTrainer(KTOTrainer):
         """TRL's KTOTrainer on our pre-tokenized rows, and with no copy of an adapter that is still the identity."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            # TRL casts a quantized model's trainable weights to bf16 (the QLoRA paper's choice); we keep them
+            # in fp32 as every stage does (backend.models: trained weights not in bf16 unless pure_bf16).
+            _upcast_trainable(self.model, spec)
             # TRL copies a PeftModel's adapter as the reference ("ref"). A fresh LoRA adapter (B = 0) changes
             # nothing yet, so disabling it gives the same reference without the copy.
             model = self.accelerator.unwrap_model(self.model)

@@ -54,7 +54,7 @@ def run(spec, run_dir, stop) -> StageResult:
     result = fit(spec, run_dir, stop, model=model, tokenizer=tokenizer,
                  train_dataset=Dataset.from_list([sequences(r) for r in train_rows]),
                  eval_dataset=Dataset.from_list([sequences(r) for r in eval_rows]) if eval_rows else None,
-                 trainer_class=_reward_trainer_class(), args_class=RewardConfig,
+                 trainer_class=_reward_trainer_class(spec), args_class=RewardConfig,
                  config={"max_length": spec.cutoff_len})
 
     # 5. scores of the held-out pairs (do_predict), one line per pair, and their accuracy / margin
@@ -79,13 +79,22 @@ def set_pad_token(model, tokenizer) -> None:
     model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def _reward_trainer_class():
+def _reward_trainer_class(spec):
     import torch
     from trl import RewardTrainer
+
+    from backend.models import _upcast_trainable
 
     class _RewardTrainer(RewardTrainer):
         """TRL's RewardTrainer (it logs accuracy, margin, min/mean/max_reward), plus the mean score of the
         chosen and of the rejected answers (rewards/chosen, rewards/rejected), as the DPO stages name them."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # TRL casts a quantized model's trainable weights to bf16 (the QLoRA paper's choice); we keep them
+            # in fp32 as every stage does (backend.models), and the score head must match the fp32 hidden
+            # states it reads (a bf16 head fails on them where no autocast runs, e.g. on CPU).
+            _upcast_trainable(self.model, spec)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)

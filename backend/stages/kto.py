@@ -80,7 +80,7 @@ def reference_model(spec, run_dir, resolved, model):
             raise RunError(f"ref_model: {spec.ref_model} has another vocabulary than {spec.model_name_or_path} "
                            "(its log-probabilities cannot be compared token by token)")
         run_dir.log(f"reference model: {spec.ref_model}")
-        return ref
+        return ref.requires_grad_(False)
     if spec.finetuning_type == "lora":
         if _adapter_is_identity(model, "default"):
             run_dir.log("reference model: the base model (the new adapter disabled; no copy in memory)")
@@ -89,7 +89,7 @@ def reference_model(spec, run_dir, resolved, model):
                         "base weights; no second model in memory)")
         return None
     run_dir.log("reference model: a frozen copy of the base model")
-    return load_model(spec, resolved, for_training=False, warn=run_dir.warn)
+    return load_model(spec, resolved, for_training=False, warn=run_dir.warn).requires_grad_(False)
 
 
 def _kto_trainer_class(spec):

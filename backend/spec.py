@@ -297,7 +297,7 @@ class RunSpec(BaseModel):
     fp16: bool = _f(False, "float16 mixed precision.", "train")
     pure_bf16: bool = _f(False, "Train in pure bfloat16, without mixed precision.", "train")
     seed: int = _f(42, "Random seed.", "train", ge=0, le=2**32 - 1)
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.", "train")
+    gradient_checkpointing: Optional[bool] = _f(None, "Recompute activations in backward to save memory (empty = on, as in LLaMA-Factory; false turns it off).", "train")
     disable_gradient_checkpointing: bool = _f(False, "LLaMA-Factory compatibility: force gradient checkpointing off.", "train")
     resume_from_checkpoint: Union[bool, str, None] = _f(None, "Resume: true = latest checkpoint in output_dir, or a checkpoint path.", "train")
     save_strategy: Literal["no", "steps", "epoch", "best"] = _f("steps", "When checkpoints are saved.", "train")
@@ -441,6 +441,12 @@ class RunSpec(BaseModel):
         return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
 
     @property
+    def resolved_gradient_checkpointing(self) -> bool:
+        """LLaMA-Factory's default: on for training unless gradient_checkpointing: false or
+        disable_gradient_checkpointing: true (backend.models.gradient_checkpointing_on says the same)."""
+        return self.gradient_checkpointing is not False and not self.disable_gradient_checkpointing
+
+    @property
     def resolved_packing(self) -> bool:
         """packing, or on for pt and off otherwise when unset; neat_packing implies packing."""
         if self.neat_packing:
@@ -553,7 +559,7 @@ class RunSpec(BaseModel):
             "load_best_model_at_end": self.load_best_model_at_end,
             "overwrite_output_dir": self.overwrite_output_dir,
         }
-        checkpointing = self.gradient_checkpointing and not self.disable_gradient_checkpointing
+        checkpointing = self.resolved_gradient_checkpointing
         if not known or "activation_checkpointing" not in known:
             kwargs["gradient_checkpointing"] = checkpointing
         else:  # transformers 5: gradient_checkpointing is a deprecated alias

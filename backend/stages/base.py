@@ -89,10 +89,12 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     from the spec, with the settings our run directory relies on."""
     from transformers import TrainingArguments
 
+    from backend.models import gradient_checkpointing_on
+
     args_class = args_class or TrainingArguments
     kwargs = fit_to_installed(spec.training_arguments(), args_class)
     if "gradient_checkpointing" in args_class.__dataclass_fields__:  # TRL configs default it to True
-        kwargs["gradient_checkpointing"] = spec.gradient_checkpointing and not spec.disable_gradient_checkpointing
+        kwargs["gradient_checkpointing"] = gradient_checkpointing_on(spec)
     kwargs.update(extra or {})
     kwargs["output_dir"] = str(out)
     kwargs.setdefault("include_num_input_tokens_seen", "non_padding")  # for tokens/s

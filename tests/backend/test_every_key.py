@@ -124,6 +124,7 @@ SAMPLES = {
     "eval_strategy": ("steps", {"val_size": 0.1}),
     "load_best_model_at_end": (True, {"val_size": 0.1, "eval_strategy": "steps"}),
     "disable_gradient_checkpointing": (True, {"gradient_checkpointing": True}),
+    "gradient_checkpointing": (False, {}),  # unset = on (LLaMA-Factory's default)
     "mix_strategy": ("interleave_under", {"dataset": "a,b"}),
 }
 

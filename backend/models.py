@@ -35,6 +35,19 @@ from backend.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
 logger = logging.getLogger("tuneboard.models")
 Warn = Callable[[str], None]
 
+
+class _NoKernelsNotice(logging.Filter):
+    """peft imports bitsandbytes whenever it is installed (peft/helpers.py, also through TRL's trainers), and
+    bitsandbytes' CPU backend then logs "Failed to load CPU gemm_4bit_forward from kernels-community" (the
+    optional `kernels` package). That import cannot be made lazy from here, and the notice is about a 4-bit
+    kernel: it is dropped, so a run (or chat server) without quantization does not open with it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward" not in str(record.msg)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelsNotice())
+
 REGISTRY_FILE = Path(__file__).with_name("model_registry.yaml")
 
 # Methods the spec accepts (LLaMA-Factory names) that a later issue implements.

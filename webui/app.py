@@ -48,23 +48,24 @@ def build_topbar(reg: Registry) -> dict:
     table = F.rows_by_name()
     with gr.Row(elem_id="tb-topbar", equal_height=True):
         top["lang"] = reg.dropdown("top-lang", list(LANGS), value="en", fixed_labels=LANG_NAMES, scale=1,
-                                   min_width=100)
+                                   min_width=130)
         top["model_name_or_path"] = reg.dropdown(
             "top-model_name_or_path", choices.model_ids(), value=paths.DEFAULT_MODEL_ID,
             allow_custom_value=True, scale=3, min_width=220)
         ft = table["finetuning_type"]
         top["finetuning_type"] = reg.dropdown("top-finetuning_type", F.dropdown_ids(ft),
-                                              value=F.PRESET["finetuning_type"], scale=1, min_width=110)
+                                              value=F.PRESET["finetuning_type"], scale=1, min_width=115)
+        pairs = choices.adapter_pairs()  # run names as labels, the folder as the value
         top["adapter_name_or_path"] = reg.dropdown(
-            "top-adapter_name_or_path", [""] + choices.adapter_choices(), value="", allow_custom_value=True,
-            scale=2, min_width=180)
+            "top-adapter_name_or_path", [v for _, v in pairs], value="", allow_custom_value=True,
+            fixed_labels={v: k for k, v in pairs}, scale=3, min_width=220)
         top["adapter_refresh"] = reg.button("top-adapter_refresh", size="sm", scale=0, min_width=44,
                                             elem_classes=["tb-icon-btn"])
         q = table["quantization_bit"]
         top["quantization_bit"] = reg.dropdown("top-quantization_bit", F.dropdown_ids(q), value=F.NONE_ID,
-                                               scale=1, min_width=130)
+                                               scale=1, min_width=120)
         top["template"] = reg.dropdown("top-template", choices.template_names(), value="auto",
-                                       allow_custom_value=True, scale=1, min_width=150)
+                                       allow_custom_value=True, scale=1, min_width=130)
         top["booster"] = reg.dropdown("top-booster", list(F.BOOSTERS), value="auto", scale=1, min_width=110)
     top["note"] = gr.Markdown("", elem_id="top-note", elem_classes=["tb-section-note"])
     return top
@@ -82,7 +83,8 @@ def wire_topbar(top: dict) -> None:
                                "on a base model teaches it a format it has never seen.")
         return "auto", ""
 
-    top["model_name_or_path"].change(on_model, [top["model_name_or_path"]], [top["template"], top["note"]])
+    # .input, not .change: a spec loaded into the form (clone, reload) keeps its own template
+    top["model_name_or_path"].input(on_model, [top["model_name_or_path"]], [top["template"], top["note"]])
 
     def on_template(model, template):
         """Warns when a chat template is put on a base model. Inputs: model, template. Outputs: note."""
@@ -109,7 +111,7 @@ def create_app() -> gr.Blocks:
                 train = train_tab.build(reg, top)
             with reg.tab("tab-runs", id="runs"):
                 runs = runs_tab.build(reg)
-            with reg.tab("tab-data", id="data"):
+            with reg.tab("tab-data", id="data") as data_tab_item:
                 data = data_tab.build(reg)
             with reg.tab("tab-eval", id="eval"):
                 evaluate = eval_tab.build(reg)
@@ -120,7 +122,7 @@ def create_app() -> gr.Blocks:
         wire_topbar(top)
         train_tab.wire(train, state)
         runs_tab.wire(runs, state=state, train=train, tabs=tabs)
-        data_tab.wire(data, top=top, train=train)
+        data_tab.wire(data, top=top, train=train, tab=data_tab_item)
         eval_tab.wire(evaluate, top)
         export_tab.wire(export, top)
         chat_tab.wire(chat)
@@ -139,16 +141,22 @@ def create_app() -> gr.Blocks:
             keep its state and running timer (answering "nothing attached, timer off" here once raced
             with Start and left the live view frozen)."""
             train_out = (gr.skip(), gr.skip())
+            form = [gr.skip()] * (1 + len(form_inputs))
             if not (st or {}).get("run_dir"):
                 run_dir = jobs.find_active_run()
                 if run_dir is not None:
                     train_out = (train_tab.attach(run_dir), gr.Timer(active=True))
-            return (*train_out, *reattach_tool(export_tab, "export", (export_st or {}).get("job")),
+                    message, values = train_tab.attached_form(run_dir)
+                    form = [message, *(values or [gr.skip()] * len(form_inputs))]
+            return (*train_out, *form, *reattach_tool(export_tab, "export", (export_st or {}).get("job")),
                     *reattach_tool(eval_tab, "eval", (eval_st or {}).get("parts")))
 
+        # the form's inputs, in train_tab.spec_to_inputs order: top bar, booster, extra args, form fields
+        form_inputs = [top[n] for n in F.TOPBAR_FIELDS] + [top["booster"], train["extra_args"]] + \
+            [train["fields"][n] for n in train["names"]]
         demo.load(on_load, [state, export["state"], evaluate["state"]],
-                  [state, train["timer"], export["state"], export["message"], export["timer"],
-                   evaluate["state"], evaluate["message"], evaluate["timer"]])
+                  [state, train["timer"], train["message"], *form_inputs, export["state"], export["message"],
+                   export["timer"], evaluate["state"], evaluate["message"], evaluate["timer"]])
     demo.tb_registry = reg  # for tests: the locale keys this page uses
     return demo
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -54,6 +55,47 @@ def adapter_choices(root: Path | None = None) -> list[str]:
                          if p.name.split("-")[-1].isdigit() else 0, reverse=True):
             out.append(str(ck))
     return out
+
+
+NO_ADAPTER = "— none: the base model —"
+
+
+def adapter_label(run_dir: Path, checkpoint: str | None = None) -> str:
+    """A run as the adapter picker names it: model · method · stage · start time · final loss (the last
+    logged loss), and the checkpoint-N folder when it is one. The full path is the choice's value."""
+    from webui.tailer import last_value
+
+    spec = jobs.read_spec_dict(run_dir)
+    status = jobs.read_json(run_dir / jobs.STATUS_FILE)
+    model = jobs.model_slug(spec.get("model_name_or_path") or "model")
+    parts = [model, str(spec.get("finetuning_type", "lora")), str(spec.get("stage", "sft"))]
+    started = status.get("started_at")
+    try:
+        stamp = datetime.fromisoformat(started) if isinstance(started, str) else \
+            datetime.fromtimestamp((run_dir / jobs.SPEC_FILE).stat().st_mtime)
+        parts.append(stamp.strftime("%m-%d %H:%M"))
+    except (OSError, ValueError):
+        parts.append(run_dir.name)
+    loss = last_value(run_dir / "trainer_log.jsonl", "loss")
+    if loss is not None:
+        parts.append(f"loss {loss:.3f}")
+    if checkpoint:
+        parts.append(checkpoint)
+    return " · ".join(parts)
+
+
+def adapter_pairs(root: Path | None = None) -> list[tuple[str, str]]:
+    """(label, path) of every adapter and checkpoint-N folder (newest run first), after a "none" choice."""
+    pairs, seen = [(NO_ADAPTER, "")], set()
+    for path in adapter_choices(root):
+        p = Path(path)
+        run = p.parent if p.name.startswith("checkpoint-") else p
+        label = adapter_label(run, p.name if run != p else None)
+        if label in seen:  # two runs of the same kind started the same minute
+            label += f" · {run.name}"
+        seen.add(label)
+        pairs.append((label, path))
+    return pairs
 
 
 def dataset_info(dataset_dir: str | Path | None = None) -> dict:

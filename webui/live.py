@@ -9,6 +9,7 @@ from datetime import datetime
 
 import pandas as pd
 
+from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import STAGES, get_stage
 
 MAX_POINTS = 2000  # a LinePlot value is sent whole each tick: thin long runs instead of sending 100k points
@@ -172,14 +173,71 @@ def progress(records: list[dict], status: dict, now: float | None = None) -> dic
             "epoch": _num(last.get("epoch"))}
 
 
+# ------------------------------------------------------------------ before the first step: what the run is doing
+
+_STAMP = re.compile(r"^\[\d\d:\d\d:\d\d\] ")
+_DATASET = re.compile(r"^dataset \S+ .*?(\d+) kept")
+_TOTAL = re.compile(r"^datasets total: (\d+) examples kept")
+
+
+def phase(log_lines: list[str], total: int | None = None, model: str = "") -> str:
+    """What a run is doing before its first logged step, from the lines the backend writes to its log
+    (backend/train.py, backend/stages): starting, loading the tokenizer (a GGUF model is converted once),
+    tokenizing N rows, loading the model, step 1 of N."""
+    gguf = str(model).lower().endswith(".gguf") or str(model) == DEFAULT_MODEL_ID
+    what, rows = "starting: loading the training libraries", 0
+    for raw in log_lines:
+        if not _STAMP.match(raw):
+            continue
+        line = _STAMP.sub("", raw)
+        if line.startswith("stage "):
+            what = "loading the tokenizer" + (" (a GGUF model is converted to a cached folder once: about a "
+                                              "minute the first time)" if gguf else "")
+        elif line.startswith("template: "):
+            what = "reading the dataset"
+        elif _DATASET.match(line):
+            rows += int(_DATASET.match(line).group(1))
+            what = f"tokenizing {rows} rows"
+        elif _TOTAL.match(line):
+            rows = int(_TOTAL.match(line).group(1))
+            what = f"tokenizing {rows} rows"
+        elif line.startswith(("train rows: ", "train pairs: ", "train blocks: ", "packed into ")):
+            what = "loading the model"
+        elif line.startswith("model: "):
+            what = "adding the adapter"
+        elif line.startswith(("trainable parameters", "resuming from")):
+            what = f"running step 1 of {total}" if total else "running step 1"
+        elif line.startswith("reference model: "):
+            what = "loading the reference model"
+    return what
+
+
+# Third-party lines that are not worth a status line (they stay in the full log): bitsandbytes' kernels
+# notice, progress bars (tqdm), warnings of libraries.
+NOISE = re.compile(r"gemm_4bit_forward|kernels-community|No module named 'kernels'|\d+%\|.*\||\bit/s\]|\bs/it\]|^\s*warnings\.warn|"
+                   r"Warning:|UserWarning|FutureWarning|DeprecationWarning|^\s*$")
+
+
+def status_line(lines: list[str]) -> str:
+    """The newest line of a process's output that says something to a user (noise skipped), or ""."""
+    for line in reversed(lines):
+        text = line.rsplit("\r", 1)[-1].strip()
+        if text and not NOISE.search(text):
+            return text
+    return ""
+
+
 STATE_CLASS = {"running": "running", "starting": "running", "pending": "running", "completed": "ok",
                "aborted": "warn", "queued": "queued"}
 
 
-def progress_html(p: dict, state: str, run_name: str = "") -> str:
-    """The progress bar and its numbers, as one small HTML block (one component update per tick)."""
+def progress_html(p: dict, state: str, run_name: str = "", phase_text: str = "") -> str:
+    """The progress bar and its numbers, as one small HTML block (one component update per tick).
+    `phase_text`: what the run does before its first step (see phase())."""
     pct = round(100 * p["fraction"], 1)
     total = p["total"] if p["total"] else "?"
+    doing = (f'<div class="tb-phase" data-phase="{html.escape(phase_text)}">{html.escape(phase_text)}…</div>'
+             if phase_text else "")
     tps = f"{p['tokens_per_s']:.0f}" if p.get("tokens_per_s") is not None else "–"
     epoch = f"{p['epoch']:.2f}" if p.get("epoch") is not None else "–"
     cls = STATE_CLASS.get(state, "bad" if state.startswith("failed") else "idle")
@@ -191,8 +249,11 @@ def progress_html(p: dict, state: str, run_name: str = "") -> str:
         f'<div class="tb-stats"><span>step <b>{p["step"]}</b> / {total}</span>'
         f'<span>{pct}%</span><span>epoch {epoch}</span>'
         f'<span>elapsed {fmt_duration(p["elapsed"])}</span><span>ETA {fmt_duration(p["eta"])}</span>'
-        f'<span>{tps} tokens/s</span></div></div>'
+        f'<span>{tps} tokens/s</span></div>{doing}</div>'
     )
+
+
+METRIC_NAMES = {"final_loss": "final loss (last logged)", "train_loss": "mean train loss (whole run)"}
 
 
 def final_metrics_md(status: dict) -> str:
@@ -204,6 +265,8 @@ def final_metrics_md(status: dict) -> str:
         lines.append(f"⚠ {w}")
     if metrics:
         lines.append("| metric | value |\n|---|---|")
-        for k, v in metrics.items():
-            lines.append(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |")
+        # the last logged loss first; the trainer's train_loss is the mean over the run, and says so
+        for k in sorted(metrics, key=lambda k: k != "final_loss"):
+            v, name = metrics[k], METRIC_NAMES.get(k, k)
+            lines.append(f"| {name} | {v:.6g} |" if isinstance(v, float) else f"| {name} | {v} |")
     return "\n".join(lines)

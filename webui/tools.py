@@ -13,6 +13,7 @@ the user pressed Abort. `find_job` says which job a freshly loaded page re-attac
 """
 from __future__ import annotations
 
+import functools
 import html
 import json
 import re
@@ -268,6 +269,49 @@ def read_predictions(out_dir: str | Path | None) -> list[dict]:
     except FileNotFoundError:
         return []
     return rows
+
+
+@functools.lru_cache(maxsize=1)
+def _turn_markers() -> tuple[tuple[str, str, str], ...]:
+    """(user prefix, user suffix, assistant prefix) of each template in templates/, the literal text around
+    {content} (up to a placeholder such as {eos_token}), longest user prefix first."""
+    out = []
+    for path in paths.TEMPLATES_DIR.glob("*.yaml"):
+        try:
+            t = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        user, assistant = str(t.get("user") or ""), str(t.get("assistant_prefix") or "")
+        if "{content}" not in user:
+            continue
+        before, after = user.split("{content}", 1)
+        before = before.split("}")[-1]  # the literal part next to {content}
+        if len(before.strip()) < 2:
+            continue
+        out.append((before, after.split("{")[0], assistant.split("{")[0]))
+    return tuple(sorted(out, key=lambda m: -len(m[0])))
+
+
+_TRAILING_TOKENS = re.compile(r"(\s*(<\|[^|>]*\|>|</s>|<[a-z_]+>))+\s*$")
+
+
+def last_user_turn(prompt) -> str:
+    """The user's last message in a rendered eval prompt (the table shows the question, not the start of a
+    system prompt every row shares), found with the turn markers of the templates; the prompt's end when
+    no template's markers fit."""
+    text = "" if prompt is None else str(prompt)
+    tail = text.rstrip()
+    for before, after, assistant in _turn_markers():
+        if before not in text or (assistant.strip() and not tail.endswith(assistant.strip())):
+            continue
+        start = text.rfind(before) + len(before)
+        end = text.find(after, start) if after.strip() else -1
+        if end < 0:
+            end = text.rfind(assistant.strip()) if assistant.strip() else len(text)
+        question = _TRAILING_TOKENS.sub("", text[start:max(end, start)]).strip()
+        if question:
+            return question
+    return text[-300:].strip()
 
 
 ROW_SCORE = "rouge-l"  # the per-row score the table sorts by (0..100)

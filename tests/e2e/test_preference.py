@@ -114,7 +114,8 @@ def test_overlay_plots_any_logged_metric_and_continue_with_dpo(app_page, finishe
                            ".length === 5", timeout=30_000)
     wait_for_lines(page, "#runs-overlay", 1)
     labels = point_labels(page, "#runs-overlay")
-    assert "handmade/dpo-log" in labels and sft not in labels, labels[:300]  # the SFT run logged no accuracy
+    # series are named by the shortest distinct run name; the SFT run logged no accuracy
+    assert "dpo-log" in labels and finished_runs[1].name not in labels, labels[:300]
     shot("runs-overlay-metric")
 
     # SFT -> DPO: the finished SFT LoRA run's adapter, stage dpo and a ranking dataset go into the form
@@ -124,7 +125,10 @@ def test_overlay_plots_any_logged_metric_and_continue_with_dpo(app_page, finishe
     expect(page.locator("#train-start")).to_be_visible()  # on the Train tab
     expect(page.locator("#train-stage input")).to_have_value("DPO")
     expect(page.locator("#train-dataset textarea, #train-dataset input").first).to_have_value("dpo_en_demo")
-    expect(page.locator("#top-adapter_name_or_path input")).to_have_value(str(finished_runs[1]))
+    # the Train tab says that Start trains this adapter further (and offers to drop it)
+    expect(page.locator("#train-adapter_note")).to_contain_text("Continue training from adapter")
+    expect(page.locator("#train-adapter_note")).to_contain_text(str(finished_runs[1]))
+    expect(page.locator("#train-adapter_clear")).to_be_visible()
     shot("train-continue-dpo")
 
 

@@ -9,6 +9,13 @@ from webui import jobs, tools
 from ui_actions import open_tab, set_dropdown, set_number, pick_option
 
 
+def adapter_label(path) -> str:
+    """The adapter picker's name of a run folder (the folder is the choice's value)."""
+    from webui import choices
+
+    return dict((v, k) for k, v in choices.adapter_pairs())[str(path)]
+
+
 def test_runs_overlay_of_two_runs(app_page, finished_runs, shot):
     page = app_page
     open_tab(page, "Runs")
@@ -31,8 +38,11 @@ def test_runs_overlay_of_two_runs(app_page, finished_runs, shot):
         timeout=30_000)
     shot("runs-overlay")
     labels = " ".join(points.evaluate_all("els => els.map(e => e.getAttribute('aria-label') || '')"))
-    for name in names:
-        assert f"{name} loss" in labels, labels[:500]
+    for d in finished_runs:  # short, distinct run names in the legend
+        assert f"{d.name} loss" in labels and f"lora/{d.name}" not in labels, labels[:500]
+    # a click on a table row picks that run for the actions
+    page.locator("#runs-table [role=gridcell]", has_text=names[1]).first.click()
+    expect(page.locator("#runs-target input")).to_have_value(names[1])
     # the config diff of the two runs names what differs
     pick_option(page, "runs-diff_a", names[0])
     pick_option(page, "runs-diff_b", names[1])
@@ -63,6 +73,10 @@ def test_evaluate_tab_compares_base_and_tuned(app_page, finished_runs, tiny_llam
     expect(grid).to_have_attribute("aria-rowcount", "4")  # header + 3 rows
     page.locator("#eval-worst_first input").check()
     expect(grid).to_have_attribute("aria-rowcount", "4")
+    # a click on a row shows it in full: question, reference, both answers
+    page.locator('#eval-rows [data-testid="cell-0-1"]').click()
+    for word in ("Question", "Reference", "tuned", "base"):
+        expect(page.locator("#eval-detail")).to_contain_text(word)
     expect(page.locator("#eval-progress .tb-progress")).to_have_attribute("data-state", "completed")
     # what the table shows is what the eval processes wrote
     results = list(jobs.paths.saves_dir().joinpath(".tools").glob("eval-*/tuned/eval_results.json"))
@@ -78,13 +92,14 @@ def test_export_tab_merges_and_verifies(app_page, finished_runs, tiny_llama, tmp
     open_tab(page, "Export")
     page.locator("#top-adapter_refresh").click()
     adapter = str(finished_runs[0])
-    pick_option(page, "top-adapter_name_or_path", adapter)  # listed by the refreshed picker
+    pick_option(page, "top-adapter_name_or_path", adapter_label(adapter))  # listed by the refreshed picker
     out = tmp_path / "merged"
     page.locator("#export-dir textarea, #export-dir input").first.fill(str(out))
     page.locator("#export-start").click()
     expect(page.locator("#export-message")).to_contain_text("Exporting to")
     expect(page.locator("#export-result")).to_contain_text("export PASSED", timeout=240_000)
     expect(page.locator("#export-progress .tb-progress")).to_have_attribute("data-state", "passed")
+    expect(page.locator("#export-message")).not_to_contain_text("Exporting to")  # not left on screen
     checks = page.locator("#export-checks")
     for name in ("logits", "adapter_merged", "chat_template", "eos"):
         expect(checks).to_contain_text(name)
@@ -106,7 +121,7 @@ def test_export_tab_reattaches_after_a_reload(app_page, finished_runs, tiny_llam
     set_dropdown(page, "top-template", "default")
     open_tab(page, "Export")
     page.locator("#top-adapter_refresh").click()
-    pick_option(page, "top-adapter_name_or_path", str(finished_runs[1]))
+    pick_option(page, "top-adapter_name_or_path", adapter_label(finished_runs[1]))
     out = tmp_path / "merged-then-reloaded"
     page.locator("#export-dir textarea, #export-dir input").first.fill(str(out))
     page.locator("#export-start").click()

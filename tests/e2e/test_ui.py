@@ -73,6 +73,9 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     except AssertionError:
         shot("train-start-failed")
         raise AssertionError("not started; errors box: " + page.locator("#train-errors").inner_text()) from None
+    # before its first step the card says what the run does, and the step total max_steps fixes
+    expect(page.locator("#train-progress .tb-phase")).to_be_attached()
+    expect(page.locator("#train-progress .tb-stats")).to_contain_text("/ 60")
     state = page.locator("#train-progress .tb-progress")
     expect(state).to_have_attribute("data-state", "running", timeout=120_000)
     page.wait_for_function("() => document.querySelectorAll('#train-loss_plot [aria-roledescription=\"point\"]').length > 0",
@@ -85,8 +88,15 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     wait_for_lines(page, "#train-loss_plot", 2)
     shot("train-live")
     # reload: the page re-attaches to the run from its run directory
+    # the log box follows its end (it stayed scrolled to the top)
+    page.wait_for_function("() => { const t = document.querySelector('#train-log textarea');"
+                           " return t && t.scrollHeight > t.clientHeight + 20"
+                           " && t.scrollHeight - t.scrollTop - t.clientHeight < 30; }", timeout=60_000)
     page.reload()
     expect(state).to_have_attribute("data-state", "running", timeout=30_000)
+    # the form shows the attached run's settings, not the defaults
+    expect(page.locator("#train-message")).to_contain_text("Attached to the running")
+    expect(page.locator("#train-max_steps input")).to_have_value("60")
     after = _step(page)
     page.wait_for_function(f"() => +document.querySelector('#train-progress .tb-progress').dataset.step > {after}",
                            timeout=60_000)
@@ -95,12 +105,14 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     page.locator("#train-abort").click()
     expect(page.locator("#train-message")).to_contain_text("Stopping")
     expect(state).to_have_attribute("data-state", "aborted", timeout=90_000)
+    # "Stopping ..." does not stay: the message says where it stopped and what was saved
+    expect(page.locator("#train-message")).to_contain_text("stopped at step")
+    expect(page.locator("#train-message")).to_contain_text("saved")
     shot("train-aborted")
 
 
 def test_data_preview_coloured_spans(app_page, shot):
-    open_tab(app_page, "Data")
-    app_page.locator("#data-show").click()
+    open_tab(app_page, "Data")  # row 0 of the picked dataset is shown without a click
     trained = app_page.locator("#data-preview .tb-trained")
     expect(trained.first).to_be_visible(timeout=120_000)
     expect(app_page.locator("#data-preview .tb-masked").first).to_be_visible()

@@ -29,11 +29,12 @@ def _last(gen):
 
 def test_load_chat_stop_compare_export_unload(tiny_qwen2):
     st = chat.empty_state()
-    st, status, _ = _last(chat.load(str(tiny_qwen2), "", "auto", True, "", st))
+    st, status, _, pane_a = _last(chat.load(str(tiny_qwen2), "", "auto", True, "", st))
     server = st["server"]
     try:
         assert status.startswith("✓"), status
         assert st["a"] == st["b"] == str(tiny_qwen2)  # no adapter: compare against the base itself
+        assert pane_a["label"].startswith("model: ")  # the panes say what answers in them
         sampling = (6, 0.0, 0.9, 50, 1.0, None)
 
         outs = _last(chat.respond("Hello there", "user", st, "Be brief.", "", *sampling))
@@ -65,7 +66,7 @@ def test_load_chat_stop_compare_export_unload(tiny_qwen2):
 
 
 def test_a_server_that_fails_to_load_shows_its_error(tmp_path):
-    st, status, _ = _last(chat.load(str(tmp_path / "no-model"), "", "auto", False, "", chat.empty_state()))
+    st, status, _, _ = _last(chat.load(str(tmp_path / "no-model"), "", "auto", False, "", chat.empty_state()))
     assert status.startswith("⛔") and "does not exist" in status
     outs = _last(chat.respond("hi", "user", st, "", "", 4, 0.0, 0.9, 50, 1.0, None))
     assert outs[3].startswith("⛔")

@@ -97,7 +97,7 @@ def test_eval_tables_worst_first_and_side_by_side(tmp_path):
     assert rows["base prediction"].tolist() == ["b0", "b1", ""]
     worst = evaluate.rows_frame(st, worst_first=True)
     assert worst["#"].tolist() == [1, 0, 2] and worst["rouge-l"].tolist() == [10.0, 80.0, 100.0]
-    assert worst["exact"].tolist() == ["", "", "✓"]
+    assert worst["exact"].tolist() == ["✗", "✗", "✓"]  # a miss says so (blank read as "not scored")
 
 
 def test_stop_kills_the_tool_process_group(tmp_path):

@@ -26,6 +26,7 @@ import gradio as gr
 import httpx
 
 from backend import paths
+from webui import live
 
 
 # ----------------------------------------------------------------------------------------- server
@@ -220,19 +221,29 @@ def load(model, adapter, template, compare, compare_with, st):
     extra = [compare_with.strip()] if compare and compare_with and compare_with.strip() else []
     server = ChatServer(spec_args, extra).start()
     st["server"] = server
-    yield st, "… starting the chat server", gr.update(visible=bool(compare))
+    yield st, "… starting the chat server", gr.update(visible=bool(compare)), gr.skip()
     while not server.ready.wait(1.0):
-        last = next((line for line in reversed(server.lines) if line.strip()), "")
-        yield st, f"… loading: `{last[-120:]}`", gr.skip()
+        last = live.status_line(server.lines)  # third-party noise (bitsandbytes, progress bars) left out
+        yield st, f"… loading: `{last[-120:]}`" if last else "… loading the model", gr.skip(), gr.skip()
     if not server.url:
         st["server"] = None
-        yield st, "⛔ " + server.failure().replace("\n", "  \n"), gr.skip()
+        yield st, "⛔ " + server.failure().replace("\n", "  \n"), gr.skip(), gr.skip()
         return
     names = server.models
     st["a"] = names[1] if adapter and len(names) > 1 else names[0]
     st["b"] = (names[-1] if extra else names[0]) if compare else None
     shown = f"**{st['a']}**" + (f" vs **{st['b']}**" if st["b"] else "")
-    yield st, f"✓ loaded {shown} ({server.url})", gr.skip()
+    label_a, label_b = pane_labels(model, adapter, compare, extra[0] if extra else None)
+    yield (st, f"✓ loaded {shown} ({server.url})", gr.update(label=label_b) if compare else gr.skip(),
+           gr.update(label=label_a))
+
+
+def pane_labels(model, adapter, compare, other) -> tuple[str, str]:
+    """The two panes' titles: what each side answers with (tuned = the adapter, base = the model alone)."""
+    short = lambda path: Path(str(path)).name or str(path)  # noqa: E731
+    a = f"tuned: {short(model)} + {short(adapter)}" if adapter else f"model: {short(model)}"
+    b = f"compared: {short(other)}" if other else f"base: {short(model)} (no adapter)"
+    return a, b
 
 
 def unload(st):
@@ -272,6 +283,9 @@ def respond(message, role, st, system, tools_json, *sampling_values):
         requests[side] = _messages(st[f"hist_{side}"], system)
         replies[side] = {"role": "assistant", "content": ""}
         st[f"hist_{side}"].append(replies[side])
+    # both panes get the question at once; the base one says it waits for its turn (one model answers at a time)
+    yield (display(st["hist_a"]), waiting(st["hist_b"]) if st["b"] else gr.skip(), "",
+           "… answering" + (" (tuned first, then base)" if st["b"] else ""), st)
     for side in sides:
         hist, request, reply = st[f"hist_{side}"], requests[side], replies[side]
         try:
@@ -280,7 +294,8 @@ def respond(message, role, st, system, tools_json, *sampling_values):
                 if calls:
                     reply["tool_calls"] = calls
                 shown = display(hist)
-                outputs = (shown, gr.skip()) if side == "a" else (gr.skip(), shown)
+                outputs = (shown, waiting(st["hist_b"]) if st["b"] else gr.skip()) if side == "a" \
+                    else (gr.skip(), shown)
                 yield *outputs, "", " · ".join(speeds), st
             speeds.append(f"{st[side]}: {stats['completion_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s")
         except (httpx.HTTPError, RuntimeError) as exc:
@@ -291,6 +306,37 @@ def respond(message, role, st, system, tools_json, *sampling_values):
             yield gr.skip(), gr.skip(), "", "⛔ " + why.replace("\n", "  \n"), st
             return
     yield display(st["hist_a"]), display(st["hist_b"]), "", " · ".join(speeds), st
+
+
+WAITING = "⏳ waiting: the other pane answers first"
+
+
+def waiting(history: list[dict]) -> list[dict]:
+    """display() of a pane whose reply has not started: its empty last answer reads as waiting."""
+    shown = display(history)
+    if history and history[-1]["role"] == "assistant" and not history[-1].get("content") \
+            and not history[-1].get("tool_calls"):
+        shown[-1] = {"role": "assistant", "content": WAITING}
+    return shown
+
+
+def stopped(st):
+    """After Stop: partial answers stay; an answer that had not started is taken out of its history (the
+    question stays, so both panes still hold the same questions), and the speed line says what happened.
+    Inputs: state. Outputs: chat_a, chat_b, speed, state."""
+    st = st or empty_state()
+    notes = []
+    for side, name in (("a", "tuned" if st.get("b") else "the reply"), ("b", "base")):
+        hist = st.get(f"hist_{side}") or []
+        if side == "b" and not st.get("b"):
+            continue
+        if hist and hist[-1]["role"] == "assistant" and not hist[-1].get("content") and not hist[-1].get("tool_calls"):
+            hist.pop()
+            notes.append(f"{name}: not answered")
+        elif hist and hist[-1]["role"] == "assistant":
+            notes.append(f"{name}: cut short")
+    return (display(st["hist_a"]), display(st["hist_b"]) if st.get("b") else gr.skip(),
+            "■ Stopped" + (f" ({', '.join(notes)})" if notes else ""), st)
 
 
 def drop_last_reply(st):
@@ -326,7 +372,7 @@ def wire(ui: dict) -> None:
     top, st = ui["top"], ui["state"]
     load_evt = ui["load"].click(
         load, [top["model_name_or_path"], top["adapter_name_or_path"], top["template"], ui["compare"],
-               ui["compare_with"], st], [st, ui["status"], ui["chat_b"]])
+               ui["compare_with"], st], [st, ui["status"], ui["chat_b"], ui["chat_a"]])
     ui["unload"].click(unload, [st], [st, ui["status"]], cancels=[load_evt])
     sampling = [ui[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")]
     outputs = [ui["chat_a"], ui["chat_b"], ui["message"], ui["speed"], st]
@@ -335,7 +381,7 @@ def wire(ui: dict) -> None:
     submit = ui["message"].submit(respond, inputs, outputs)
     regen = ui["regenerate"].click(drop_last_reply, [st], [st]).then(
         respond, [gr.State(""), ui["role"], st, ui["system"], ui["tools"], *sampling], outputs)
-    ui["stop"].click(None, None, None, cancels=[send, submit, regen])
+    ui["stop"].click(stopped, [st], [ui["chat_a"], ui["chat_b"], ui["speed"], st], cancels=[send, submit, regen])
     ui["edit"].click(edit_last, [st], [st, ui["message"], ui["chat_a"], ui["chat_b"]])
 
     def clear(s):

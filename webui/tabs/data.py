@@ -86,19 +86,46 @@ def stats(dataset_dir, dataset, model, template, cutoff):
              f"truncated at cutoff_len: {len(res.get('truncated_rows') or [])} rows",
              f"rows with no trained token: {len(res.get('rows_without_trained_tokens') or [])}"]
     lines += [f"- {line}" for line in res.get("report") or []]
-    hist = pd.DataFrame({"tokens": [], "rows": []})
-    if lengths:
-        bins = pd.cut(pd.Series(lengths), bins=min(20, max(1, len(set(lengths)))))
-        counts = bins.value_counts(sort=False)
-        hist = pd.DataFrame({"tokens": [str(int(iv.right)) for iv in counts.index], "rows": counts.values})
-    return "\n\n".join(lines), gr.update(value=hist, visible=True)
+    hist, order = histogram(lengths)
+    return "\n\n".join(lines), gr.update(value=hist, visible=True, sort=order)
 
 
-def wire(c: dict, top: dict, train: dict) -> None:
+def histogram(lengths: list[int], max_bins: int = 20) -> tuple[pd.DataFrame, list[str]]:
+    """Row lengths -> (frame of bins "lo-hi" tokens and their row counts, the bins in numeric order). The
+    bar plot draws text categories in the order it is given (as text they sort 101, 105, 49, ...)."""
+    if not lengths:
+        return pd.DataFrame({"tokens": pd.Series(dtype="str"), "rows": pd.Series(dtype="int64")}), []
+    lo, hi = min(lengths), max(lengths)
+    n = min(max_bins, max(1, len(set(lengths))))
+    width = max(1, -(-(hi - lo + 1) // n))  # ceil
+    counts: dict[int, int] = {}
+    for v in lengths:
+        counts[(v - lo) // width] = counts.get((v - lo) // width, 0) + 1
+    labels = [f"{lo + i * width}-{lo + (i + 1) * width - 1}" if width > 1 else str(lo + i)
+              for i in range((hi - lo) // width + 1)]
+    frame = pd.DataFrame({"tokens": labels, "rows": [counts.get(i, 0) for i in range(len(labels))]})
+    return frame, labels
+
+
+def cleared_stats():
+    """The statistics of the previous dataset are not left on screen. Outputs: stats md, histogram."""
+    return "", gr.update(value=histogram([])[0], visible=False)
+
+
+def wire(c: dict, top: dict, train: dict, tab=None) -> None:
+    """`tab`: the Data tab itself: opening it shows the picked dataset's row when nothing is shown yet."""
     cutoff = train["fields"]["cutoff_len"]
     ins = [c["dir"], c["dataset"], c["index"], top["model_name_or_path"], top["template"], cutoff]
+    if tab is not None:
+        def first_look(rendered, *values):
+            """Inputs: the rendered row, then as show_row. Outputs: summary, rendered row."""
+            return (gr.skip(), gr.skip()) if rendered else show_row(*values)
+
+        tab.select(first_look, [c["rendered"], *ins], [c["summary"], c["rendered"]])
     c["show"].click(show_row, ins, [c["summary"], c["rendered"]])
-    c["dataset"].change(show_row, ins, [c["summary"], c["rendered"]])
+    # a dataset picked: its statistics are not the last one's, and its row 0 is shown at once
+    c["dataset"].change(lambda: (0, *cleared_stats()), None, [c["index"], c["stats_md"], c["hist"]],
+                        show_progress="hidden").then(show_row, ins, [c["summary"], c["rendered"]])
     c["next"].click(lambda i: int(i or 0) + 1, [c["index"]], [c["index"]]).then(
         show_row, ins, [c["summary"], c["rendered"]])
     c["prev"].click(lambda i: max(0, int(i or 0) - 1), [c["index"]], [c["index"]]).then(

@@ -13,6 +13,7 @@ pages watching the same job never launch it twice).
 """
 from __future__ import annotations
 
+import html
 import time
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def build(reg) -> dict:
         c["max_samples"] = reg.comp(gr.Number, "eval-max_samples", value=20, precision=0, minimum=1, scale=1)
         c["max_new_tokens"] = reg.comp(gr.Number, "eval-max_new_tokens", value=128, precision=0, minimum=1,
                                        scale=1)
+        c["val_size"] = reg.comp(gr.Number, "eval-val_size", value=0, minimum=0, scale=1,
+                                 info="0 = the first rows of the dataset; 0.1 = the 10% training holds out")
         c["compare"] = reg.comp(gr.Checkbox, "eval-compare", value=False, scale=1)
     with gr.Row():
         c["start"] = reg.button("eval-start", variant="primary")
@@ -58,6 +61,7 @@ def build(reg) -> dict:
     c["worst_first"] = reg.comp(gr.Checkbox, "eval-worst_first", value=False)
     c["rows"] = reg.comp(gr.Dataframe, "eval-rows", value=empty_frame(["#"]), interactive=False, wrap=True,
                          max_chars=80, max_height=520)
+    c["detail"] = gr.HTML("", elem_id="eval-detail")
     with reg.accordion("eval-group-log", open=False):
         c["log"] = reg.comp(gr.Textbox, "eval-log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                             elem_classes=["tb-log"])
@@ -68,22 +72,41 @@ def build(reg) -> dict:
 
 # ------------------------------------------------------------------ handlers (plain functions)
 
-def eval_flat(model, adapter, method, quant, template, datasets, max_samples, max_new_tokens) -> dict:
+def eval_flat(model, adapter, method, quant, template, datasets, max_samples, max_new_tokens,
+              val_size=None) -> dict:
     """The spec of one eval from the top bar and this tab (greedy decoding: scores that do not move between
-    two runs of the same rows)."""
+    two runs of the same rows). `val_size` > 0: the datasets' held-out split (the rows a training run with
+    the same val_size and seed set aside), else their first rows."""
     if isinstance(datasets, str):
         datasets = [datasets]
-    return {"model_name_or_path": model, "adapter_name_or_path": (adapter or "").strip() or None,
+    names = ",".join(d for d in datasets or [] if d) or None
+    held_out = float(val_size) if val_size not in (None, "") and float(val_size) > 0 else None
+    flat = {"model_name_or_path": model, "adapter_name_or_path": (adapter or "").strip() or None,
             "finetuning_type": method, "quantization_bit": None if quant in (None, "", "none") else int(quant),
-            "template": template or "auto", "eval_dataset": ",".join(d for d in datasets or [] if d) or None,
+            "template": template or "auto", "eval_dataset": names,
             "max_samples": int(max_samples) if max_samples not in (None, "") else None,
             "max_new_tokens": int(max_new_tokens) if max_new_tokens not in (None, "") else 128,
             "do_eval": True, "do_predict": True, "do_sample": False}
+    if held_out:  # backend.evaluate: no eval_dataset -> the val_size split of dataset
+        flat.update(eval_dataset=None, dataset=names, val_size=int(held_out) if held_out >= 1 else held_out)
+    return flat
+
+
+def rows_scored(flat: dict) -> str:
+    """Which rows an eval scores, in words (the intro cannot know: it depends on val_size)."""
+    n = flat.get("max_samples")
+    if flat.get("val_size"):
+        v = flat["val_size"]
+        share = f"{v:g} rows" if v >= 1 else f"{100 * v:g}%"
+        return (f"the held-out {share} of `{flat.get('dataset')}` (the split a training run with this val_size "
+                f"and seed never sees{f', from its first {n} rows' if n else ''})")
+    first = f"the first {n} rows" if n else "all rows"
+    return f"{first} of `{flat.get('eval_dataset')}` (rows a run trained on this dataset has seen)"
 
 
 def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
     """The eval parts to run ([tuned] / [base] / [tuned, base]) or (None, why not)."""
-    if not flat.get("eval_dataset"):
+    if not (flat.get("eval_dataset") or flat.get("dataset")):
         return None, "⛔ Pick at least one dataset to evaluate on."
     if compare and not flat.get("adapter_name_or_path"):
         return None, "⛔ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**)."
@@ -112,7 +135,7 @@ def start_eval(st: dict, flat: dict, compare: bool) -> tuple[dict, str, bool]:
     save_plan(st)
     launch_part(st, parts[0])
     what = " and ".join(p["name"] for p in parts)
-    return st, f"Evaluating {what} on `{flat['eval_dataset']}`…", True
+    return st, f"Evaluating {what} on {rows_scored(flat)}…", True
 
 
 def job_dir(st: dict) -> str | None:
@@ -163,7 +186,7 @@ def attach(job: str | None) -> dict:
 
 def attached_message(st: dict) -> str:
     what = " and ".join(p["name"] for p in st["parts"])
-    return f"Eval of {what} on `{st['spec'].get('eval_dataset', '?')}` (picked up again after a reload)."
+    return f"Eval of {what} on {rows_scored(st['spec'])} (picked up again after a reload)."
 
 
 def abort(st: dict) -> tuple[dict, str]:
@@ -215,7 +238,7 @@ def _fmt(v) -> str:
 
 
 ROW_WIDTHS = {7: ["5%", "22%", "25%", "25%", "9%", "8%", "6%"],
-              9: ["4%", "14%", "18%", "18%", "8%", "7%", "5%", "17%", "9%"]}
+              9: ["4%", "14%", "17%", "17%", "8%", "7%", "6%", "16%", "11%"]}
 
 
 def rows_update(st: dict, worst_first: bool):
@@ -228,7 +251,7 @@ def rows_frame(st: dict, worst_first: bool) -> pd.DataFrame:
     """One line per row: prompt, reference, prediction, per-row score (rouge-l) and, comparing, the base
     model's prediction and score beside it. Worst first = lowest score first."""
     parts = st["parts"]
-    cols = ["#", "prompt", "reference", "prediction", tools.ROW_SCORE, "bleu-4", "exact"]
+    cols = ["#", "question", "reference", "prediction", tools.ROW_SCORE, "bleu-4", "exact"]
     if len(parts) > 1:
         cols += ["base prediction", f"base {tools.ROW_SCORE}"]
     main = st["rows"].get(parts[0]["name"], []) if parts else []
@@ -236,14 +259,38 @@ def rows_frame(st: dict, worst_first: bool) -> pd.DataFrame:
     order = sorted(main, key=tools.row_score) if worst_first else main
     out = []
     for r in order:
-        line = [r.get("index"), tools.short(r.get("prompt")), tools.short(r.get("label")),
+        line = [r.get("index"), tools.short(tools.last_user_turn(r.get("prompt"))), tools.short(r.get("label")),
                 tools.short(r.get("predict")), round(tools.row_score(r), 2), _fmt(r.get("bleu-4")),
-                "✓" if r.get("exact_match") else ""]
+                "✓" if r.get("exact_match") else "✗"]
         if len(parts) > 1:
             b = other.get(r.get("index"), {})
             line += [tools.short(b.get("predict")), round(tools.row_score(b), 2) if b else ""]
         out.append(line)
     return pd.DataFrame(out, columns=cols)
+
+
+def row_detail(st: dict, index) -> str:
+    """One scored row in full (a click on the table): the whole prompt as the model saw it, the reference,
+    each part's answer and its per-row scores."""
+    parts = (st or {}).get("parts") or []
+    rows = {p["name"]: {r.get("index"): r for r in (st.get("rows") or {}).get(p["name"], [])} for p in parts}
+    main = rows.get(parts[0]["name"], {}).get(index) if parts else None
+    if main is None:
+        return ""
+    esc = html.escape
+    where = f" · {main['source']} row {main.get('row')}" if main.get("source") else ""
+    out = [f'<div class="tb-row-detail" data-index="{esc(str(index))}"><h4>Row {esc(str(index))}{esc(where)}</h4>',
+           f"<b>Question</b><pre>{esc(tools.last_user_turn(main.get('prompt')))}</pre>",
+           f"<details><summary>Full prompt (as rendered by the template)</summary><pre>{esc(str(main.get('prompt') or ''))}"
+           "</pre></details>",
+           f"<b>Reference</b><pre>{esc(str(main.get('label') or ''))}</pre>"]
+    for p in parts:
+        r = rows[p["name"]].get(index) or {}
+        scores = " · ".join(f"{k} {_fmt(r.get(k))}" for k in ("rouge-1", "rouge-2", "rouge-l", "bleu-4")
+                            if r.get(k) is not None)
+        exact = "exact match ✓" if r.get("exact_match") else "exact match ✗"
+        out.append(f"<b>{esc(p['name'])}</b> <small>{esc(scores)} · {exact}</small><pre>{esc(str(r.get('predict') or ''))}</pre>")
+    return "".join(out) + "</div>"
 
 
 def poll(st: dict, worst_first: bool) -> tuple:
@@ -311,7 +358,8 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None) -> tuple:
 
 def wire(c: dict, top: dict) -> None:
     inputs = [top["model_name_or_path"], top["adapter_name_or_path"], top["finetuning_type"],
-              top["quantization_bit"], top["template"], c["dataset"], c["max_samples"], c["max_new_tokens"]]
+              top["quantization_bit"], top["template"], c["dataset"], c["max_samples"], c["max_new_tokens"],
+              c["val_size"]]
     view = [c["state"], c["progress"], c["message"], c["metrics"], c["rows"], c["log"], c["timer"]]
 
     def on_start(st, compare, *values):
@@ -324,6 +372,7 @@ def wire(c: dict, top: dict) -> None:
                 message, empty_frame(["metric"]), empty_frame(["#"]), "", gr.Timer(active=True))
 
     c["start"].click(on_start, [c["state"], c["compare"], *inputs], view)
+    c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
 
     def on_abort(st):
         """Stops the running eval process (and any part still to come). Inputs: state. Outputs: message,
@@ -333,5 +382,12 @@ def wire(c: dict, top: dict) -> None:
 
     c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], c["worst_first"]], view, show_progress="hidden")
+
+    def pick_row(st, evt: gr.SelectData):
+        """A click on a row shows it in full below the table. Inputs: state (+ the click). Outputs: detail."""
+        index = evt.row_value[0] if getattr(evt, "row_value", None) else None
+        return row_detail(st, index) if index is not None else gr.skip()
+
+    c["rows"].select(pick_row, [c["state"]], [c["detail"]])
     c["worst_first"].change(lambda st, w: rows_update(st, w) if st and st.get("parts") else gr.skip(),
                             [c["state"], c["worst_first"]], [c["rows"]], show_progress="hidden")

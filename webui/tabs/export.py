@@ -158,6 +158,11 @@ def poll(st: dict) -> tuple:
     return st, bar, result, pd.DataFrame(rows, columns=CHECK_COLUMNS), log, gr.Timer(active=False)
 
 
+def ended_message(st: dict) -> str:
+    """The message line once the export has ended (the result line below says how)."""
+    return f"Export to `{st.get('export_dir')}` ended: the result and its checks are below."
+
+
 def wire(c: dict, top: dict) -> None:
     c["format"].change(lambda f: gr.update(visible=f == "gguf"), [c["format"]], [c["gguf_type"]],
                        show_progress="hidden")
@@ -183,4 +188,11 @@ def wire(c: dict, top: dict) -> None:
         return message, st
 
     c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
-    c["timer"].tick(poll, [c["state"]], view, show_progress="hidden")
+    def tick(st):
+        """poll(), and the message line cleared once the export has ended ("Exporting to ..." / "Stopping
+        ..." are not left on screen next to the result). Inputs: state. Outputs: the view, message."""
+        out = poll(st)
+        ended = bool((st or {}).get("job")) and not tools.alive(st["job"])
+        return (*out, ended_message(st) if ended else gr.skip())
+
+    c["timer"].tick(tick, [c["state"]], [*view, c["message"]], show_progress="hidden")

@@ -15,9 +15,11 @@ from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live
 from webui.tabs import train as train_tab
-from webui.tailer import JsonlTail
+from webui.tailer import JsonlTail, last_value
 
 COLUMNS = ["name", "stage", "model", "dataset", "method", "status", "steps", "final loss", "duration", "started"]
+# name and dataset wrap; the short columns keep their header and value on one line (see style.css)
+COLUMN_WIDTHS = ["22%", "5%", "11%", "9%", "6%", "9%", "6%", "9%", "8%", "15%"]
 STATUS_FILTERS = ["all", "running", "queued", "completed", "failed", "aborted"]
 
 
@@ -38,8 +40,7 @@ def run_rows(root: Path | None = None) -> list[dict]:
                      "run_dir": e.run_dir})
     for r in jobs.list_runs(root):
         st = r.state.status
-        metrics = st.get("final_metrics") or {}
-        loss = metrics.get("train_loss")
+        loss = final_loss(r.run_dir, st)
         start, end = _time(st.get("started_at")), _time(st.get("finished_at") or st.get("updated_at"))
         total = st.get("total_steps")
         rows.append({
@@ -54,6 +55,30 @@ def run_rows(root: Path | None = None) -> list[dict]:
     return rows
 
 
+def final_loss(run_dir: str, status: dict | None = None) -> float | None:
+    """The last logged training loss of a run (trainer_log.jsonl), else the final_loss its status holds.
+    Not the trainer's train_loss: that is the mean over the whole run."""
+    loss = last_value(Path(run_dir) / "trainer_log.jsonl", "loss")
+    if loss is None:
+        value = ((status or {}).get("final_metrics") or {}).get("final_loss")
+        loss = float(value) if isinstance(value, (int, float)) else None
+    return loss
+
+
+def short_names(names: list[str]) -> dict[str, str]:
+    """name -> the fewest trailing path parts that tell it apart from the others (the overlay legend reads
+    `2026-11-30-15-02-03`, not `SmolLM2-135M-Instruct/lora/...` twice)."""
+    parts = {n: n.strip("/").split("/") for n in names}
+    out = {}
+    for n, p in parts.items():
+        for k in range(1, len(p) + 1):
+            tail = "/".join(p[-k:])
+            if all(o == n or "/".join(q[-k:]) != tail for o, q in parts.items()):
+                break
+        out[n] = tail
+    return out
+
+
 def _rel(run_dir: str, root: Path) -> str:
     try:
         return str(Path(run_dir).relative_to(root))
@@ -61,11 +86,27 @@ def _rel(run_dir: str, root: Path) -> str:
         return str(run_dir)
 
 
-def table(rows: list[dict], status: str, model: str) -> pd.DataFrame:
-    keep = [r for r in rows
+def shown_rows(rows: list[dict], status: str, model: str) -> list[dict]:
+    """The rows the filters keep, in table order."""
+    return [r for r in rows
             if (status in (None, "", "all") or r["status"].startswith(status))
             and (not model or model.lower() in r["model"].lower())]
-    return pd.DataFrame([[r[c] for c in COLUMNS] for r in keep], columns=COLUMNS)
+
+
+def table(rows: list[dict], status: str, model: str) -> pd.DataFrame:
+    return pd.DataFrame([[r[c] for c in COLUMNS] for r in shown_rows(rows, status, model)], columns=COLUMNS)
+
+
+def run_at(name: str | None, row: int | None, status: str, model: str) -> str | None:
+    """The run dir of a clicked table row: by the name in the row (the table may have been re-listed since),
+    else by its position under the current filters."""
+    shown = shown_rows(run_rows(), status, model)
+    for r in shown:
+        if name and r["name"] == name:
+            return r["run_dir"]
+    if row is not None and 0 <= row < len(shown):
+        return shown[row]["run_dir"]
+    return None
 
 
 def _records(run_dir: str) -> list[dict]:
@@ -78,11 +119,12 @@ def overlay_frame(run_dirs: list[str], root: Path | None = None, metric: str = "
     metric: loss by default, or any key of trainer_log.jsonl (rewards/accuracies, kl, grad_norm, ...)."""
     root = Path(root or paths.saves_dir())
     metric = metric or "loss"
+    labels = short_names([_rel(d, root) for d in run_dirs])
     frames = []
     for d in run_dirs:
-        recs = _records(d)
-        frames.append(live.loss_frame(recs, run_label=_rel(d, root)) if metric == "loss"
-                      else live.metric_frame(recs, [metric], run_label=_rel(d, root)))
+        recs, label = _records(d), labels[_rel(d, root)]
+        frames.append(live.loss_frame(recs, run_label=label) if metric == "loss"
+                      else live.metric_frame(recs, [metric], run_label=label))
     frames = [f for f in frames if len(f)]
     if not frames:
         return train_tab.empty_loss()
@@ -221,7 +263,7 @@ def build(reg) -> dict:
         c["refresh"] = reg.button("runs-refresh", scale=1)
     rows = run_rows()
     c["table"] = reg.comp(gr.Dataframe, "runs-table", value=table(rows, "all", ""), interactive=False,
-                          wrap=True, max_height=360)
+                          wrap=True, max_height=360, column_widths=COLUMN_WIDTHS)
     names = [(r["name"], r["run_dir"]) for r in rows]
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
@@ -299,6 +341,18 @@ def wire(c: dict, state, train: dict, tabs) -> None:
         return train_tab.attach(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), ""
 
     c["open"].click(open_run, [c["target"]], [state, train["timer"], tabs, c["message"]])
+
+    def pick_row(status, model, evt: gr.SelectData):
+        """A click on a table row picks that run for the actions. Inputs: filters (+ the click).
+        Outputs: run picker, message."""
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else None
+        name = evt.row_value[0] if getattr(evt, "row_value", None) else None
+        run_dir = run_at(name, row, status, model)
+        if run_dir is None:
+            return gr.skip(), gr.skip()
+        return run_dir, f"Picked `{_rel(run_dir, paths.saves_dir())}`: open, resume, clone or delete it below."
+
+    c["table"].select(pick_row, [c["status"], c["model"]], [c["target"], c["message"]])
 
     def relaunch(run_dir, extra_steps=None):
         """Resume (from the newest checkpoint-N), optionally for N more steps, via the queue.

@@ -5,6 +5,7 @@ Per-browser state (`gr.State`): {"run_dir": str | None, "tail": RunTail | None}.
 from the run directory on each timer tick through the incremental tailer."""
 from __future__ import annotations
 
+import html
 import shlex
 from pathlib import Path
 
@@ -76,10 +77,13 @@ def build(reg, top: dict) -> dict:
             by_name = dict(zip(names, zip(rows, values)))
             basic = [by_name[n] for n in F.BASIC_FIELDS if n in by_name]
             with gr.Group(elem_id="train-basic"):
-                for i in range(0, len(basic), 4):
-                    with gr.Row():
-                        for row, value in basic[i:i + 4]:
-                            c["fields"][row.name] = _widget(reg, row, value)
+                # stage and dataset (long choice labels) two to a row, the numbers three: four to a row cut
+                # "Supervised fine-tuning" and pushed a scrollbar under the fields
+                for chunk in (basic[:2], basic[2:5], basic[5:8], basic[8:]):
+                    if chunk:
+                        with gr.Row():
+                            for row, value in chunk:
+                                c["fields"][row.name] = _widget(reg, row, value)
             for group in F.ACCORDIONS:
                 group_rows = [(r, v) for r, v in zip(rows, values)
                               if r.group == group and r.name not in F.BASIC_FIELDS]
@@ -93,6 +97,12 @@ def build(reg, top: dict) -> dict:
             with reg.accordion("train-group-passthrough", open=False):
                 c["extra_args"] = reg.comp(gr.Code, F.EXTRA_ARGS_ID, language="yaml", value="", lines=4)
         with gr.Column(scale=4, min_width=420):
+            # The top bar's adapter is trained further by Start: said here, with a way out (picked to chat
+            # with it, it would otherwise ride silently into the next run).
+            with gr.Row(equal_height=True, elem_id="train-adapter_row"):
+                c["adapter_note"] = gr.HTML("", elem_id="train-adapter_note", visible=False)
+                c["adapter_clear"] = reg.button("train-adapter_clear", size="sm", visible=False, scale=0,
+                                                min_width=150)
             with gr.Row():
                 c["start"] = reg.button("train-start", variant="primary")
                 c["abort"] = reg.button("train-abort", variant="stop")
@@ -192,8 +202,50 @@ def preview_of(spec) -> tuple[str, str]:
 
 N_PLOTS = len(live.plot_names())
 # live view outputs between the state and the timer: progress, loss, lr, stage plots, log, final, image,
-# adapter picker
-N_VIEW = 7 + N_PLOTS
+# adapter picker, message
+N_VIEW = 8 + N_PLOTS
+
+
+def adapter_banner(adapter: str | None) -> tuple:
+    """The Train tab's "continue training from adapter X" line and its clear button (hidden without an
+    adapter). Returns (note update, button update)."""
+    adapter = (adapter or "").strip()
+    if not adapter:
+        return gr.update(value="", visible=False), gr.update(visible=False)
+    from webui import choices
+
+    label = dict((v, k) for k, v in choices.adapter_pairs()).get(adapter) or Path(adapter).name
+    note = (f'<div class="tb-adapter-note" title="{html.escape(adapter)}">↪ <b>Continue training from adapter</b> '
+            f'{html.escape(label)}<div class="tb-adapter-path">{html.escape(adapter)}</div></div>')
+    return gr.update(value=note, visible=True), gr.update(visible=True)
+
+
+def spec_total(spec: dict) -> int | None:
+    """The step count a spec fixes in advance (max_steps), None when the epochs decide it."""
+    value = spec.get("max_steps")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def ended_message(run_dir: str, state: str, status: dict) -> str:
+    """What the message line says once a run has ended (replacing "Started ..." / "Stopping ...")."""
+    name = _run_name(run_dir)
+    step, total = status.get("step") or 0, status.get("total_steps")
+    at = f"step {step} of {total}" if total else f"step {step}"
+    if state == "completed":
+        loss = (status.get("final_metrics") or {}).get("final_loss")
+        tail = f", final loss {loss:.4g}" if isinstance(loss, (int, float)) else ""
+        return (f"✓ `{name}` completed at {at}{tail}. Its adapter is saved in the run folder: pick it in the top "
+                "bar to chat with it, evaluate or export it.")
+    if state == "aborted":
+        from backend.rundir import checkpoints
+
+        saved = checkpoints(Path(run_dir))
+        kept = (f"`{saved[-1].name}` saved: resume it from the Runs tab" if saved
+                else "no checkpoint was saved")
+        return f"■ `{name}` stopped at {at}; {kept}."
+    if state.startswith("failed"):
+        return f"✗ `{name}` {state}: {status.get('error') or 'see the log'}"
+    return ""
 
 
 def run_stage(run_dir: str) -> str | None:
@@ -232,6 +284,9 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     st["tail"] = tail
     if st.get("stage") is None:
         st["stage"] = run_stage(run_dir)
+    if not st.get("spec"):
+        st["spec"] = jobs.read_spec_dict(Path(run_dir)) or next(
+            (e.spec for e in jobs.JobQueue().entries() if e.run_dir == run_dir), {})
     before = len(tail.records)
     status = tail.poll()
     rs = jobs.run_state(run_dir)
@@ -240,8 +295,15 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     if state == "unknown" and not Path(run_dir).exists():
         state = "queued" if queued else "unknown"
     p = live.progress(tail.records, status)
+    if not p["total"] and state not in ("completed",):
+        p["total"] = spec_total(st["spec"])  # known before the trainer says it (max_steps)
     name = _run_name(run_dir)
-    prog = live.progress_html(p, state, name)
+    doing = ""
+    if state == "queued":
+        doing = "waiting in the queue for a free slot"
+    elif rs.active and not tail.records:
+        doing = live.phase(list(tail.log_tail), p["total"], st["spec"].get("model_name_or_path", ""))
+    prog = live.progress_html(p, state, name, doing)
     # a run attached a moment ago is drawn once even with no record yet (the plots still hold the last run's)
     changed = force_plot or len(tail.records) != before or st.get("plotted") != run_dir
     st["plotted"] = run_dir
@@ -257,7 +319,12 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     png = Path(run_dir) / "training_loss.png"
     image = gr.update(value=str(png), visible=True) if done and png.exists() else gr.update(visible=False)
     adapters = adapter_picker_update() if done else gr.skip()
-    return (st, prog, loss, lr, *plots, tail.log_text(), final, image, adapters, gr.Timer(active=not done))
+    message = gr.skip()
+    if done and st.get("announced") != state:  # once per end: the message says how the run ended
+        st["announced"] = state
+        message = ended_message(run_dir, state, rs.status or status)
+    return (st, prog, loss, lr, *plots, tail.log_text(), final, image, adapters, message,
+            gr.Timer(active=not done))
 
 
 def legend_updates(st: dict, plot_keys: list[str]) -> list:
@@ -278,7 +345,7 @@ def adapter_picker_update():
     """Fresh choices for the top bar's adapter / checkpoint picker (the value is kept)."""
     from webui import choices
 
-    return gr.update(choices=[""] + choices.adapter_choices())
+    return gr.update(choices=choices.adapter_pairs())
 
 
 def _run_name(run_dir: str) -> str:
@@ -292,6 +359,21 @@ def attach(run_dir: str | None) -> dict:
     return {"run_dir": run_dir, "tail": RunTail(run_dir) if run_dir else None}
 
 
+def attached_form(run_dir: str) -> tuple[str, list | None]:
+    """After a reload: the attached run's spec for the form (so the form shows what runs, not the
+    defaults), with a fresh output_dir, and the message that says so. (message, input values | None)."""
+    try:
+        spec = load_spec(Path(run_dir) / jobs.SPEC_FILE, check_files=False)
+    except (SpecError, OSError):
+        return f"Attached to the running `{_run_name(run_dir)}`.", None
+    spec = spec.model_copy(update={"output_dir": None, "resume_from_checkpoint": None})
+    top_names = list(F.TOPBAR_FIELDS)
+    names = [r.name for r in F.form_rows()]
+    return (f"Attached to the running `{_run_name(run_dir)}`: the form shows its settings. Start would launch a "
+            "new run with them (it waits in the queue while this one runs).",
+            spec_to_inputs(spec, top_names, names))
+
+
 # ------------------------------------------------------------------ wiring
 
 def wire(c: dict, state) -> None:
@@ -303,7 +385,10 @@ def wire(c: dict, state) -> None:
     field_comps = [top[n] for n in top_names] + [c["fields"][n] for n in names]
     plot_comps = [c["stage_plots"][name] for name in live.plot_names()]
     live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], *plot_comps, c["log"], c["final"],
-                    c["loss_image"], top["adapter_name_or_path"], c["timer"]]
+                    c["loss_image"], top["adapter_name_or_path"], c["message"], c["timer"]]
+    top["adapter_name_or_path"].change(adapter_banner, [top["adapter_name_or_path"]],
+                                       [c["adapter_note"], c["adapter_clear"]], show_progress="hidden")
+    c["adapter_clear"].click(lambda: "", None, [top["adapter_name_or_path"]])
 
     def do_preview(*values):
         """Inputs: top bar, booster, extra args, form fields. Outputs: errors box, per-field errors,
@@ -336,22 +421,25 @@ def wire(c: dict, state) -> None:
         run_spec.yaml written into the new run dir. Outputs: errors, per-field errors, message, live view."""
         flat, pre = collect(names, top_names, list(values))
         spec, errors = check(flat, pre)
+        refused = (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
+                   st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         if errors:
-            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
-                    "", st, *([gr.skip()] * N_VIEW), gr.Timer(active=False))
+            return refused
         spec = spec.with_output_dir()
         run_dir = Path(spec.output_dir)
         if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
             errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
                                      "empty for a new one)")]
             return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
-                    "", st, *([gr.skip()] * N_VIEW), gr.Timer(active=False))
+                    st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
         msg = (f"Started `{_run_name(run_dir)}`" if how == "started"
                else f"Queued `{_run_name(run_dir)}`: it starts when a running job finishes (see Runs)")
+        if spec.adapter_name_or_path:
+            msg += f", training the adapter `{spec.adapter_name_or_path}` further"
         st = attach(run_dir)
         view = view_updates(st, log_scale, force_plot=True)
-        return (gr.update(value="", visible=False), *error_updates([], all_names), msg, *view[:-1],
+        return (gr.update(value="", visible=False), *error_updates([], all_names), *view[:-2], msg,
                 gr.Timer(active=True))
 
     def do_abort(st):
@@ -380,7 +468,7 @@ def wire(c: dict, state) -> None:
         event.then(refresh_legend, [state], [state, c["loss_plot"], *plot_comps], show_progress="hidden")
 
     then_legend(c["start"].click(do_start, [state, c["log_scale"], *inputs],
-                                 [c["errors"], *field_comps, c["message"], *live_outputs]))
+                                 [c["errors"], *field_comps, *live_outputs]))
     # Ticks update the state dict in place (Gradio hands handlers the stored object) and never write the
     # state back: a tick that read the state just before Start would otherwise put the old run back over
     # the one Start attached (seen as Abort stopping the running run instead of unqueuing the new one).

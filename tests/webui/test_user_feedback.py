@@ -1,0 +1,160 @@
+"""What a new user saw in the browser (issue 11), as handler tests: the Runs tab's final loss is the last
+logged loss; the adapter picker names runs and the Train tab says when Start trains an adapter further;
+the progress card says what a run does before its first step and knows max_steps; an ended run's message
+replaces "Stopping ..."; third-party noise stays out of status lines; numeric histogram bins; Evaluate shows
+the question, a row in full and which rows it scores; Compare chat labels its panes and says "stopped"."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from webui import choices, jobs, live, tools
+from webui.tabs import chat, data, evaluate, runs
+from webui.tabs import train as train_tab
+
+
+def run_dir(root: Path, name: str, losses: list[float], state: str = "completed", mean: float = 9.9) -> Path:
+    d = root / "SmolLM2-135M-Instruct" / "lora" / name
+    jobs.write_spec_yaml(d, yaml.safe_dump({"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                            "dataset": "identity", "max_steps": len(losses)}))
+    with open(d / "trainer_log.jsonl", "w") as f:
+        for step, loss in enumerate(losses, 1):
+            f.write(json.dumps({"step": step, "loss": loss, "lr": 1e-4}) + "\n")
+        f.write(json.dumps({"step": len(losses), "eval_loss": 5.0}) + "\n")  # a last line without loss
+    (d / "status.json").write_text(json.dumps({
+        "state": state, "step": len(losses), "total_steps": 20, "started_at": "2026-11-30T14:02:03",
+        "final_metrics": {"train_loss": mean}}))
+    (d / "adapter_config.json").write_text("{}")
+    return d
+
+
+def test_runs_final_loss_is_the_last_logged_loss_and_names_are_short(tmp_path):
+    a = run_dir(tmp_path, "2026-11-30-14-02-03", [3.0, 2.0, 1.63], mean=2.5591)
+    b = run_dir(tmp_path, "2026-11-30-14-30-10", [3.0, 1.21], state="aborted")
+    rows = {r["name"]: r for r in runs.run_rows(tmp_path)}
+    assert rows["SmolLM2-135M-Instruct/lora/2026-11-30-14-02-03"]["final loss"] == "1.6300"  # not 2.5591
+    assert rows["SmolLM2-135M-Instruct/lora/2026-11-30-14-30-10"]["final loss"] == "1.2100"
+    names = [runs._rel(str(d), tmp_path) for d in (a, b)]
+    assert runs.short_names(names) == {names[0]: "2026-11-30-14-02-03", names[1]: "2026-11-30-14-30-10"}
+    assert runs.short_names(["x/lora/run", "y/lora/run"]) == {"x/lora/run": "x/lora/run", "y/lora/run": "y/lora/run"}
+    frame = runs.overlay_frame([str(a), str(b)], tmp_path)
+    assert set(frame["series"]) == {f"2026-11-30-14-{t} {k}" for t in ("02-03", "30-10") for k in ("loss", "eval_loss")}
+
+
+def test_a_clicked_table_row_picks_its_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path))
+    a = run_dir(tmp_path, "first", [2.0])
+    b = run_dir(tmp_path, "second", [1.0], state="aborted")
+    assert runs.run_at("SmolLM2-135M-Instruct/lora/first", 1, "all", "") == str(a)  # by name first
+    assert runs.run_at(None, 0, "aborted", "") == str(b)  # else by position under the filters
+    assert runs.run_at(None, 5, "all", "") is None
+
+
+def test_adapter_picker_names_runs_and_the_train_tab_says_it_trains_one_further(tmp_path):
+    a = run_dir(tmp_path, "2026-11-30-14-02-03", [3.0, 1.63])
+    (a / "checkpoint-2").mkdir()
+    pairs = choices.adapter_pairs(tmp_path)
+    assert pairs[0] == (choices.NO_ADAPTER, "")
+    labels = dict((v, k) for k, v in pairs)
+    assert labels[str(a)] == "SmolLM2-135M-Instruct · lora · sft · 11-30 14:02 · loss 1.630"
+    assert labels[str(a / "checkpoint-2")].endswith("· checkpoint-2")
+    note, clear = train_tab.adapter_banner("")
+    assert note["visible"] is False and clear["visible"] is False
+    note, clear = train_tab.adapter_banner(str(a))
+    assert note["visible"] and clear["visible"]
+    assert "Continue training from adapter" in note["value"] and str(a) in note["value"]  # full path shown
+
+
+def test_phase_before_the_first_step_and_the_known_total():
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled GGUF
+    assert live.phase([], 20, model).startswith("starting")
+    lines = ["Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'",
+             "[15:00:01] stage sft, lora, model HuggingFaceTB/SmolLM2-135M-Instruct, output /s/run"]
+    assert "GGUF model is converted" in live.phase(lines, 20, model)
+    assert "GGUF" not in live.phase(lines, 20, "/models/tiny")
+    lines += ["[15:00:30] template: smollm2",
+              "[15:00:31] dataset identity (alpaca, identity.json): 91 rows, 80 kept"]
+    assert live.phase(lines, 20, model) == "tokenizing 80 rows"
+    lines += ["[15:00:32] train rows: 80 rows", "[15:00:33] model: LlamaForCausalLM",
+              "[15:00:40] trainable parameters: 1,000 of 135,000 (0.7%)"]
+    assert live.phase(lines, 20, model) == "running step 1 of 20"
+    assert train_tab.spec_total({"max_steps": 20}) == 20 and train_tab.spec_total({"max_steps": -1}) is None
+    html = live.progress_html(live.progress([], {}), "running", "r", "tokenizing 80 rows")
+    assert 'data-phase="tokenizing 80 rows"' in html
+
+
+def test_status_lines_leave_out_third_party_noise():
+    lines = ["[15:00:01] loading", "Failed to load CPU gemm_4bit_forward from kernels-community: No module "
+             "named 'kernels'", "Loading weights:  50%|█████     | 1/2 [00:01<00:01,  1.2it/s]", ""]
+    assert live.status_line(lines) == "[15:00:01] loading"
+    assert live.status_line(["rnels-community: No module named 'kernels'"]) == ""
+
+
+def test_an_ended_run_says_how_it_ended(tmp_path):
+    d = run_dir(tmp_path, "r", [2.0, 1.5, 1.2], state="aborted")
+    (d / "checkpoint-3").mkdir()
+    message = train_tab.ended_message(str(d), "aborted", {"step": 3, "total_steps": 20})
+    assert "stopped at step 3 of 20" in message and "checkpoint-3" in message and "saved" in message
+    assert "completed" in train_tab.ended_message(str(d), "completed", {"step": 20, "total_steps": 20,
+                                                                        "final_metrics": {"final_loss": 1.2}})
+    md = live.final_metrics_md({"final_metrics": {"train_loss": 2.55, "final_loss": 1.63}})
+    assert md.index("final loss (last logged)") < md.index("mean train loss")
+
+
+def test_histogram_bins_are_in_numeric_order():
+    frame, order = data.histogram([49, 53, 101, 105, 120, 120, 60])
+    assert order == list(frame["tokens"])
+    lows = [int(label.split("-")[0]) for label in order]
+    assert lows == sorted(lows) and frame["rows"].sum() == 7
+    md, hist = data.cleared_stats()
+    assert md == "" and hist["visible"] is False
+
+
+def test_eval_rows_show_the_question_a_row_in_full_and_which_rows_are_scored(tmp_path):
+    prompt = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n<|im_start|>user\n"
+              "Who are you?<|im_end|>\n<|im_start|>assistant\n")
+    assert tools.last_user_turn(prompt) == "Who are you?"
+    assert tools.last_user_turn("Human: What is 2+2?</s>\nAssistant:") == "What is 2+2?"
+    st = evaluate.new_state()
+    st["parts"] = [{"name": "tuned", "dir": "t"}, {"name": "base", "dir": "b"}]
+    st["rows"] = {"tuned": [{"index": 0, "prompt": prompt, "label": "TuneBoard", "predict": "I am TuneBoard",
+                             "rouge-l": 50.0, "exact_match": False}],
+                  "base": [{"index": 0, "prompt": prompt, "label": "TuneBoard", "predict": "SmolLM", "rouge-l": 0.0}]}
+    frame = evaluate.rows_frame(st, False)
+    assert frame["question"].tolist() == ["Who are you?"] and frame["exact"].tolist() == ["✗"]
+    detail = evaluate.row_detail(st, 0)
+    for text in ("Who are you?", "TuneBoard", "I am TuneBoard", "SmolLM", "rouge-l 50", "named SmolLM"):
+        assert text in detail
+    first = evaluate.eval_flat("m", "", "lora", "none", "auto", ["identity"], 20, 8)
+    assert "first 20 rows" in evaluate.rows_scored(first)
+    held = evaluate.eval_flat("m", "", "lora", "none", "auto", ["identity"], 20, 8, 0.1)
+    assert held["eval_dataset"] is None and held["dataset"] == "identity" and held["val_size"] == 0.1
+    assert "held-out 10%" in evaluate.rows_scored(held)
+
+
+def test_compare_chat_labels_its_panes_and_says_stopped():
+    a, b = chat.pane_labels("/m/tiny", "/saves/run-b", True, None)
+    assert a.startswith("tuned") and "run-b" in a and b.startswith("base") and "tiny" in b
+    st = chat.empty_state()
+    st.update(a="tuned", b="base", hist_a=[{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": "Hel"}],
+              hist_b=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}])
+    assert chat.waiting(st["hist_b"])[-1]["content"] == chat.WAITING
+    shown_a, shown_b, speed, st = chat.stopped(st)
+    assert speed.startswith("■ Stopped") and "base: not answered" in speed and "tuned: cut short" in speed
+    assert [m["role"] for m in st["hist_b"]] == ["user"]  # the question stays, the empty answer goes
+    assert shown_a[-1]["content"] == "Hel"
+
+
+def test_no_bitsandbytes_kernels_notice_without_quantization():
+    """peft imports bitsandbytes, whose CPU backend logged "Failed to load CPU gemm_4bit_forward from
+    kernels-community" at the top of every run's log and into Chat's load status; backend.models drops it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import backend.models, peft"], capture_output=True, text=True,
+                          cwd=str(Path(__file__).resolve().parents[2]), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gemm_4bit_forward" not in proc.stderr + proc.stdout

@@ -166,8 +166,8 @@ class _Gate:
     """Plain ASGI middleware in front of the app: the API key on /v1 (401), then a bound on generation
     requests in progress (counted from their arrival): `running` may generate at once (one per loaded
     model) and `max_queue` more may wait; any further one is answered 503 at once instead of waiting
-    without end. A plain ASGI middleware
-    (not Starlette's BaseHTTPMiddleware) so the endpoints see the client's disconnect message."""
+    without end. A plain ASGI middleware (not Starlette's BaseHTTPMiddleware) so the endpoints see the
+    client's disconnect message."""
 
     def __init__(self, app, *, api_key: str | None, running: int, max_queue: int, load: "_Load"):
         self.app, self.api_key, self.capacity, self.max_queue = app, api_key, running + max_queue, max_queue

@@ -534,6 +534,62 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
     return model
 
 
+# Attention implementations that honour packed position_ids: transformers builds a block-diagonal causal mask
+# from them for sdpa/eager (masking_utils.find_packed_sequence_indices) and flash-attention derives cu_seqlens.
+PADDING_FREE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def padding_free_problem(model) -> str | None:
+    """None when padding-free batches (backend.preprocess.PaddingFreeCollator: rows concatenated with
+    per-row position_ids) compute exactly what the padded batch does on this model, else the reason.
+
+    The attention implementation must be one that honours packed position_ids, and a probe on the model
+    itself must agree: two short rows run concatenated give the logits of the same rows run alone. The probe
+    catches what a name check cannot (remote code, a family whose forward ignores position_ids, recurrent
+    layers, an adapter or patch that changes attention). It runs in eval mode without gradients (a few
+    tokens, well under a second) and leaves the model's mode and the global RNG as they were."""
+    config = model.config
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in PADDING_FREE_ATTENTION:
+        return f"attention '{attn}' does not take per-row position_ids"
+    if is_reward_model(model):
+        return "a reward head scores each row's last token"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    if vocab < 2:
+        return "the model has no vocabulary size to probe with"
+    try:
+        device = next(p.device for p in model.parameters())
+    except StopIteration:
+        return "the model has no parameters"
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, min(vocab, 4096), (n,), generator=gen).to(device) for n in (7, 5)]
+    flat_ids = torch.cat(rows)[None]
+    positions = torch.cat([torch.arange(len(r)) for r in rows])[None].to(device)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            flat = model(input_ids=flat_ids, position_ids=positions, use_cache=False).logits[0].float()
+            alone = torch.cat([model(input_ids=r[None], use_cache=False).logits[0].float() for r in rows])
+    except Exception as exc:  # a model that cannot take position_ids this way keeps padding
+        return f"the padding-free probe failed ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    error = (flat - alone).abs().max().item() / max(1.0, alone.abs().max().item())
+    tolerance = 1e-3 if _param_dtype(model) == torch.float32 else 3e-2
+    if not error <= tolerance:
+        return f"rows attend to each other when concatenated (relative logit error {error:.2g})"
+    return None
+
+
+def _param_dtype(model) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
 def gradient_checkpointing_on(spec: Any) -> bool:
     """LLaMA-Factory's default: checkpointing is on for training unless the spec says
     gradient_checkpointing: false or disable_gradient_checkpointing: true (unset = on). It costs a second

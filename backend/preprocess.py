@@ -567,3 +567,14 @@ class PackedCollator:
             longest = max(b - a for a, b in zip(starts, starts[1:]))
             batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return batch
+
+
+class PaddingFreeCollator(PackedCollator):
+    """Padding-free batches of plain rows: the rows the sampler put in one batch are concatenated into ONE
+    row [1, sum of lengths] with position_ids restarting at 0 per row and no attention across rows (the
+    block-diagonal mask of ``PackedCollator``), so no pad token is ever computed. Unlike packing, the same
+    rows share a step as with ``PaddingCollator``, and loss, num_items_in_batch and gradients are those
+    of the padded batch: the label at each row start is -100 and no label crosses a row boundary, which
+    is exactly what the padded batch's shift leaves out. Only exact where the model's attention honours
+    the packed position_ids (``backend.models.padding_free_problem`` checks it on the model itself)."""
+

@@ -202,9 +202,14 @@ def train_and_eval_rows(spec, run_dir: RunDir, stage: str) -> tuple[list[dict], 
     return train, held_out
 
 
-def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer):
-    """(rows, collator): packed sequences without cross-attention, or padded rows."""
-    from backend.preprocess import PackedCollator, PaddingCollator, pack_rows
+def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
+    """(rows, collator): packed sequences without cross-attention; else, given the model of an sft/pt run,
+    padding-free batches (each batch's rows concatenated: the same rows per step as padding, no pad token
+    computed) where they are exact for its attention (backend.models.padding_free_problem); else padded rows.
+    TUNEBOARD_PADDING_FREE=0 in the environment keeps padding (for side-by-side measurements: bench/)."""
+    import os
+
+    from backend.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 
     if not rows:
         raise RunError("no training rows left after preprocessing (see the warnings above)")
@@ -212,6 +217,15 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer):
         rows = pack_rows(rows, spec.cutoff_len)
         run_dir.log(f"packed into {len(rows)} sequences of <= {spec.cutoff_len} tokens")
         return rows, PackedCollator()
+    if model is not None and spec.stage in ("sft", "pt") and os.environ.get("TUNEBOARD_PADDING_FREE", "1") != "0":
+        from backend.models import padding_free_problem
+
+        problem = padding_free_problem(model)
+        if problem is None:
+            run_dir.log("padding-free batches: each batch's rows concatenated, no attention across rows")
+            flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
+            return rows, PaddingFreeCollator(flash_attn_kwargs=flash)
+        run_dir.log(f"padded batches: padding-free is not exact for this model ({problem})")
     return rows, PaddingCollator(tokenizer)
 
 

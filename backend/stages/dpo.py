@@ -149,6 +149,15 @@ def _without_ref_adapter_files(output_dir) -> None:
 class _TokenizedDPOTrainer(DPOTrainer):
     """DPOTrainer taking rows {prompt_ids, chosen_ids, rejected_ids} as they are."""
 
+    def __init__(self, *args, model, **kwargs):
+        dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+        super().__init__(*args, model=model, **kwargs)
+        # TRL casts a quantized model's trainable weights to bf16 (the QLoRA paper's choice); keep the dtype
+        # our loader gave them (fp32 unless pure_bf16), as every stage does.
+        for name, param in self.model.named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
+
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         # TRL's version extracts a prompt from text and tokenizes it with the tokenizer's chat template;
         # ours are final token ids already, fitted to cutoff_len.

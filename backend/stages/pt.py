@@ -23,10 +23,10 @@ def run(spec, run_dir, stop) -> StageResult:
     train_rows, stats = build_pt_dataset(train_examples, **encode)
     run_dir.log(f"train blocks: {stats}")
     eval_rows = build_pt_dataset(val_examples, **encode)[0] if val_examples else None
-    train_rows, collator = batching(spec, run_dir, train_rows, tokenizer)
 
-    # 3. model and adapters
+    # 3. model and adapters; then the batches (padding-free where that is exact for this model)
     model = trainable_model(spec, run_dir, resolved)
+    train_rows, collator = batching(spec, run_dir, train_rows, tokenizer, model)
 
     # 4. train, save, plot
     return fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=train_rows,

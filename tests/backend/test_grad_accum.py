@@ -1,6 +1,7 @@
-"""Gradient accumulation is token-weighted: through the real HF Trainer, (batch 8, GA 1), (batch 1, GA 8)
-and a padding-free packed batch of the same 8 rows give the same loss and gradient norm, and that loss is
-the mean over every trained token of the 8 rows (not a mean of per-row or per-micro-batch means)."""
+"""Gradient accumulation is token-weighted: through the real HF Trainer, (batch 8, GA 1), (batch 1, GA 8),
+a padding-free packed batch of the same 8 rows and padding-free batches (batch 2, GA 4) give the same loss and
+gradient norm, and that loss is the mean over every trained token of the 8 rows (not a mean of per-row or
+per-micro-batch means)."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,7 @@ import random
 import pytest
 import torch
 
-from backend.preprocess import IGNORE_INDEX, PackedCollator, PaddingCollator, pack_rows
+from backend.preprocess import IGNORE_INDEX, PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 
 VOCAB = 97
 
@@ -94,7 +95,8 @@ def test_ga_is_token_weighted(initial_state, tmp_path, lora):
     two_by_four = train_one_step(initial_state, tmp_path, rows, padding, 2, 4, lora)
     packed_rows = pack_rows(rows, 64)
     packed = train_one_step(initial_state, tmp_path, packed_rows, PackedCollator(), 1, len(packed_rows), lora)
+    padding_free = train_one_step(initial_state, tmp_path, rows, PaddingFreeCollator(), 2, 4, lora)
 
-    for run in (one_batch, accumulated, two_by_four, packed):
+    for run in (one_batch, accumulated, two_by_four, packed, padding_free):
         assert run["loss"] == pytest.approx(token_mean, rel=1e-4)
         assert run["grad_norm"] == pytest.approx(one_batch["grad_norm"], rel=1e-4)

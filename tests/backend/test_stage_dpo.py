@@ -200,6 +200,15 @@ def test_reference_model_per_setup(tiny_llama, toy_dir):
     assert ref is not None and not any(p.requires_grad for p in ref.parameters())
 
 
+def test_qlora_dpo_keeps_trained_weights_in_fp32(tiny_llama, toy_dir, toy_rows, tmp_path):
+    """TRL casts a quantized model's trainable weights to bf16; the stage keeps them fp32 like every stage."""
+    trainer = _trainer(_spec(tiny_llama, toy_dir, quantization_bit=4), toy_rows[:4], tmp_path)
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert trained and all(p.dtype == torch.float32 for p in trained)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 @pytest.mark.parametrize("overrides, field, words", [
     ({"stage": "orpo", "ref_model": "x"}, "ref_model", "without a reference model"),
     ({"pref_loss": "simpo", "ref_model": "x"}, "ref_model", "without a reference model"),

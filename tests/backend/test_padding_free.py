@@ -1,0 +1,92 @@
+"""Padding-free batches: the rows of one batch concatenated into one sequence (per-row position ids, no
+attention across rows) give the loss and gradients of the same rows right-padded, on the four tiny families;
+the probe that decides padding-free for a model says yes for them and no where rows would attend to each other."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backend.models import padding_free_problem
+from backend.preprocess import IGNORE_INDEX, PaddingCollator, PaddingFreeCollator
+
+FAMILIES = ["llama", "qwen2", "gemma2", "mistral"]
+
+
+def make_rows(n: int, vocab: int, seed: int) -> list[dict]:
+    """Rows of very different lengths, masked prompts, some trained on the prompt (first label set)."""
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        prompt, answer = rng.randint(2, 30), rng.randint(1, 20)
+        ids = [rng.randrange(vocab) for _ in range(prompt + answer)]
+        labels = list(ids) if k % 3 == 0 else [IGNORE_INDEX] * prompt + ids[prompt:]
+        rows.append({"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)})
+    return rows
+
+
+def loss_and_grads(model, batch) -> tuple[float, dict]:
+    """One forward/backward as the Trainer runs it (sum over tokens / trained tokens of the batch)."""
+    model.zero_grad()
+    num_items = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    loss = model(**batch, num_items_in_batch=num_items).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request):
+    from transformers import AutoModelForCausalLM
+
+    folder = request.getfixturevalue(f"tiny_{request.param}")
+    extra = {"sliding_window": 8} if request.param == "gemma2" else {}  # shorter than the rows: the window matters
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra)  # its default attention
+    model.train()  # dropout is 0 in these configs: train mode changes nothing but is what training runs
+    return request.param, model
+
+
+def test_padding_free_equals_padded(family_model):
+    family, model = family_model
+    rows = make_rows(6, model.config.vocab_size, seed=5)
+    padded = PaddingCollator(0)(rows)
+    free = PaddingFreeCollator()(rows)
+    assert free["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows)) and "attention_mask" not in free
+    assert padded["input_ids"].numel() > free["input_ids"].numel()  # padding was there to save
+    assert int((free["labels"] != IGNORE_INDEX).sum()) == int((padded["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    loss_padded, grads_padded = loss_and_grads(model, padded)
+    loss_free, grads_free = loss_and_grads(model, free)
+    assert loss_free == pytest.approx(loss_padded, rel=1e-5), family
+    assert grads_free.keys() == grads_padded.keys() and grads_free
+    for name, grad in grads_padded.items():
+        torch.testing.assert_close(grads_free[name], grad, rtol=1e-5, atol=1e-5, msg=f"{family}: {name}")
+    assert padding_free_problem(model) is None, family
+    assert model.training  # the probe left the mode alone
+
+
+def test_probe_refuses_where_rows_would_attend_to_each_other(tiny_llama, monkeypatch):
+    """A model whose attention ignores the packed position ids (simulated: transformers' packed-sequence
+    detection switched off) must keep padding, and an attention that takes no position ids is refused by name."""
+    from transformers import AutoModelForCausalLM, masking_utils
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    assert padding_free_problem(model) is None
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    problem = padding_free_problem(model)
+    assert problem and "attend to each other" in problem
+    monkeypatch.undo()
+    model.config._attn_implementation = "flex_attention"
+    assert "flex_attention" in padding_free_problem(model)
+
+
+def test_collator_keeps_the_rows_of_the_batch():
+    """Unlike packing, the batch is exactly the rows given, in order, each from position 0."""
+    rows = make_rows(4, 97, seed=1)
+    batch = PaddingFreeCollator()(rows)
+    lengths = [len(r["input_ids"]) for r in rows]
+    assert batch["input_ids"][0].tolist() == [t for r in rows for t in r["input_ids"]]
+    assert batch["position_ids"][0].tolist() == [i for n in lengths for i in range(n)]
+    starts = [sum(lengths[:k]) for k in range(len(rows))]
+    assert all(batch["labels"][0, s].item() == IGNORE_INDEX for s in starts)
+    assert batch["use_cache"] is False

@@ -14,6 +14,9 @@ The reference model (sigmoid / hinge / ipo):
   the reference that SFT model, as in the DPO paper. LLaMA-Factory disables the adapter instead, which makes
   the base model the reference even after SFT (its issue #8459 reports that as a bug); we keep TRL's choice.
 - full / freeze: a frozen second copy of the model (our loader, not TRL's, so dtype / GGUF folders match).
+
+ORPO is TRL's ORPOTrainer as it is: its odds ratio compares our answer spans, and its SFT term covers the
+prompt and the chosen answer (as the ORPO paper's code does; LLaMA-Factory's covers the answer only).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ it never imports torch/transformers/peft/trl/accelerate/datasets (tests/webui/te
 from __future__ import annotations
 
 import argparse
+import html
 import os
 import socket
 import sys
@@ -32,12 +33,13 @@ LOGO = paths.ASSETS_DIR / "logo.svg"
 CSS_FILE = paths.ASSETS_DIR / "style.css"
 
 
-def _header_html() -> str:
+def _header_html(tagline: str) -> str:
+    """The header; `tagline`: the subtitle in the page's language (locale key tb-header-block)."""
     return (
         '<div id="tb-header">'
         f'<img src="/gradio_api/file={LOGO}" alt="TuneBoard logo">'
         '<div><div class="tb-title">TuneBoard</div>'
-        '<div class="tb-tagline">Fine-tune open LLMs from your browser — runs survive the tab.</div></div>'
+        f'<div class="tb-tagline">{html.escape(tagline)}</div></div>'
         "</div>"
     )
 
@@ -103,7 +105,7 @@ def create_app() -> gr.Blocks:
     """The whole page. Per-browser state lives in gr.State; durable state in run directories."""
     reg = Registry("en")
     with gr.Blocks(title="TuneBoard") as demo:
-        gr.HTML(_header_html(), elem_id="tb-header-block")
+        reg.html("tb-header-block", _header_html)
         top = build_topbar(reg)
         state = gr.State(train_tab.attach(None))
         with gr.Tabs(elem_id="tb-tabs") as tabs:
@@ -177,11 +179,32 @@ def reattach_tool(tab, kind: str, busy) -> tuple:
     return st, tab.attached_message(st), gr.Timer(active=True)
 
 
+# The log boxes (class tb-log) follow their end as lines arrive, unless the user scrolled up to read: the
+# Textbox's own autoscroll left them at the top when the whole value is replaced on each tick.
+FOLLOW_LOGS_JS = """<script>
+setInterval(() => {
+  for (const t of document.querySelectorAll('.tb-log textarea')) {
+    if (!t.dataset.tbFollow) {
+      t.dataset.tbFollow = '1';
+      t.addEventListener('scroll', () => {
+        if (!t._tbScrolling) t._tbAtEnd = t.scrollHeight - t.scrollTop - t.clientHeight < 30;
+        t._tbScrolling = false;
+      });
+    }
+    if (t.value.length !== t._tbLength) {
+      t._tbLength = t.value.length;
+      if (t._tbAtEnd !== false) { t._tbScrolling = true; t.scrollTop = t.scrollHeight; }
+    }
+  }
+}, 400);
+</script>"""
+
+
 def launch_kwargs() -> dict:
-    """What `launch()` needs besides host/port (Gradio 6 takes theme/css at launch time)."""
+    """What `launch()` needs besides host/port (Gradio 6 takes theme/css/head at launch time)."""
     return {"css_paths": [CSS_FILE], "allowed_paths": [str(paths.ASSETS_DIR)], "favicon_path": str(LOGO),
             "theme": gr.themes.Soft(primary_hue="indigo", secondary_hue="sky"),
-            "footer_links": []}
+            "footer_links": [], "head": FOLLOW_LOGS_JS}
 
 
 # ------------------------------------------------------------------ command line

@@ -85,6 +85,26 @@ def render_row(row: dict) -> str:
     return body
 
 
+def template_system_prompt(row: dict) -> str | None:
+    """The default system prompt of a template (templates/*.yaml: default_system) when a previewed row's
+    rendered text holds it: the template put it there, the row had none (smollm2's "... named SmolLM" on
+    identity rows that teach another name)."""
+    import yaml
+
+    texts = [s.get("text", "") for s in row.get("segments") or []]
+    for part in ("prompt", "chosen"):
+        texts += [s.get("text", "") for s in (row.get(part) or {}).get("segments") or []]
+    text = "".join(texts)
+    for path in sorted(paths.TEMPLATES_DIR.glob("*.yaml")):
+        try:
+            system = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("default_system")
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(system, str) and system.strip() and system in text:
+            return system
+    return None
+
+
 def row_summary(row: dict) -> str:
     parts = [f"**{row.get('source', '')} row {row.get('row', '')}**"]
     if row.get("kind") == "ranking":

@@ -38,3 +38,25 @@ def choice_pairs(lang: str, elem_id: str, ids: list[str]) -> list[tuple[str, str
     (technical ids such as `adamw_torch` or `cosine` read the same in every language)."""
     table, en = strings(lang), strings("en")
     return [(table.get(f"{elem_id}.{i}") or en.get(f"{elem_id}.{i}") or i, i) for i in ids]
+
+
+def tr(lang: str | None, key: str, **kw) -> str:
+    """A handler's text (message, progress card, table header) in `lang`, its {fields} filled in; English
+    when the locale has no entry (or a translation lost a field)."""
+    en = strings("en").get(key, key)
+    text = strings(lang or "en").get(key) or en
+    try:
+        return text.format(**kw)
+    except (KeyError, IndexError, ValueError):
+        return en.format(**kw)
+
+
+def has(key: str) -> bool:
+    return key in strings("en")
+
+
+def headers(lang: str | None, frame):
+    """A table's column names in `lang` (keys `col.<english name>`; a column without one keeps its name)."""
+    if not lang or lang == "en":
+        return frame
+    return frame.rename(columns={c: tr(lang, f"col.{c}") for c in frame.columns if has(f"col.{c}")})

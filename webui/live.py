@@ -11,6 +11,7 @@ import pandas as pd
 
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import STAGES, get_stage
+from webui.i18n import has, tr
 
 MAX_POINTS = 2000  # a LinePlot value is sent whole each tick: thin long runs instead of sending 100k points
 
@@ -180,36 +181,42 @@ _DATASET = re.compile(r"^dataset \S+ .*?(\d+) kept")
 _TOTAL = re.compile(r"^datasets total: (\d+) examples kept")
 
 
-def phase(log_lines: list[str], total: int | None = None, model: str = "") -> str:
+def phase(log_lines: list[str], total: int | None = None, model: str = "", lang: str = "en") -> str:
     """What a run is doing before its first logged step, from the lines the backend writes to its log
     (backend/train.py, backend/stages): starting, loading the tokenizer (a GGUF model is converted once),
     tokenizing N rows, loading the model, step 1 of N."""
     gguf = str(model).lower().endswith(".gguf") or str(model) == DEFAULT_MODEL_ID
-    what, rows = "starting: loading the training libraries", 0
+    what, rows = tr(lang, "phase.starting"), 0
     for raw in log_lines:
         if not _STAMP.match(raw):
             continue
         line = _STAMP.sub("", raw)
         if line.startswith("stage "):
-            what = "loading the tokenizer" + (" (a GGUF model is converted to a cached folder once: about a "
-                                              "minute the first time)" if gguf else "")
+            what = tr(lang, "phase.tokenizer") + (" " + tr(lang, "phase.gguf") if gguf else "")
         elif line.startswith("template: "):
-            what = "reading the dataset"
+            what = tr(lang, "phase.dataset")
         elif _DATASET.match(line):
             rows += int(_DATASET.match(line).group(1))
-            what = f"tokenizing {rows} rows"
+            what = tr(lang, "phase.tokenizing", n=rows)
         elif _TOTAL.match(line):
             rows = int(_TOTAL.match(line).group(1))
-            what = f"tokenizing {rows} rows"
+            what = tr(lang, "phase.tokenizing", n=rows)
         elif line.startswith(("train rows: ", "train pairs: ", "train blocks: ", "packed into ")):
-            what = "loading the model"
+            what = tr(lang, "phase.model")
         elif line.startswith("model: "):
-            what = "adding the adapter"
+            what = tr(lang, "phase.adapter")
         elif line.startswith(("trainable parameters", "resuming from")):
-            what = f"running step 1 of {total}" if total else "running step 1"
+            what = tr(lang, "phase.step1", total=total) if total else tr(lang, "phase.step1_open")
         elif line.startswith("reference model: "):
-            what = "loading the reference model"
+            what = tr(lang, "phase.reference")
     return what
+
+
+def state_word(state: str, lang: str = "en") -> str:
+    """A state badge's text in `lang` ("failed (...)" keeps its reason)."""
+    head, sep, rest = state.partition(" ")
+    key = f"state.{head}"
+    return tr(lang, key) + sep + rest if has(key) else state
 
 
 # Third-party lines that are not worth a status line (they stay in the full log): bitsandbytes' kernels
@@ -231,25 +238,29 @@ STATE_CLASS = {"running": "running", "starting": "running", "pending": "running"
                "aborted": "warn", "queued": "queued"}
 
 
-def progress_html(p: dict, state: str, run_name: str = "", phase_text: str = "") -> str:
+def progress_html(p: dict, state: str, run_name: str = "", phase_text: str = "", lang: str = "en") -> str:
     """The progress bar and its numbers, as one small HTML block (one component update per tick).
     `phase_text`: what the run does before its first step (see phase())."""
     pct = round(100 * p["fraction"], 1)
     total = p["total"] if p["total"] else "?"
     doing = (f'<div class="tb-phase" data-phase="{html.escape(phase_text)}">{html.escape(phase_text)}…</div>'
              if phase_text else "")
+
+    def w(key: str) -> str:
+        return html.escape(tr(lang, key))
     tps = f"{p['tokens_per_s']:.0f}" if p.get("tokens_per_s") is not None else "–"
     epoch = f"{p['epoch']:.2f}" if p.get("epoch") is not None else "–"
     cls = STATE_CLASS.get(state, "bad" if state.startswith("failed") else "idle")
     return (
         f'<div class="tb-progress" data-state="{html.escape(state)}" data-step="{p["step"]}">'
-        f'<div class="tb-progress-head"><span class="tb-badge tb-{cls}">{html.escape(state)}</span>'
+        f'<div class="tb-progress-head"><span class="tb-badge tb-{cls}">{html.escape(state_word(state, lang))}</span>'
         f'<span class="tb-run-name">{html.escape(run_name)}</span></div>'
         f'<div class="tb-bar"><div class="tb-bar-fill" style="width:{pct}%"></div></div>'
-        f'<div class="tb-stats"><span>step <b>{p["step"]}</b> / {total}</span>'
-        f'<span>{pct}%</span><span>epoch {epoch}</span>'
-        f'<span>elapsed {fmt_duration(p["elapsed"])}</span><span>ETA {fmt_duration(p["eta"])}</span>'
-        f'<span>{tps} tokens/s</span></div>{doing}</div>'
+        f'<div class="tb-stats"><span>{w("card.step")} <b>{p["step"]}</b> / {total}</span>'
+        f'<span>{pct}%</span><span>{w("card.epoch")} {epoch}</span>'
+        f'<span>{w("card.elapsed")} {fmt_duration(p["elapsed"])}</span>'
+        f'<span>{w("card.eta")} {fmt_duration(p["eta"])}</span>'
+        f'<span>{tps} {w("card.tokens_s")}</span></div>{doing}</div>'
     )
 
 

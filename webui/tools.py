@@ -212,8 +212,10 @@ def checks_rows(report: dict, lines: list[str] | None = None) -> list[list]:
     when there is no report (a run that failed before writing it)."""
     rows = []
     for c in report.get("checks") or []:
-        figures = c.get("figures")
-        fig = ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()) if isinstance(figures, dict) else ""
+        # a check's figures are its other keys (backend/export.py: max_abs_diff, tolerance, identical, ...)
+        figures = c.get("figures") if isinstance(c.get("figures"), dict) else \
+            {k: v for k, v in c.items() if k not in ("name", "ok", "detail", "figures")}
+        fig = ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items())
         rows.append([c.get("name", ""), "✓ ok" if c.get("ok") else "✗ FAIL", c.get("detail", ""), fig])
     if not rows:
         for line in lines or []:
@@ -224,6 +226,8 @@ def checks_rows(report: dict, lines: list[str] | None = None) -> list[list]:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -329,14 +333,17 @@ def short(text, limit: int = 400) -> str:
 
 # ---------------------------------------------------------------- a progress block shared by both tabs
 
-def progress_html(state: str, done: int, total: int | None, text: str = "") -> str:
+def progress_html(state: str, done: int, total: int | None, text: str = "", lang: str = "en") -> str:
     """Badge + bar + one line, with data-state/data-step for tests (same look as the training bar)."""
+    from webui.live import state_word
+
     pct = round(100 * min(done / total, 1.0), 1) if total else 0.0
     cls = {"running": "running", "starting": "running", "passed": "ok", "completed": "ok",
            "aborted": "warn", "failed": "bad"}.get(state, "idle")
     of = f"{done} / {total}" if total else f"{done}"
     return (f'<div class="tb-progress" data-state="{html.escape(state)}" data-step="{done}">'
-            f'<div class="tb-progress-head"><span class="tb-badge tb-{cls}">{html.escape(state)}</span>'
+            f'<div class="tb-progress-head"><span class="tb-badge tb-{cls}">{html.escape(state_word(state, lang))}'
+            '</span>'
             f'<span class="tb-run-name">{html.escape(text)}</span></div>'
             f'<div class="tb-bar"><div class="tb-bar-fill" style="width:{pct}%"></div></div>'
             f'<div class="tb-stats"><span><b>{of}</b></span><span>{pct}%</span></div></div>')

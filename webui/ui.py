@@ -36,6 +36,11 @@ class Registry:
     def markdown(self, elem_id: str, **kw):
         return self._add(gr.Markdown(self.label(elem_id), elem_id=elem_id, **kw), "markdown")
 
+    def html(self, elem_id: str, render, **kw):
+        """gr.HTML whose value is render(the translated text of `elem_id`) (the header's tagline)."""
+        comp = gr.HTML(render(self.label(elem_id)), elem_id=elem_id, **kw)
+        return self._add(comp, "html", render)
+
     def tab(self, elem_id: str, **kw):
         return self._add(gr.Tab(self.label(elem_id), elem_id=elem_id, **kw), "tab")
 
@@ -57,6 +62,8 @@ class Registry:
             text = t(lang, elem_id)
             if kind == "dropdown" and ids is not None:
                 out.append(gr.update(label=text, choices=choice_pairs(lang, elem_id, ids)))
+            elif kind == "html":
+                out.append(gr.update(value=ids(text)))
             elif kind in ("button", "markdown"):
                 out.append(gr.update(value=text))
             else:

@@ -65,6 +65,7 @@ def main():
 
     runs = [fake_run("2026-11-30-14-02-03", 20, "2026-11-30T14:02:03", 1.63),
             fake_run("2026-11-30-14-30-10", 30, "2026-11-30T14:30:10", 1.21)]
+    one = fake_run("2026-11-30-15-00-00", 1, "2026-11-30T15:00:00", 2.5)  # a single logged step
     fake_eval()
     demo = create_app()
     _, url, _ = demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
@@ -105,6 +106,15 @@ def main():
                     page.locator('#eval-rows [data-testid="cell-0-1"]').click()
                 page.wait_for_timeout(1500)
                 page.screenshot(path=str(OUT / f"{tab.lower()}-{w}x{h}.png"), full_page=True)
+            # the live view of a run with one logged step: its point is drawn
+            page.get_by_role("tab", name="Runs").click()
+            target = page.locator("#runs-target input")
+            target.click()
+            target.fill(one.name)
+            target.press("Enter")
+            page.locator("#runs-open").click()
+            page.wait_for_timeout(3000)
+            page.screenshot(path=str(OUT / f"train-one-step-{w}x{h}.png"), full_page=True)
             page.close()
         browser.close()
     demo.close()

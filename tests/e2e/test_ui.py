@@ -28,6 +28,9 @@ def test_language_switch_relabels_in_place(app_page, shot):
     app_page.get_by_role("option", name="简体中文").click()
     expect(app_page.get_by_role("tab", name="训练")).to_be_visible()
     expect(app_page.locator("#train-start")).to_have_text("▶ 开始")
+    # the subtitle and the progress card follow the language too
+    expect(app_page.locator("#tb-header-block")).to_contain_text("在浏览器中微调")
+    expect(app_page.locator("#train-progress .tb-badge")).to_have_text("空闲")
     shot("train-zh")
     lang.click()
     app_page.get_by_role("option", name="English").click()

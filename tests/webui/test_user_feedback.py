@@ -158,3 +158,56 @@ def test_no_bitsandbytes_kernels_notice_without_quantization():
                           cwd=str(Path(__file__).resolve().parents[2]), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gemm_4bit_forward" not in proc.stderr + proc.stdout
+
+
+def test_handler_texts_are_translated_in_every_locale(tmp_path):
+    """Subtitle, progress card, messages and table headers follow the language picker; every translation
+    keeps the {fields} of the English text (a lost field would fall back to English)."""
+    import re
+    import string
+
+    from webui.i18n import LANGS, strings, tr
+
+    en = strings("en")
+    keys = [k for k in en if k.split(".")[0] in ("card", "state", "phase", "msg", "col")] + ["tb-header-block"]
+    fields = lambda text: {f for _, f, _, _ in string.Formatter().parse(text) if f}  # noqa: E731
+    for lang in LANGS[1:]:
+        for key in keys:
+            assert key in strings(lang), (lang, key)
+            assert fields(strings(lang)[key]) == fields(en[key]), (lang, key)
+    card = live.progress_html(live.progress([], {}), "running", "r", "", lang="zh")
+    assert "运行中" in card and "步" in card and "tokens/s" not in card and 'data-state="running"' in card
+    d = run_dir(tmp_path, "r", [2.0, 1.5, 1.2], state="aborted")
+    (d / "checkpoint-3").mkdir()
+    assert "gestoppt" in train_tab.ended_message(str(d), "aborted", {"step": 3, "total_steps": 20}, "de")
+    assert re.search(r"[\u3040-\u30ff]", live.phase([], 20, "m", "ja"))  # kana
+    frame = runs.table(runs.run_rows(tmp_path), "all", "", "fr")
+    assert "perte finale" in frame.columns and "final loss" not in frame.columns
+    assert tr("ko", "msg.started", name="x") != tr("en", "msg.started", name="x")
+
+
+def test_the_subtitle_is_relabelled_with_the_page():
+    from webui.app import create_app
+    from webui.i18n import strings
+
+    reg = create_app().tb_registry
+    ids = list(reg.items)
+    value = reg.relabel("ru")[ids.index("tb-header-block")]["value"]
+    assert strings("ru")["tb-header-block"] in value and "TuneBoard" in value
+
+
+def test_export_checks_show_their_figures():
+    """The checks table's "figures" column was empty: backend/export.py puts them beside name/ok/detail."""
+    report = {"checks": [{"name": "logits", "ok": True, "max_abs_diff": 3.5e-07, "tolerance": 0.001, "detail": "d"},
+                         {"name": "eos", "ok": True, "generation_config_eos": [2, 7], "detail": "e"}]}
+    rows = tools.checks_rows(report)
+    assert rows[0][3] == "max_abs_diff=3.5e-07, tolerance=0.001" and rows[1][3] == "generation_config_eos=[2, 7]"
+
+
+def test_data_tab_names_the_system_prompt_the_template_adds():
+    from webui import datasets as D
+
+    row = {"segments": [{"text": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                 "Hugging Face<|im_end|>\n", "trained": False}, {"text": "Hi", "trained": True}]}
+    assert "named SmolLM" in D.template_system_prompt(row)
+    assert D.template_system_prompt({"segments": [{"text": "<|im_start|>system\nBe brief.<|im_end|>"}]}) is None

@@ -70,6 +70,10 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff):
     if "error" in res:
         return f"⛔ {res['error']}", ""
     warn = "".join(f"\n\n⚠ {w}" for w in res.get("warnings") or [])
+    system = D.template_system_prompt(res)
+    if system:
+        warn += (f"\n\nℹ The template adds the system prompt “{system}” to rows that have none (the model is "
+                 "trained and chats with it); set `default_system` (Train tab, Data) or a system column to change it.")
     return D.row_summary(res) + f" · template `{res.get('template', template)}`" + warn, \
         D.render_row(res)
 

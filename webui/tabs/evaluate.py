@@ -22,6 +22,7 @@ import pandas as pd
 
 from backend.spec import SpecError, validate_spec
 from webui import choices, jobs, tools
+from webui.i18n import headers
 from webui.tailer import FileTail
 
 TICK_S = 1.0
@@ -241,10 +242,10 @@ ROW_WIDTHS = {7: ["5%", "22%", "25%", "25%", "9%", "8%", "6%"],
               9: ["4%", "14%", "17%", "17%", "8%", "7%", "6%", "16%", "11%"]}
 
 
-def rows_update(st: dict, worst_first: bool):
+def rows_update(st: dict, worst_first: bool, lang: str = "en"):
     """rows_frame with column widths that fit the page (a table that grew past it hid the predictions)."""
     frame = rows_frame(st, worst_first)
-    return gr.update(value=frame, column_widths=ROW_WIDTHS.get(len(frame.columns)))
+    return gr.update(value=headers(lang, frame), column_widths=ROW_WIDTHS.get(len(frame.columns)))
 
 
 def rows_frame(st: dict, worst_first: bool) -> pd.DataFrame:
@@ -293,7 +294,7 @@ def row_detail(st: dict, index) -> str:
     return "".join(out) + "</div>"
 
 
-def poll(st: dict, worst_first: bool) -> tuple:
+def poll(st: dict, worst_first: bool, lang: str = "en") -> tuple:
     """Timer tick: launch the next part when the previous one ended, read progress.
     Outputs: state, progress, message, metrics, rows, log, timer."""
     if not st or not st.get("parts"):
@@ -302,16 +303,16 @@ def poll(st: dict, worst_first: bool) -> tuple:
     part = _current(st)
     if st["aborted"]:
         if part is None or not tools.alive(part["dir"]):
-            return _finish(st, worst_first)
+            return _finish(st, worst_first, lang=lang)
         return st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=True)
     # a part that failed stops the chain
     for p in st["parts"]:
         if p["launched"] and not tools.alive(p["dir"]):
             s = part_status(p)
             if s.get("state") != "completed":
-                return _finish(st, worst_first, failed=p)
+                return _finish(st, worst_first, failed=p, lang=lang)
     if part is None:
-        return _finish(st, worst_first)
+        return _finish(st, worst_first, lang=lang)
     if not part["launched"]:
         launch_part(st, part)
     log = _read_log(st, part)
@@ -320,7 +321,7 @@ def poll(st: dict, worst_first: bool) -> tuple:
     n = len(st["parts"])
     idx = st["parts"].index(part) + 1
     label = f"{part['name']} ({idx}/{n}): " + (f"predicting row {done} of {total}" if total else "loading…")
-    return (st, tools.progress_html("running", int(done), total, label), gr.skip(), gr.skip(), gr.skip(), log,
+    return (st, tools.progress_html("running", int(done), total, label, lang), gr.skip(), gr.skip(), gr.skip(), log,
             gr.Timer(active=True))
 
 
@@ -334,7 +335,7 @@ def _read_log(st: dict, part: dict) -> str:
     return "\n".join(st["lines"])
 
 
-def _finish(st: dict, worst_first: bool, failed: dict | None = None) -> tuple:
+def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str = "en") -> tuple:
     for p in st["parts"]:
         st["results"][p["name"]] = tools.read_results(p["dir"])
     st["rows"] = {p["name"]: tools.read_predictions(p["dir"]) for p in st["parts"]}
@@ -351,9 +352,10 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None) -> tuple:
         message = f"✓ **Eval done**: {n_rows} rows, results in `{Path(st['parts'][0]['dir']).parent}`"
     total = max((len(v) for v in st["rows"].values()), default=0)
     bar = tools.progress_html(state, total if state == "completed" else 0, total or None,
-                              " + ".join(p["name"] for p in st["parts"]))
+                              " + ".join(p["name"] for p in st["parts"]), lang)
     st["parts_done"] = True
-    return (st, bar, message, metrics_frame(st), rows_update(st, worst_first), log, gr.Timer(active=False))
+    return (st, bar, message, headers(lang, metrics_frame(st)), rows_update(st, worst_first, lang), log,
+            gr.Timer(active=False))
 
 
 def wire(c: dict, top: dict) -> None:
@@ -381,7 +383,7 @@ def wire(c: dict, top: dict) -> None:
         return message, st
 
     c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
-    c["timer"].tick(poll, [c["state"], c["worst_first"]], view, show_progress="hidden")
+    c["timer"].tick(poll, [c["state"], c["worst_first"], top["lang"]], view, show_progress="hidden")
 
     def pick_row(st, evt: gr.SelectData):
         """A click on a row shows it in full below the table. Inputs: state (+ the click). Outputs: detail."""
@@ -389,5 +391,5 @@ def wire(c: dict, top: dict) -> None:
         return row_detail(st, index) if index is not None else gr.skip()
 
     c["rows"].select(pick_row, [c["state"]], [c["detail"]])
-    c["worst_first"].change(lambda st, w: rows_update(st, w) if st and st.get("parts") else gr.skip(),
-                            [c["state"], c["worst_first"]], [c["rows"]], show_progress="hidden")
+    c["worst_first"].change(lambda st, w, lang: rows_update(st, w, lang) if st and st.get("parts") else gr.skip(),
+                            [c["state"], c["worst_first"], top["lang"]], [c["rows"]], show_progress="hidden")

@@ -18,6 +18,7 @@ import pandas as pd
 from backend import paths
 from backend.spec import SpecError, validate_spec
 from webui import jobs, tools
+from webui.i18n import headers
 from webui.tailer import FileTail
 
 TICK_S = 1.0
@@ -52,7 +53,7 @@ def build(reg) -> dict:
     c["progress"] = gr.HTML(tools.progress_html("idle", 0, 6), elem_id="export-progress")
     c["result"] = gr.Markdown("", elem_id="export-result")
     c["checks"] = reg.comp(gr.Dataframe, "export-checks", value=empty_checks(), interactive=False, wrap=True,
-                         column_widths=["16%", "9%", "63%", "12%"])
+                         column_widths=["14%", "8%", "50%", "28%"])
     c["log"] = reg.comp(gr.Textbox, "export-log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                         elem_classes=["tb-log"])
     c["state"] = gr.State(new_state())
@@ -118,7 +119,7 @@ def abort(st: dict) -> tuple[dict, str]:
     return st, "No export is running."
 
 
-def poll(st: dict) -> tuple:
+def poll(st: dict, lang: str = "en") -> tuple:
     """One timer tick: new output lines -> (state, progress html, result md, checks df|skip, log, timer)."""
     job = (st or {}).get("job")
     if not job:
@@ -139,7 +140,7 @@ def poll(st: dict) -> tuple:
     else:
         state = outcome or ("aborted" if aborted else "failed")
         k = n if outcome == "passed" else k
-    bar = tools.progress_html(state, k, n, f"step {k}/{n}: {step}" if step else "starting…")
+    bar = tools.progress_html(state, k, n, f"step {k}/{n}: {step}" if step else "starting…", lang)
     log = "\n".join(st["lines"])
     if running:
         return st, bar, "", gr.skip(), log, gr.Timer(active=True)
@@ -155,7 +156,7 @@ def poll(st: dict) -> tuple:
         result = "✗ **The export process ended without a result**: see the log."
     for w in report.get("warnings") or []:
         result += f"\n\n⚠ {w}"
-    return st, bar, result, pd.DataFrame(rows, columns=CHECK_COLUMNS), log, gr.Timer(active=False)
+    return st, bar, result, headers(lang, pd.DataFrame(rows, columns=CHECK_COLUMNS)), log, gr.Timer(active=False)
 
 
 def ended_message(st: dict) -> str:
@@ -188,11 +189,11 @@ def wire(c: dict, top: dict) -> None:
         return message, st
 
     c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
-    def tick(st):
+    def tick(st, lang):
         """poll(), and the message line cleared once the export has ended ("Exporting to ..." / "Stopping
         ..." are not left on screen next to the result). Inputs: state. Outputs: the view, message."""
-        out = poll(st)
+        out = poll(st, lang)
         ended = bool((st or {}).get("job")) and not tools.alive(st["job"])
         return (*out, ended_message(st) if ended else gr.skip())
 
-    c["timer"].tick(tick, [c["state"]], [*view, c["message"]], show_progress="hidden")
+    c["timer"].tick(tick, [c["state"], top["lang"]], [*view, c["message"]], show_progress="hidden")

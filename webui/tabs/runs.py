@@ -14,6 +14,7 @@ from backend import paths
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live
+from webui.i18n import headers
 from webui.tabs import train as train_tab
 from webui.tailer import JsonlTail, last_value
 
@@ -93,8 +94,9 @@ def shown_rows(rows: list[dict], status: str, model: str) -> list[dict]:
             and (not model or model.lower() in r["model"].lower())]
 
 
-def table(rows: list[dict], status: str, model: str) -> pd.DataFrame:
-    return pd.DataFrame([[r[c] for c in COLUMNS] for r in shown_rows(rows, status, model)], columns=COLUMNS)
+def table(rows: list[dict], status: str, model: str, lang: str = "en") -> pd.DataFrame:
+    frame = pd.DataFrame([[r[c] for c in COLUMNS] for r in shown_rows(rows, status, model)], columns=COLUMNS)
+    return headers(lang, frame)
 
 
 def run_at(name: str | None, row: int | None, status: str, model: str) -> str | None:
@@ -299,17 +301,18 @@ def build(reg) -> dict:
 
 
 def wire(c: dict, state, train: dict, tabs) -> None:
-    def refresh(status, model):
+    def refresh(status, model, lang="en"):
         """Inputs: filters. Outputs: table and the four run pickers (choices refreshed, values kept)."""
         rows = run_rows()
         names = [(r["name"], r["run_dir"]) for r in rows]
-        return (table(rows, status, model), *[gr.update(choices=names) for _ in range(4)])
+        return (table(rows, status, model, lang), *[gr.update(choices=names) for _ in range(4)])
 
     pickers = [c["select"], c["target"], c["diff_a"], c["diff_b"]]
-    for ev in (c["refresh"].click, c["status"].change, c["model"].submit):
-        ev(refresh, [c["status"], c["model"]], [c["table"], *pickers])
+    lang = train["top"]["lang"]
+    for ev in (c["refresh"].click, c["status"].change, c["model"].submit, lang.change):
+        ev(refresh, [c["status"], c["model"], lang], [c["table"], *pickers])
     # re-scan when the tab is opened (runs started elsewhere appear)
-    tabs.select(refresh, [c["status"], c["model"]], [c["table"], *pickers])
+    tabs.select(refresh, [c["status"], c["model"], lang], [c["table"], *pickers])
 
     def pick_runs(run_dirs, metric):
         """Inputs: selected runs, metric. Outputs: metric picker (the keys their logs hold; the metric is

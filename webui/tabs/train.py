@@ -17,6 +17,7 @@ from backend import paths
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live, preflight
+from webui.i18n import tr
 from webui.tailer import RunTail
 
 TICK_S = 1.5
@@ -206,7 +207,7 @@ N_PLOTS = len(live.plot_names())
 N_VIEW = 8 + N_PLOTS
 
 
-def adapter_banner(adapter: str | None) -> tuple:
+def adapter_banner(adapter: str | None, lang: str = "en") -> tuple:
     """The Train tab's "continue training from adapter X" line and its clear button (hidden without an
     adapter). Returns (note update, button update)."""
     adapter = (adapter or "").strip()
@@ -215,7 +216,7 @@ def adapter_banner(adapter: str | None) -> tuple:
     from webui import choices
 
     label = dict((v, k) for k, v in choices.adapter_pairs()).get(adapter) or Path(adapter).name
-    note = (f'<div class="tb-adapter-note" title="{html.escape(adapter)}">↪ <b>Continue training from adapter</b> '
+    note = (f'<div class="tb-adapter-note" title="{html.escape(adapter)}">↪ <b>{html.escape(tr(lang, "msg.continue_adapter"))}</b> '
             f'{html.escape(label)}<div class="tb-adapter-path">{html.escape(adapter)}</div></div>')
     return gr.update(value=note, visible=True), gr.update(visible=True)
 
@@ -226,25 +227,24 @@ def spec_total(spec: dict) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def ended_message(run_dir: str, state: str, status: dict) -> str:
+def ended_message(run_dir: str, state: str, status: dict, lang: str = "en") -> str:
     """What the message line says once a run has ended (replacing "Started ..." / "Stopping ...")."""
     name = _run_name(run_dir)
     step, total = status.get("step") or 0, status.get("total_steps")
-    at = f"step {step} of {total}" if total else f"step {step}"
+    at = tr(lang, "msg.at_step", step=step, total=total) if total else f"{tr(lang, 'card.step')} {step}"
     if state == "completed":
         loss = (status.get("final_metrics") or {}).get("final_loss")
-        tail = f", final loss {loss:.4g}" if isinstance(loss, (int, float)) else ""
-        return (f"✓ `{name}` completed at {at}{tail}. Its adapter is saved in the run folder: pick it in the top "
-                "bar to chat with it, evaluate or export it.")
+        tail = tr(lang, "msg.final_loss", loss=f"{loss:.4g}") if isinstance(loss, (int, float)) else ""
+        return tr(lang, "msg.completed", name=name, at=at, loss=tail)
     if state == "aborted":
         from backend.rundir import checkpoints
 
         saved = checkpoints(Path(run_dir))
-        kept = (f"`{saved[-1].name}` saved: resume it from the Runs tab" if saved
-                else "no checkpoint was saved")
-        return f"■ `{name}` stopped at {at}; {kept}."
+        kept = tr(lang, "msg.ckpt_saved", ckpt=saved[-1].name) if saved else tr(lang, "msg.no_ckpt")
+        return tr(lang, "msg.aborted", name=name, at=at, kept=kept)
     if state.startswith("failed"):
-        return f"✗ `{name}` {state}: {status.get('error') or 'see the log'}"
+        return tr(lang, "msg.failed", name=name, state=live.state_word(state, lang),
+                  error=status.get("error") or "see the log")
     return ""
 
 
@@ -273,13 +273,14 @@ def stage_plot_updates(st: dict, records: list[dict]) -> list:
     return out
 
 
-def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
+def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str = "en") -> tuple:
     """Poll the attached run; returns (state, progress html, loss df|skip, lr df|skip, one update per stage
     plot, log, final md, image update, adapter picker update, timer update). When the run has just ended,
     the top bar's adapter picker is re-listed so its new adapter and checkpoints can be picked at once."""
     run_dir = st.get("run_dir")
-    if not run_dir:
-        return (st, *([gr.skip()] * N_VIEW), gr.Timer(active=False))
+    if not run_dir:  # the idle card, in the page's language
+        idle = live.progress_html(live.progress([], {}), "idle", lang=lang)
+        return (st, idle, *([gr.skip()] * (N_VIEW - 1)), gr.Timer(active=False))
     tail: RunTail = st.get("tail") or RunTail(run_dir)
     st["tail"] = tail
     if st.get("stage") is None:
@@ -300,10 +301,10 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     name = _run_name(run_dir)
     doing = ""
     if state == "queued":
-        doing = "waiting in the queue for a free slot"
+        doing = tr(lang, "phase.queued")
     elif rs.active and not tail.records:
-        doing = live.phase(list(tail.log_tail), p["total"], st["spec"].get("model_name_or_path", ""))
-    prog = live.progress_html(p, state, name, doing)
+        doing = live.phase(list(tail.log_tail), p["total"], st["spec"].get("model_name_or_path", ""), lang)
+    prog = live.progress_html(p, state, name, doing, lang)
     # a run attached a moment ago is drawn once even with no record yet (the plots still hold the last run's)
     changed = force_plot or len(tail.records) != before or st.get("plotted") != run_dir
     st["plotted"] = run_dir
@@ -322,7 +323,7 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False) -> tuple:
     message = gr.skip()
     if done and st.get("announced") != state:  # once per end: the message says how the run ended
         st["announced"] = state
-        message = ended_message(run_dir, state, rs.status or status)
+        message = ended_message(run_dir, state, rs.status or status, lang)
     return (st, prog, loss, lr, *plots, tail.log_text(), final, image, adapters, message,
             gr.Timer(active=not done))
 
@@ -359,7 +360,7 @@ def attach(run_dir: str | None) -> dict:
     return {"run_dir": run_dir, "tail": RunTail(run_dir) if run_dir else None}
 
 
-def attached_form(run_dir: str) -> tuple[str, list | None]:
+def attached_form(run_dir: str, lang: str = "en") -> tuple[str, list | None]:
     """After a reload: the attached run's spec for the form (so the form shows what runs, not the
     defaults), with a fresh output_dir, and the message that says so. (message, input values | None)."""
     try:
@@ -369,9 +370,7 @@ def attached_form(run_dir: str) -> tuple[str, list | None]:
     spec = spec.model_copy(update={"output_dir": None, "resume_from_checkpoint": None})
     top_names = list(F.TOPBAR_FIELDS)
     names = [r.name for r in F.form_rows()]
-    return (f"Attached to the running `{_run_name(run_dir)}`: the form shows its settings. Start would launch a "
-            "new run with them (it waits in the queue while this one runs).",
-            spec_to_inputs(spec, top_names, names))
+    return tr(lang, "msg.attached", name=_run_name(run_dir)), spec_to_inputs(spec, top_names, names)
 
 
 # ------------------------------------------------------------------ wiring
@@ -386,7 +385,7 @@ def wire(c: dict, state) -> None:
     plot_comps = [c["stage_plots"][name] for name in live.plot_names()]
     live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], *plot_comps, c["log"], c["final"],
                     c["loss_image"], top["adapter_name_or_path"], c["message"], c["timer"]]
-    top["adapter_name_or_path"].change(adapter_banner, [top["adapter_name_or_path"]],
+    top["adapter_name_or_path"].change(adapter_banner, [top["adapter_name_or_path"], top["lang"]],
                                        [c["adapter_note"], c["adapter_clear"]], show_progress="hidden")
     c["adapter_clear"].click(lambda: "", None, [top["adapter_name_or_path"]])
 
@@ -416,7 +415,7 @@ def wire(c: dict, state) -> None:
         if comp is not None:
             comp.change(refresh_preflight, inputs, [c["preflight"]], show_progress="hidden")
 
-    def do_start(st, log_scale, *values):
+    def do_start(st, log_scale, lang, *values):
         """Inputs: state, log-scale, form. Validates first; launches (or queues) `tuneboard train` with
         run_spec.yaml written into the new run dir. Outputs: errors, per-field errors, message, live view."""
         flat, pre = collect(names, top_names, list(values))
@@ -433,31 +432,30 @@ def wire(c: dict, state) -> None:
             return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
                     st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
-        msg = (f"Started `{_run_name(run_dir)}`" if how == "started"
-               else f"Queued `{_run_name(run_dir)}`: it starts when a running job finishes (see Runs)")
+        msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))
         if spec.adapter_name_or_path:
-            msg += f", training the adapter `{spec.adapter_name_or_path}` further"
+            msg += tr(lang, "msg.continues", adapter=spec.adapter_name_or_path)
         st = attach(run_dir)
-        view = view_updates(st, log_scale, force_plot=True)
+        view = view_updates(st, log_scale, force_plot=True, lang=lang)
         return (gr.update(value="", visible=False), *error_updates([], all_names), *view[:-2], msg,
                 gr.Timer(active=True))
 
-    def do_abort(st):
+    def do_abort(st, lang):
         """Inputs: state. Asks the attached run to stop (STOP file, then SIGTERM/SIGKILL of its group);
         removes it from the queue if it has not started. Outputs: message."""
         run_dir = (st or {}).get("run_dir")
         if not run_dir:
-            return "No run attached."
+            return tr(lang, "msg.no_run")
         q = jobs.JobQueue()
         for e in q.entries():
             if e.run_dir == run_dir:
                 q.remove(e.id)
-                return f"Removed `{_run_name(run_dir)}` from the queue."
+                return tr(lang, "msg.removed", name=_run_name(run_dir))
         if jobs.abort(run_dir):
-            return f"Stopping `{_run_name(run_dir)}`: it saves at the next step, then ends."
-        return f"`{_run_name(run_dir)}` is not running."
+            return tr(lang, "msg.stopping", name=_run_name(run_dir))
+        return tr(lang, "msg.not_running", name=_run_name(run_dir))
 
-    c["abort"].click(do_abort, [state], [c["message"]])
+    c["abort"].click(do_abort, [state, top["lang"]], [c["message"]])
 
     def refresh_legend(st):
         """After a live update: rebuild a plot's colours when its set of series changed (see
@@ -467,15 +465,21 @@ def wire(c: dict, state) -> None:
     def then_legend(event):
         event.then(refresh_legend, [state], [state, c["loss_plot"], *plot_comps], show_progress="hidden")
 
-    then_legend(c["start"].click(do_start, [state, c["log_scale"], *inputs],
+    then_legend(c["start"].click(do_start, [state, c["log_scale"], top["lang"], *inputs],
                                  [c["errors"], *field_comps, *live_outputs]))
     # Ticks update the state dict in place (Gradio hands handlers the stored object) and never write the
     # state back: a tick that read the state just before Start would otherwise put the old run back over
     # the one Start attached (seen as Abort stopping the running run instead of unqueuing the new one).
-    then_legend(c["timer"].tick(lambda st, ls: (gr.skip(), *view_updates(st, ls)[1:]), [state, c["log_scale"]],
+    then_legend(c["timer"].tick(lambda st, ls, lang: (gr.skip(), *view_updates(st, ls, lang=lang)[1:]),
+                                [state, c["log_scale"], top["lang"]],
                                 live_outputs, show_progress="hidden"))
-    then_legend(c["log_scale"].change(lambda st, ls: (gr.skip(), *view_updates(st, ls, force_plot=True)[1:]),
-                                      [state, c["log_scale"]], live_outputs, show_progress="hidden"))
+    redraw = (lambda st, ls, lang: (gr.skip(), *view_updates(st, ls, force_plot=True, lang=lang)[1:]))
+    then_legend(c["log_scale"].change(redraw, [state, c["log_scale"], top["lang"]], live_outputs,
+                                      show_progress="hidden"))
+    # a language switch redraws the card (and the message of an ended run) in that language
+    top["lang"].change(lambda st, ls, lang: (gr.skip(), *view_updates(dict(st or {}, announced=None), ls,
+                                                                      force_plot=True, lang=lang)[1:-1], gr.skip()),
+                       [state, c["log_scale"], top["lang"]], live_outputs, show_progress="hidden")
 
     # visible-when: stage / finetuning type
     cond = [n for n in names if F.rows_by_name()[n].stages or F.rows_by_name()[n].methods]

@@ -789,7 +789,7 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         if spec.resolved_packing:
             err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "
                 "(set packing and neat_packing to false)", "stage", "neat_packing")
-        if spec.train_on_prompt:
+        if spec.train_on_prompt and get_stage(spec.stage).module != "dpo":  # dpo: _preference_errors says why
             err("train_on_prompt", f"stage {spec.stage} scores the answer given the prompt: there is no prompt "
                 "loss to switch on", "stage")
     if get_stage(spec.stage).module == "dpo":
@@ -882,6 +882,11 @@ def _preference_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         err("lora_dropout", f"{REFUSED}: TRL's preference trainers switch dropout off (the policy and the reference "
             "must score the same sequence the same way), so lora_dropout would do nothing: set it to 0",
             "finetuning_type")
+    if spec.train_on_prompt:
+        why = ("ORPO's SFT term always covers the prompt and the chosen answer (TRL's ORPOTrainer, as the ORPO "
+               "paper's code) and its odds ratio the answers only" if loss == "orpo" else
+               f"the {loss} loss scores the answers given the prompt: there is no prompt loss to switch on")
+        err("train_on_prompt", f"{REFUSED}: {why}")
     if spec.mask_history:
         err("mask_history", f"{REFUSED}: stage {spec.stage} always trains on the last turn only (the chosen and "
             "rejected answers): drop mask_history")

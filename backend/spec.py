@@ -789,6 +789,10 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         if spec.resolved_packing:
             err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "
                 "(set packing and neat_packing to false)", "stage", "neat_packing")
+        if spec.finetuning_type == "lora" and spec.lora_dropout:
+            err("lora_dropout", f"{REFUSED}: TRL's preference and reward trainers switch dropout off (the policy "
+                "and the reference must score the same sequence the same way), so lora_dropout would do nothing: "
+                "set it to 0", "stage", "finetuning_type")
         if spec.train_on_prompt and get_stage(spec.stage).module != "dpo":  # dpo: _preference_errors says why
             err("train_on_prompt", f"stage {spec.stage} scores the answer given the prompt: there is no prompt "
                 "loss to switch on", "stage")
@@ -878,10 +882,6 @@ def _preference_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     if spec.pref_ftx and loss == "orpo":
         err("pref_ftx", f"{REFUSED}: the ORPO loss has its SFT term built in (weight 1; pref_beta weighs the "
             "odds-ratio term), and TRL's ORPO trainer takes no second SFT weight: set pref_ftx to 0")
-    if spec.finetuning_type == "lora" and spec.lora_dropout:
-        err("lora_dropout", f"{REFUSED}: TRL's preference trainers switch dropout off (the policy and the reference "
-            "must score the same sequence the same way), so lora_dropout would do nothing: set it to 0",
-            "finetuning_type")
     if spec.train_on_prompt:
         why = ("ORPO's SFT term always covers the prompt and the chosen answer (TRL's ORPOTrainer, as the ORPO "
                "paper's code) and its odds ratio the answers only" if loss == "orpo" else

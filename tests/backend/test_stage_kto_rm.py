@@ -200,6 +200,12 @@ def test_packing_and_prompt_loss_are_refused_for_scored_pairs(stage, dataset):
     assert "packing does not apply" in refusals({"stage": stage, "dataset": dataset, "neat_packing": True})["packing"]
 
 
+@pytest.mark.parametrize("stage, dataset", [("kto", "kto_en_demo"), ("rm", "dpo_en_demo")])
+def test_lora_dropout_is_refused_where_the_trainer_switches_dropout_off(stage, dataset):
+    assert "dropout off" in refusals({"stage": stage, "dataset": dataset, "lora_dropout": 0.1})["lora_dropout"]
+    validate_spec({"stage": stage, "dataset": dataset, "lora_dropout": 0.1, "finetuning_type": "full"})
+
+
 def test_kto_and_rm_defaults_validate():
     validate_spec({"stage": "kto", "dataset": "kto_en_demo"})
     validate_spec({"stage": "rm", "dataset": "dpo_en_demo", "per_device_train_batch_size": 1})

@@ -583,6 +583,93 @@ def padding_free_problem(model) -> str | None:
     return None
 
 
+def _causal_lm(model):
+    """The ...ForCausalLM module inside a (peft-wrapped) model, or None."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner if type(inner).__name__.endswith("ForCausalLM") and hasattr(inner, "get_decoder") else None
+
+
+def install_chunked_loss(model) -> str | None:
+    """Make the model's training forward compute its loss with backend.losses.causal_lm_loss (the last hidden
+    state projected in chunks, only where there are labels: never the full logits). Returns None when
+    installed, else the reason it was not (the plain loss stays).
+
+    The family's own forward still runs everything up to the head; it is asked for no logits
+    (logits_to_keep = no position) and a hook on the decoder hands over the last hidden state. Only for a
+    plain nn.Linear head (a peft-wrapped or resized head keeps the plain path); Gemma's final logit
+    soft-capping is applied. A probe on the model itself then compares the chunked loss with the plain one
+    on a few random tokens, so a family whose head does anything else (logit scaling, a hidden-state
+    multiplier) keeps the plain path. Eval and generation (eval mode, no labels) always take the plain
+    forward. A model patched by Liger (enable_liger_kernel on a GPU) already has its fused loss."""
+    from backend.losses import causal_lm_loss
+
+    lm = _causal_lm(model)
+    if lm is None:
+        return f"{type(model).__name__} is not a causal LM"
+    if getattr(model, "tuneboard_liger", False) or getattr(lm, "tuneboard_liger", False):
+        return "Liger's fused linear cross-entropy is installed"
+    head = lm.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return f"the output head is a {type(head).__name__}, not a plain Linear"
+    decoder = lm.get_decoder()
+    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    softcap = getattr(text, "final_logit_softcapping", None) or None
+    plain_forward = lm.forward
+
+    def chunked_forward(*args, labels=None, logits_to_keep=0, **kwargs):
+        if labels is None or not (lm.training or lm.tuneboard_probe) or kwargs.get("return_dict") is False \
+                or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            return plain_forward(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        captured = []
+        hook = decoder.register_forward_hook(lambda module, inputs, output: captured.append(
+            output[0] if isinstance(output, tuple) else output.last_hidden_state))
+        try:
+            nothing = torch.zeros(0, dtype=torch.long, device=head.weight.device)
+            out = plain_forward(*args, labels=None, logits_to_keep=nothing, **kwargs)
+        finally:
+            hook.remove()
+        out["loss"] = causal_lm_loss(captured[-1], head.weight, head.bias, labels,
+                                     num_items_in_batch=kwargs.get("num_items_in_batch"),
+                                     shift_labels=kwargs.get("shift_labels"), softcap=softcap)
+        return out
+
+    lm.tuneboard_probe = True
+    lm.forward = chunked_forward
+    try:
+        problem = _probe_chunked_loss(model, lm, plain_forward)
+    finally:
+        lm.tuneboard_probe = False
+    if problem:
+        lm.forward = plain_forward
+        return problem
+    lm.tuneboard_chunked_loss = True
+    return None
+
+
+def _probe_chunked_loss(model, lm, plain_forward) -> str | None:
+    """None when the chunked loss equals the plain loss on a few random tokens of this model."""
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    device = lm.get_output_embeddings().weight.device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(int(config.vocab_size), 4096), (2, 9), generator=gen).to(device)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            plain = plain_forward(input_ids=ids, labels=labels, use_cache=False).loss.float().item()
+            chunked = model(input_ids=ids, labels=labels, use_cache=False).loss.float().item()
+    except Exception as exc:  # a family whose forward takes no logits_to_keep tensor, ...
+        return f"the chunked-loss probe failed ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    tolerance = 1e-4 if _param_dtype(lm) == torch.float32 else 2e-2
+    if not abs(chunked - plain) <= tolerance * max(1.0, abs(plain)):
+        return f"its head is not a plain projection (chunked loss {chunked:.6g} vs plain {plain:.6g})"
+    return None
+
+
 def _param_dtype(model) -> torch.dtype:
     for param in model.parameters():
         if param.is_floating_point():

@@ -229,14 +229,25 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
     return rows, PaddingCollator(tokenizer)
 
 
-def trainable_model(spec, run_dir: RunDir, resolved, **load_kwargs):
+def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = False, **load_kwargs):
     """The model loaded for training, with adapters / frozen layers as the spec says (load_kwargs go to
-    load_model, e.g. reward_head=True for stage rm)."""
-    from backend.models import apply_finetuning, count_parameters, describe_model, load_model
+    load_model, e.g. reward_head=True for stage rm). chunked_loss (sft, pt): the training loss is computed
+    from the last hidden state in chunks, never the full logits (backend.losses), where that is exact for
+    this model; TUNEBOARD_CHUNKED_LOSS=0 in the environment keeps the plain loss (for bench/)."""
+    import os
+
+    from backend.models import apply_finetuning, count_parameters, describe_model, install_chunked_loss, load_model
 
     model = load_model(spec, resolved, for_training=True, warn=run_dir.warn, **load_kwargs)
     run_dir.log(f"model: {describe_model(model)}")
     model = apply_finetuning(model, spec, warn=run_dir.warn)
     trainable, total = count_parameters(model)
     run_dir.log(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
+    if chunked_loss and os.environ.get("TUNEBOARD_CHUNKED_LOSS", "1") != "0":
+        if spec.passthrough.get("label_smoothing_factor"):
+            problem = "label_smoothing_factor smooths the full logits"
+        else:
+            problem = install_chunked_loss(model)
+        run_dir.log("loss: chunked linear + cross-entropy (no full logits)" if problem is None
+                    else f"loss: plain, with the full logits ({problem})")
     return model

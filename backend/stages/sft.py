@@ -29,7 +29,7 @@ def run(spec, run_dir, stop) -> StageResult:
     eval_rows = build_sft_dataset(val_examples, **encode)[0] if val_examples else None
 
     # 3. model and adapters; then the batches (padding-free where that is exact for this model)
-    model = trainable_model(spec, run_dir, resolved)
+    model = trainable_model(spec, run_dir, resolved, chunked_loss=True)
     train_rows, collator = batching(spec, run_dir, train_rows, tokenizer, model)
 
     # 4. train, save, plot

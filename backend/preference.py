@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from backend.preprocess import IGNORE_INDEX, Stats, _finish, _row_name, encode_example
+from backend.preprocess import IGNORE_INDEX, Stats, _finish, _row_name, encode_example, in_workers
 
 
 def _split_answer(example: dict, answer: dict, template, tokenizer) -> tuple[list[int], list[int]]:
@@ -45,8 +45,8 @@ def _common_prompt(pairs: list[tuple[list[int], list[int]]]) -> tuple[list[int],
     return prompts[0][:k], [p[k:] + a for p, a in pairs]
 
 
-def _encode_all(examples: Iterable[dict], encode_one: Callable[[dict], tuple[dict, bool, int, int]],
-                cutoff_len: int | None, log, what: str) -> tuple[list[dict], Stats]:
+def _encode_all(examples: list[dict], encode_one: Callable[[dict], tuple[dict, bool, int, int]],
+                cutoff_len: int | None) -> tuple[list[dict], Stats]:
     stats = Stats(cutoff_len=cutoff_len)
     rows = []
     for example in examples:
@@ -62,14 +62,10 @@ def _encode_all(examples: Iterable[dict], encode_one: Callable[[dict], tuple[dic
         stats.total_tokens += total
         stats.trained_tokens += trained
         rows.append(row)
-    return _finish(rows, stats, log, what)
+    return rows, stats
 
 
-def build_preference_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len: int | None, *,
-                             log: Callable[[str], Any] | None = None) -> tuple[list[dict], Stats]:
-    """Ranking examples (messages ending with the user's turn, chosen, rejected) -> rows
-    {prompt_ids, chosen_ids, rejected_ids}, plus Stats (tokens counted over both sequences)."""
-
+def _pair_rows(examples: list[dict], template, tokenizer, cutoff_len: int | None) -> tuple[list[dict], Stats]:
     def encode_one(example: dict):
         pairs = [_split_answer(example, example[key], template, tokenizer) for key in ("chosen", "rejected")]
         prompt, answers = _common_prompt(pairs)
@@ -80,14 +76,10 @@ def build_preference_dataset(examples: Iterable[dict], template, tokenizer, cuto
         return {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}, truncated, total, \
             len(chosen) + len(rejected)
 
-    return _encode_all(examples, encode_one, cutoff_len, log, "preference")
+    return _encode_all(examples, encode_one, cutoff_len)
 
 
-def build_kto_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len: int | None, *,
-                      log: Callable[[str], Any] | None = None) -> tuple[list[dict], Stats]:
-    """KTO examples (a conversation ending with the assistant's answer, kto_tag true/false) -> rows
-    {prompt_ids, completion_ids, label}."""
-
+def _kto_rows(examples: list[dict], template, tokenizer, cutoff_len: int | None) -> tuple[list[dict], Stats]:
     def encode_one(example: dict):
         if example.get("kto_tag") is None:
             raise ValueError(f"{_row_name(example)}: no kto_tag (true = desirable, false = undesirable)")
@@ -98,4 +90,25 @@ def build_kto_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len:
         row = {"prompt_ids": prompt, "completion_ids": completion, "label": bool(example["kto_tag"])}
         return row, truncated, len(prompt) + len(completion), len(completion)
 
-    return _encode_all(examples, encode_one, cutoff_len, log, "kto")
+    return _encode_all(examples, encode_one, cutoff_len)
+
+
+def build_preference_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len: int | None, *,
+                             log: Callable[[str], Any] | None = None,
+                             num_workers: int | None = None) -> tuple[list[dict], Stats]:
+    """Ranking examples (messages ending with the user's turn, chosen, rejected) -> rows
+    {prompt_ids, chosen_ids, rejected_ids}, plus Stats (tokens counted over both sequences).
+    num_workers > 1 tokenizes in that many processes (preprocessing_num_workers): the same rows."""
+    rows, stats = in_workers(_pair_rows, list(examples), num_workers, template=template, tokenizer=tokenizer,
+                             cutoff_len=cutoff_len)
+    return _finish(rows, stats, log, "preference")
+
+
+def build_kto_dataset(examples: Iterable[dict], template, tokenizer, cutoff_len: int | None, *,
+                      log: Callable[[str], Any] | None = None,
+                      num_workers: int | None = None) -> tuple[list[dict], Stats]:
+    """KTO examples (a conversation ending with the assistant's answer, kto_tag true/false) -> rows
+    {prompt_ids, completion_ids, label}. num_workers as for build_preference_dataset."""
+    rows, stats = in_workers(_kto_rows, list(examples), num_workers, template=template, tokenizer=tokenizer,
+                             cutoff_len=cutoff_len)
+    return _finish(rows, stats, log, "kto")

@@ -110,6 +110,8 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     dtype = compute_dtype(spec)
     kwargs["bf16"] = bool(kwargs.get("bf16")) and dtype == torch.bfloat16
     kwargs["fp16"] = bool(kwargs.get("fp16")) and dtype == torch.float16
+    if kwargs["bf16"] and not torch.cuda.is_available():
+        kwargs["use_cpu"] = True  # bf16 autocast on a CPU with native bf16 matmul: transformers wants it said
     if not has_eval:
         kwargs["eval_strategy"] = "no"
         kwargs["load_best_model_at_end"] = False
@@ -177,6 +179,20 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
 
 
 # -- the steps every stage shares ------------------------------------------------------------
+
+def tokenizer_and_template(spec, run_dir: RunDir):
+    """(resolved model, tokenizer, template): step 1 of every conversation stage, so new_special_tokens,
+    the template and enable_thinking mean the same in sft, dpo, kto and rm."""
+    from backend.models import load_tokenizer, resolve_model
+    from backend.resolve import pick_template
+
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
+    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn,
+                             enable_thinking=spec.enable_thinking)
+    run_dir.log(f"template: {template.name}")
+    return resolved, tokenizer, template
+
 
 def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
     """Examples of the named datasets, with the data report in the run log."""

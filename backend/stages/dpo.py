@@ -29,9 +29,8 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from backend.models import load_model, load_tokenizer, resolve_model
 from backend.preference import build_preference_dataset
-from backend.resolve import pick_template
 from backend.stages import REFERENCE_FREE_LOSSES, get_stage
-from backend.stages.base import RunError, StageResult, fit, train_and_eval_rows, trainable_model
+from backend.stages.base import RunError, StageResult, fit, tokenizer_and_template, train_and_eval_rows, trainable_model
 
 REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")  # DPOTrainer, with a reference model; orpo / simpo need none
 
@@ -46,14 +45,12 @@ def run(spec, run_dir, stop) -> StageResult:
     run_dir.log(f"preference loss: {loss} (beta {spec.pref_beta:g})")
 
     # 1. tokenizer and template
-    resolved = resolve_model(spec.model_name_or_path)
-    tokenizer = load_tokenizer(resolved)
-    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
-    run_dir.log(f"template: {template.name}")
+    resolved, tokenizer, template = tokenizer_and_template(spec, run_dir)
 
     # 2. dataset: prompt / chosen / rejected token ids, the answers being the template's trained spans
     train_examples, val_examples = train_and_eval_rows(spec, run_dir, spec.stage)
-    encode = dict(template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len, log=run_dir.warn)
+    encode = dict(template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len, log=run_dir.warn,
+                  num_workers=spec.preprocessing_num_workers)
     train_rows, stats = build_preference_dataset(train_examples, **encode)
     run_dir.log(f"train pairs: {stats}")
     eval_rows = build_preference_dataset(val_examples, **encode)[0] if val_examples else None
@@ -87,7 +84,7 @@ def reference_model(spec, run_dir, resolved, loss: str):
         except (ValueError, FileNotFoundError) as exc:
             raise RunError(f"ref_model: {exc}") from None
         ref = load_model(spec, ref_resolved, for_training=False, warn=run_dir.warn)
-        policy_vocab = len(load_tokenizer(resolved))
+        policy_vocab = len(load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens))
         if ref.get_input_embeddings().num_embeddings < policy_vocab:
             raise RunError(f"ref_model: {spec.ref_model} has {ref.get_input_embeddings().num_embeddings} token "
                            f"embeddings, fewer than the {policy_vocab} tokens of {spec.model_name_or_path}'s tokenizer")

@@ -18,10 +18,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from backend.models import load_tokenizer, resolve_model
+from backend.models import resolve_model
 from backend.preference import build_kto_dataset
-from backend.resolve import pick_template
-from backend.stages.base import RunError, StageResult, fit, train_and_eval_rows, trainable_model
+from backend.stages.base import RunError, StageResult, fit, tokenizer_and_template, train_and_eval_rows, trainable_model
 
 
 def run(spec, run_dir, stop) -> StageResult:
@@ -29,14 +28,12 @@ def run(spec, run_dir, stop) -> StageResult:
     from trl import KTOConfig
 
     # 1. tokenizer and template
-    resolved = resolve_model(spec.model_name_or_path)
-    tokenizer = load_tokenizer(resolved)
-    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
-    run_dir.log(f"template: {template.name}")
+    resolved, tokenizer, template = tokenizer_and_template(spec, run_dir)
 
     # 2. dataset: prompt and answer tokens with the desirable / undesirable label
     train_examples, val_examples = train_and_eval_rows(spec, run_dir, spec.stage)
-    encode = dict(template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len, log=run_dir.warn)
+    encode = dict(template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len, log=run_dir.warn,
+                  num_workers=spec.preprocessing_num_workers)
     train_rows, stats = build_kto_dataset(train_examples, **encode)
     desirable = sum(r["label"] for r in train_rows)
     run_dir.log(f"train rows: {stats}; {desirable} desirable, {len(train_rows) - desirable} undesirable")

@@ -4,18 +4,13 @@ Reads top to bottom: tokenizer/template -> dataset -> model (+adapter) -> traine
 """
 from __future__ import annotations
 
-from backend.models import load_tokenizer, resolve_model
 from backend.preprocess import build_sft_dataset
-from backend.resolve import pick_template
-from backend.stages.base import StageResult, batching, fit, train_and_eval_rows, trainable_model
+from backend.stages.base import StageResult, batching, fit, tokenizer_and_template, train_and_eval_rows, trainable_model
 
 
 def run(spec, run_dir, stop) -> StageResult:
     # 1. tokenizer and template
-    resolved = resolve_model(spec.model_name_or_path)
-    tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
-    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn, enable_thinking=spec.enable_thinking)
-    run_dir.log(f"template: {template.name}")
+    resolved, tokenizer, template = tokenizer_and_template(spec, run_dir)
 
     # 2. dataset: templated rows, labels on the assistant's tokens only
     train_examples, val_examples = train_and_eval_rows(spec, run_dir, "sft")

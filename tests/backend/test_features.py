@@ -8,6 +8,7 @@ import torch
 
 from backend.data import load_examples
 from backend.models import apply_finetuning, build_optimizer, install_optimizer, load_model, load_tokenizer, resolve_model
+from backend.preference import build_kto_dataset, build_preference_dataset
 from backend.preprocess import build_pt_dataset, build_sft_dataset
 from backend.spec import SpecError, validate_spec
 from backend.templates import get_template, with_thinking
@@ -210,6 +211,12 @@ def test_preprocessing_workers_give_identical_rows(monkeypatch, tiny_qwen2):
     assert "tokenized in 3 processes" in str(stats)
     texts, _ = load_examples("c4_demo", stage="pt", max_samples=20)
     assert build_pt_dataset(texts, tokenizer, 64, num_workers=2)[0] == build_pt_dataset(texts, tokenizer, 64)[0]
+    pairs, _ = load_examples("dpo_en_demo", stage="dpo", max_samples=20)
+    one = build_preference_dataset(pairs, template, tokenizer, 64)[0]
+    assert build_preference_dataset(pairs, template, tokenizer, 64, num_workers=2)[0] == one and len(one) == 20
+    tagged, _ = load_examples("kto_en_demo", stage="kto", max_samples=20)
+    assert build_kto_dataset(tagged, template, tokenizer, 64, num_workers=2)[0] == \
+        build_kto_dataset(tagged, template, tokenizer, 64)[0]
 
 
 # ------------------------------------------------------------------------------------ rope scaling

@@ -51,7 +51,8 @@ def plot_loss(run_dir: Path) -> Path | None:
     ax.set_ylabel("loss")
     ax.set_title(f"training loss: {Path(run_dir).name}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    # the legend under the axes, not over the curves (where the loss ends, upper right, it hid them)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     fig.tight_layout()
     path = Path(run_dir) / "training_loss.png"
     fig.savefig(path)

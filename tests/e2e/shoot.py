@@ -101,6 +101,9 @@ def main():
                         sel.press("Enter")
                     page.locator("#tb-header").click()
                     page.locator('#runs-table [data-testid="cell-0-1"]').click()
+                if tab == "Data":  # the length histogram, bins in numeric order
+                    page.locator("#data-stats").click()
+                    page.locator("#data-hist svg").first.wait_for(timeout=180_000)
                 if tab == "Evaluate":
                     page.locator('#eval-rows [data-testid="cell-0-1"]').wait_for(timeout=30_000)
                     page.locator('#eval-rows [data-testid="cell-0-1"]').click()

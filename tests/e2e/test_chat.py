@@ -56,7 +56,7 @@ def test_chat_stream_stop_compare_unload(app_page, tiny_qwen2, tiny_llama, finis
 
     # a long sampled reply (random weights: it practically never hits <|im_end|>) streams in pieces
     page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
-    set_number(page, "chat-max_new_tokens", 4096)
+    set_number(page, "chat-max_new_tokens", 900)  # within the tiny model's 1024-token context (the API refuses more)
     set_number(page, "chat-seed", 1)
     page.locator("#chat-message textarea").fill("Tell me a long story.")
     page.locator("#chat-send").click()
@@ -70,6 +70,7 @@ def test_chat_stream_stop_compare_unload(app_page, tiny_qwen2, tiny_llama, finis
     assert page.locator("#chat-speed").inner_text().strip() == ""  # no final stats yet: still streaming
 
     page.locator("#chat-stop").click()
+    expect(page.locator("#chat-speed")).to_contain_text("Stopped")  # the page says what happened
     page.wait_for_timeout(1500)  # the cancel reaches the server; nothing may arrive after that
     stopped = bot_text(page)
     page.wait_for_timeout(2000)
@@ -87,6 +88,9 @@ def test_chat_stream_stop_compare_unload(app_page, tiny_qwen2, tiny_llama, finis
     assert all(gone(pid) for pid in servers), "the first chat server outlived the reload"
     servers = api_servers()
     assert len(servers) == 1, servers
+    # the panes say which side answers: the adapter, and the base model alone
+    expect(page.locator("#chat-chatbot")).to_contain_text("tuned:")
+    expect(page.locator("#chat-chatbot_b")).to_contain_text("base:")
     set_number(page, "chat-max_new_tokens", 12)
     page.locator("#chat-message textarea").fill("Who are you?")
     page.locator("#chat-send").click()

@@ -211,3 +211,14 @@ def test_data_tab_names_the_system_prompt_the_template_adds():
                                  "Hugging Face<|im_end|>\n", "trained": False}, {"text": "Hi", "trained": True}]}
     assert "named SmolLM" in D.template_system_prompt(row)
     assert D.template_system_prompt({"segments": [{"text": "<|im_start|>system\nBe brief.<|im_end|>"}]}) is None
+
+
+def test_two_starts_in_one_second_get_two_run_folders(tmp_path, monkeypatch):
+    """The default output_dir is named by the second: a second Start within it was refused ("already holds a
+    run"); it gets the next free name, also past a run still waiting in the queue."""
+    monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path))
+    base = tmp_path / "m" / "lora" / "20261130-154020"
+    assert train_tab.unique_run_dir(base) == base
+    jobs.write_spec_yaml(base, "stage: sft\n")
+    jobs.JobQueue().enqueue("stage: sft\n", base.with_name(base.name + "-2"))
+    assert train_tab.unique_run_dir(base) == base.with_name(base.name + "-3")

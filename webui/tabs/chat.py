@@ -284,19 +284,26 @@ def respond(message, role, st, system, tools_json, *sampling_values):
         replies[side] = {"role": "assistant", "content": ""}
         st[f"hist_{side}"].append(replies[side])
     # both panes get the question at once; the base one says it waits for its turn (one model answers at a time)
+    st["stopped"] = False
     yield (display(st["hist_a"]), waiting(st["hist_b"]) if st["b"] else gr.skip(), "",
-           "… answering" + (" (tuned first, then base)" if st["b"] else ""), st)
+           "… answering (tuned first, then base)" if st["b"] else "", st)
+    shown_speed = None
     for side in sides:
         hist, request, reply = st[f"hist_{side}"], requests[side], replies[side]
         try:
             for text, calls, stats in stream_reply(server, st[side], request, sampling):
+                if st.get("stopped"):  # Stop said so; nothing more may overwrite what it showed
+                    return
                 reply["content"] = text
                 if calls:
                     reply["tool_calls"] = calls
                 shown = display(hist)
                 outputs = (shown, waiting(st["hist_b"]) if st["b"] else gr.skip()) if side == "a" \
                     else (gr.skip(), shown)
-                yield *outputs, "", " · ".join(speeds), st
+                # the speed line and the textbox only when they change (a question typed meanwhile stays)
+                speed = " · ".join(speeds)
+                yield *outputs, gr.skip(), speed if speed != shown_speed else gr.skip(), st
+                shown_speed = speed
             speeds.append(f"{st[side]}: {stats['completion_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s")
         except (httpx.HTTPError, RuntimeError) as exc:
             for other in sides:
@@ -325,6 +332,7 @@ def stopped(st):
     question stays, so both panes still hold the same questions), and the speed line says what happened.
     Inputs: state. Outputs: chat_a, chat_b, speed, state."""
     st = st or empty_state()
+    st["stopped"] = True  # the reply being streamed yields nothing more
     notes = []
     for side, name in (("a", "tuned" if st.get("b") else "the reply"), ("b", "base")):
         hist = st.get(f"hist_{side}") or []

@@ -110,6 +110,11 @@ def build(reg, top: dict) -> dict:
                 c["preview"] = reg.button("train-preview", variant="secondary")
             c["errors"] = gr.Markdown("", elem_id="train-errors", elem_classes=["tb-errors"], visible=False)
             c["message"] = gr.Markdown("", elem_id="train-message")
+            # right under the buttons: Preview opens where it was clicked
+            with reg.accordion("train-group-preview", open=False) as acc:
+                c["preview_acc"] = acc
+                c["preview_cmd"] = reg.comp(gr.Textbox, "train-preview_cmd", lines=2, interactive=False)
+                c["preview_yaml"] = reg.comp(gr.Code, "train-preview_yaml", language="yaml", interactive=False)
             c["preflight"] = gr.HTML(preflight.summary_md(_preset_flat()), elem_id="train-preflight")
             c["progress"] = gr.HTML(live.progress_html(live.progress([], {}), "idle"), elem_id="train-progress")
             c["loss_plot"] = reg.comp(gr.LinePlot, "train-loss_plot", value=empty_loss(), x="step", y="value",
@@ -128,12 +133,9 @@ def build(reg, top: dict) -> dict:
             c["log"] = reg.comp(gr.Textbox, "train-log", lines=12, max_lines=12, autoscroll=True,
                                 interactive=False, elem_classes=["tb-log"])
             c["final"] = gr.Markdown("", elem_id="train-final")
+            # no label badge: it sat over the figure's own title (the picture names itself)
             c["loss_image"] = reg.comp(gr.Image, "train-loss_image", visible=False, interactive=False,
-                                       type="filepath", height=300)
-            with reg.accordion("train-group-preview", open=False) as acc:
-                c["preview_acc"] = acc
-                c["preview_cmd"] = reg.comp(gr.Textbox, "train-preview_cmd", lines=2, interactive=False)
-                c["preview_yaml"] = reg.comp(gr.Code, "train-preview_yaml", language="yaml", interactive=False)
+                                       type="filepath", height=320, show_label=False)
             with reg.accordion("train-group-files", open=False):
                 c["spec_path"] = reg.comp(gr.Textbox, "train-spec_path",
                                           value=str(paths.saves_dir() / "specs" / "my_run.yaml"))
@@ -356,6 +358,16 @@ def _run_name(run_dir: str) -> str:
         return run_dir
 
 
+def unique_run_dir(base: Path) -> Path:
+    """`base`, or base-2, base-3, ... when a run (or a queued one) already has it."""
+    taken = {e.run_dir for e in jobs.JobQueue().entries()}
+    candidate, n = base, 1
+    while candidate.exists() or str(candidate) in taken:
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
 def attach(run_dir: str | None) -> dict:
     return {"run_dir": run_dir, "tail": RunTail(run_dir) if run_dir else None}
 
@@ -424,7 +436,8 @@ def wire(c: dict, state) -> None:
                    st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         if errors:
             return refused
-        spec = spec.with_output_dir()
+        if not spec.output_dir:  # the default folder is named by the second: two Starts in one get -2, -3
+            spec = spec.model_copy(update={"output_dir": str(unique_run_dir(Path(spec.with_output_dir().output_dir)))})
         run_dir = Path(spec.output_dir)
         if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
             errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "

@@ -23,11 +23,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+# backend.models first: it silences bitsandbytes' "kernels-community" notice, which importing trl would print
+from backend.models import load_model, load_tokenizer, resolve_model  # isort: skip
 from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-from backend.models import load_model, load_tokenizer, resolve_model
 from backend.preference import build_preference_dataset
 from backend.stages import REFERENCE_FREE_LOSSES, get_stage
 from backend.stages.base import RunError, StageResult, fit, tokenizer_and_template, train_and_eval_rows, trainable_model

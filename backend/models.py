@@ -350,14 +350,41 @@ def load_tokenizer(resolved: ResolvedModel, *, trust_remote_code: bool = False, 
     return tokenizer
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_supported() -> bool:
+    """A CPU whose bf16 matmuls are native (avx512_bf16 or AMX, used by torch's oneDNN): there a 2048^3 bf16
+    matmul ran at 107-165 GFLOP/s against 37-63 in fp32 in the same minute. torch also reports bf16 support
+    on AVX-512 CPUs without those instructions, where bf16 is emulated and slower than fp32: those keep fp32."""
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def bf16_supported() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """bf16 compute where it is fast: a GPU that supports it, else a CPU with native bf16 matmul."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return cpu_bf16_supported()
 
 
 def compute_dtype(spec: Any, warn: Warn | None = None) -> torch.dtype:
-    """bf16 / fp16 where the spec asks and a GPU supports it, else fp32. On CPU a bf16 request falls back
-    to fp32 (this kind of CPU has no fast bf16 matmul, and fp32 is what every test measures); the stage
-    must then pass bf16=False to the Trainer: call this without `warn` to ask again silently."""
+    """bf16 / fp16 where the spec asks and the machine runs it fast, else fp32: bf16 on a GPU that supports it
+    or a CPU with native bf16 matmul (the model loads in bf16, trained weights stay fp32, and the Trainer's
+    bf16=True runs the steps under autocast); fp16 on a GPU only. Elsewhere the request falls back to fp32 and
+    the stage must pass bf16=False to the Trainer: call this without `warn` to ask again silently."""
     if _get(spec, "bf16", False) or _get(spec, "pure_bf16", False):
         if bf16_supported():
             return torch.bfloat16

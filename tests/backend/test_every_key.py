@@ -31,7 +31,7 @@ CONSUMED = {
     "trust_remote_code": "backend/test_key_effects.py::test_trust_remote_code_reaches_the_loaders",
     "flash_attn": "backend/test_models.py::test_attention_choices",
     "enable_liger_kernel": "backend/test_models.py::test_unavailable_accelerations_warn_once_and_fall_back",
-    "bf16": "backend/test_models.py::test_unavailable_accelerations_warn_once_and_fall_back",
+    "bf16": "backend/test_bf16.py::test_trainer_gets_bf16_only_where_the_model_is_bf16",
     "pure_bf16": "backend/test_models.py::test_unavailable_accelerations_warn_once_and_fall_back",
     "fp16": "backend/test_models.py::test_unavailable_accelerations_warn_once_and_fall_back",
     "infer_dtype": "backend/test_key_effects.py::test_infer_dtype_and_export_device",

@@ -16,6 +16,11 @@ are verified there, and only then take export_dir's place (an earlier export the
 until a new one passed; a new one that failed over an earlier one is left in `<name>.failed`).
 SIGINT/SIGTERM remove the partial folder and end with `export ABORTED` (exit 130).
 
+A reward model (stage rm: a LoRA adapter with task_type SEQ_CLS, or a full rm run folder) is exported as
+what it is, a merged AutoModelForSequenceClassification folder (one-output score head, pad_token_id in its
+config), verified on the scores of a few chosen / rejected pairs instead of logits and generation; GGUF
+holds text-generating models only, so a reward model is refused there (`tuneboard validate` already says so).
+
 Progress goes to stdout as `[export k/N] ...` lines (the UI tails them); the last line is
 `export PASSED ...`, `export FAILED ...` or `export ABORTED ...`.
 """
@@ -43,6 +48,15 @@ PROBE_CONVERSATIONS = [
      {"role": "user", "content": "Write one sentence about the sea."}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
      {"role": "user", "content": "Count to five."}],
+]
+# chosen / rejected pairs a reward model export is scored on (its prompts are the probe conversations)
+PROBE_PAIRS = [
+    {"messages": PROBE_CONVERSATIONS[0], "chosen": {"role": "assistant", "content": "The capital of France is Paris."},
+     "rejected": {"role": "assistant", "content": "I am not sure, maybe Lyon."}},
+    {"messages": PROBE_CONVERSATIONS[1], "chosen": {"role": "assistant", "content": "The sea is calm and blue today."},
+     "rejected": {"role": "assistant", "content": "No."}},
+    {"messages": PROBE_CONVERSATIONS[2], "chosen": {"role": "assistant", "content": "One, two, three, four, five."},
+     "rejected": {"role": "assistant", "content": "Five, four, three."}},
 ]
 # max |logit difference| allowed between the export and base+adapter, by the dtype the weights were stored in:
 # (absolute floor, fraction of the largest |logit|)
@@ -144,6 +158,7 @@ def check_request(spec) -> None:
     for path in adapters:
         if not (path / "adapter_config.json").is_file():
             raise ExportError(f"adapter_name_or_path: {path} is not a LoRA adapter folder (no adapter_config.json)")
+    _check_reward_request(spec, adapters)
     out = Path(spec.export_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ExportError(f"export_dir: {out} exists and is a file")
@@ -153,6 +168,30 @@ def check_request(spec) -> None:
     if not _is_empty_dir(out) and not spec.export_overwrite:
         raise ExportError(f"export_dir: {out} is not empty; choose another folder or set export_overwrite: true "
                           "to replace its contents")
+
+
+def _check_reward_request(spec, adapters: list[Path]) -> None:
+    """A reward model exports as a sequence-classification folder; it cannot be GGUF, and its adapters
+    cannot be mixed with causal LM ones (light file checks: backend.rundir.is_reward_model_dir)."""
+    from backend.rundir import is_reward_model_dir, reward_model_folder
+
+    reward_adapters = [a for a in adapters if is_reward_model_dir(a)]
+    if reward_adapters and len(reward_adapters) < len(adapters):
+        raise ExportError("adapter_name_or_path: mixes reward model adapters (task_type SEQ_CLS: "
+                          f"{', '.join(map(str, reward_adapters))}) with causal LM adapters; export them separately")
+    if adapters and not reward_adapters and is_reward_model_dir(spec.model_name_or_path):
+        raise ExportError(f"adapter_name_or_path: {adapters[-1]} is a causal LM adapter, but model_name_or_path "
+                          f"{spec.model_name_or_path} is a reward model (a score head, no LM head to merge it into)")
+    holder = reward_model_folder(spec.model_name_or_path, spec.adapter_name_or_path)
+    if holder and spec.export_format == "gguf":
+        raise ExportError("export_format: " + reward_gguf_refusal(holder))
+
+
+def reward_gguf_refusal(holder) -> str:
+    """Why a reward model has no GGUF export (also the `tuneboard validate` message)."""
+    return (f"gguf holds text-generating (causal LM) models for llama.cpp / Ollama, and {holder} is a reward model "
+            "(a one-output score head trained with stage rm): set export_format: safetensors to export it as a "
+            "merged AutoModelForSequenceClassification folder")
 
 
 def check_adapter_base(adapter: Path, resolved, model_name: str, folder: Path) -> None:
@@ -255,6 +294,8 @@ def _verify_main(request_path: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     req = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    if req.get("reward"):
+        return _verify_reward_main(req)
     folder, gguf_file = req["dir"], req.get("gguf_file")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     dtype = torch.float32 if gguf_file else getattr(torch, req["dtype"])
@@ -271,6 +312,31 @@ def _verify_main(request_path: str) -> int:
     }
     if gguf_file:
         result["gguf"] = read_gguf_metadata(Path(folder) / gguf_file)
+    torch.save(result, req["out"])
+    return 0
+
+
+def _verify_reward_main(req: dict) -> int:
+    """Child process, reward model export: reload it as a sequence classifier and score the probe pairs."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from backend.stages.rm import score_pairs
+
+    folder = req["dir"]
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=getattr(torch, req["dtype"]))
+    model = model.to(req["device"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    result = {
+        # one batch, right-padded: the score must be read at each sequence's last non-pad token
+        "scores": score_pairs(model, tokenizer, req["rows"], batch_size=len(req["rows"])),
+        "architecture": type(model).__name__, "num_labels": model.config.num_labels,
+        "pad_token_id": model.config.pad_token_id, "tokenizer_pad_id": tokenizer.pad_token_id,
+        "renders": [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                    for m in req["conversations"]],
+        "ids": [tokenizer(t, add_special_tokens=False).input_ids for t in req["rendered"]],
+        "shards": sorted(p.name for p in Path(folder).glob("*.safetensors")),
+    }
     torch.save(result, req["out"])
     return 0
 
@@ -347,16 +413,7 @@ def compare(src: dict, got: dict, *, kind: str, stored: str, expected: dict) -> 
                    "agreement": same / max(total, 1), "required": must,
                    "detail": f"greedy continuation: {same}/{total} tokens agree"
                              + ("" if must else " (reported, not required for this type)")})
-    renders_ok = got["renders"] == expected["rendered"]
-    bad = [i for i, (a, b) in enumerate(zip(got["renders"], expected["rendered"])) if a != b]
-    checks.append({"name": "chat_template", "ok": renders_ok,
-                   "detail": "the exported chat template renders every probe conversation exactly as the training "
-                             "template" if renders_ok else
-                             f"probe {bad[0]} renders as {got['renders'][bad[0]]!r}, expected {expected['rendered'][bad[0]]!r}"})
-    ids_ok = got["ids"] == src["prompts"]
-    checks.append({"name": "tokenizer", "ok": ids_ok,
-                   "detail": "the exported tokenizer gives the same token ids for the rendered prompts" if ids_ok
-                   else "the exported tokenizer splits the rendered prompts differently"})
+    checks.extend(_tokenizer_checks(src, got, expected))
     stop = set(expected["stop_ids"])
     if kind == "safetensors":
         eos = set(got["eos_ids"])
@@ -380,6 +437,52 @@ def compare(src: dict, got: dict, *, kind: str, stored: str, expected: dict) -> 
                        "detail": f"GGUF eos {meta.get('tokenizer.ggml.eos_token_id')}, eot "
                                  f"{meta.get('tokenizer.ggml.eot_token_id')}; end-of-turn ids {sorted(stop)}"
                                  + ("" if eos_ok else ": none of them is the GGUF's eos/eot")})
+    return checks
+
+
+def _tokenizer_checks(src: dict, got: dict, expected: dict) -> list[dict]:
+    """The exported chat template renders the probes as the training template; the exported tokenizer splits
+    them into the same ids."""
+    renders_ok = got["renders"] == expected["rendered"]
+    bad = [i for i, (a, b) in enumerate(zip(got["renders"], expected["rendered"])) if a != b]
+    ids_ok = got["ids"] == src["prompts"]
+    return [{"name": "chat_template", "ok": renders_ok,
+             "detail": "the exported chat template renders every probe conversation exactly as the training "
+                       "template" if renders_ok else
+                       f"probe {bad[0]} renders as {got['renders'][bad[0]]!r}, expected {expected['rendered'][bad[0]]!r}"},
+            {"name": "tokenizer", "ok": ids_ok,
+             "detail": "the exported tokenizer gives the same token ids for the rendered prompts" if ids_ok
+             else "the exported tokenizer splits the rendered prompts differently"}]
+
+
+def compare_reward(src: dict, got: dict, *, stored: str, expected: dict) -> list[dict]:
+    """The checks of a reward model export: its scores of the probe pairs against base+adapter's, each
+    pair ranked the same way, a one-output score head that knows the pad token, tokenizer and template."""
+    want, have = src["scores"], got["scores"]
+    scale = max(abs(x) for pair in want for x in pair)
+    floor, frac = LOGIT_TOL[stored]
+    tol = max(floor, frac * scale)
+    diff = max(abs(a - b) for p, q in zip(want, have) for a, b in zip(p, q)) if len(want) == len(have) else float("inf")
+    checks = [{"name": "scores", "ok": diff <= tol, "max_abs_diff": diff, "tolerance": tol, "max_abs_score": scale,
+               "pairs": len(want), "source_scores": [list(p) for p in want], "export_scores": [list(p) for p in have],
+               "detail": f"max |export - (base+adapter)| score difference {diff:.3g} over {len(want)} chosen / "
+                         f"rejected pairs (tolerance {tol:.3g})"}]
+    same = sum((c1 > r1) == (c2 > r2) for (c1, r1), (c2, r2) in zip(want, have))
+    must = stored in GREEDY_MUST_MATCH
+    checks.append({"name": "ranking", "ok": same == len(want) or not must, "agreement": same / max(len(want), 1),
+                   "required": must,
+                   "detail": f"{same}/{len(want)} pairs ranked (chosen vs rejected) as by base+adapter"
+                             + ("" if must else " (reported, not required for this type)")})
+    head_ok = (got["architecture"].endswith("ForSequenceClassification") and got["num_labels"] == 1
+               and got["pad_token_id"] is not None and got["pad_token_id"] == got["tokenizer_pad_id"])
+    checks.append({"name": "score_head", "ok": head_ok, "architecture": got["architecture"],
+                   "num_labels": got["num_labels"], "pad_token_id": got["pad_token_id"],
+                   "detail": f"{got['architecture']} with {got['num_labels']} output(s), config pad_token_id "
+                             f"{got['pad_token_id']} (tokenizer's: {got['tokenizer_pad_id']}; the score is read at "
+                             "the last non-pad token)"})
+    checks.extend(_tokenizer_checks(src, got, expected))
+    checks.append({"name": "shards", "ok": len(got["shards"]) >= 1, "files": got["shards"],
+                   "detail": f"{len(got['shards'])} safetensors file(s)"})
     return checks
 
 
@@ -412,6 +515,10 @@ def export(spec) -> dict:
     kind = spec.export_format
     if spec.quantization_bit is not None:
         warn(f"quantization_bit {spec.quantization_bit} ignored: adapters are merged into a full-precision reload")
+    from backend.rundir import is_reward_model_dir
+
+    if is_reward_model_dir(adapters[-1] if adapters else folder):  # stage rm's output: a score head, no LM head
+        return _export_reward_model(spec, resolved, folder, adapters, warn, warnings, started)
 
     _say(2, f"loading {resolved.model_id} in float32 from {folder}")
     tokenizer = load_tokenizer(resolved, new_special_tokens=getattr(spec, "new_special_tokens", None))
@@ -511,17 +618,94 @@ def export(spec) -> dict:
                                  f"with PARAMETER stop for {list(template.stop_words)}" if not modelfile_problems
                        else "; ".join(modelfile_problems)})
 
+    return _conclude(out, final, checks, {"format": kind, "stored_as": stored, "files": files,
+                                          "source": source_info, "warnings": warnings}, started)
+
+
+def _conclude(out: Path, final: Path, checks: list[dict], report: dict, started: float) -> dict:
+    """Write the report into the verified staging folder, put it in export_dir's place (or beside it as
+    .failed), print the checks; return the report."""
     ok = all(c["ok"] for c in checks)
     where = final if ok or _is_empty_dir(final) else final.parent / f"{final.name}.failed"
-    report = {"ok": ok, "format": kind, "stored_as": stored, "export_dir": str(where), "files": files,
-              "source": source_info, "checks": checks, "warnings": warnings,
-              "seconds": round(time.time() - started, 1)}
+    report = {"ok": ok, "format": report.pop("format"), "stored_as": report.pop("stored_as"),
+              "export_dir": str(where), **report, "checks": checks, "seconds": round(time.time() - started, 1)}
     _write_report(out, report)
     where = _put_in_place(out, final, ok)
     _say(6, f"report: {where / REPORT_FILE}")
     for c in checks:
         print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}", flush=True)
     return report
+
+
+def _export_reward_model(spec, resolved, folder: Path, adapters: list[Path], warn, warnings: list[str],
+                         started: float) -> dict:
+    """Steps 2-6 for a reward model: base with a one-output score head (+ the rm adapter, whose
+    modules_to_save hold the trained head) -> scores of the probe pairs -> merge -> safetensors -> reload
+    as AutoModelForSequenceClassification in a fresh process -> compare scores -> report."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from backend.models import load_tokenizer
+    from backend.preference import build_preference_dataset
+    from backend.resolve import pick_template
+    from backend.stages.rm import score_pairs, set_pad_token
+
+    _say(2, f"loading {resolved.model_id} with a one-output score head in float32 from {folder}")
+    tokenizer = load_tokenizer(resolved, new_special_tokens=getattr(spec, "new_special_tokens", None))
+    template = pick_template(spec.template, resolved, tokenizer, warn=warn)
+    device = _device(spec)
+    # a causal LM base gets a new (random) head here: the adapter's modules_to_save replace it below
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=1)
+    model = model.to(device).eval()
+    if getattr(spec, "resize_vocab", False) or getattr(spec, "new_special_tokens", None):
+        from backend.models import resize_vocab
+
+        resize_vocab(model, spec, resolved, warn)
+    set_pad_token(model, tokenizer)
+    chat_template = chat_template_for(template, tokenizer)
+    rendered = [template.render_text(m, add_generation_prompt=True) for m in PROBE_CONVERSATIONS]
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in rendered]
+    rows, _ = build_preference_dataset(PROBE_PAIRS, template, tokenizer, None)
+
+    _say(3, f"reference scores: base{' + ' + str(len(adapters)) + ' adapter(s)' if adapters else ''} "
+            f"on {len(rows)} chosen / rejected pairs")
+    for i, adapter in enumerate(adapters):
+        model = PeftModel.from_pretrained(model, str(adapter))
+        if i < len(adapters) - 1:
+            model = model.merge_and_unload()
+    model.eval()
+    src = {"prompts": prompts, "scores": score_pairs(model, tokenizer, rows, batch_size=len(rows))}
+    if adapters:
+        model = model.merge_and_unload()
+
+    final = Path(spec.export_dir).expanduser().resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = _staging_dir(final)
+    save_dtype = _save_dtype(spec, folder)
+    stored = str(save_dtype).replace("torch.", "")
+    _say(4, f"writing safetensors ({stored}, shards up to {spec.export_size:g} GB) of the reward model "
+            f"({type(model).__name__}) for {final}")
+    model = model.to(save_dtype)
+    model.config._name_or_path = str(final)
+    model.save_pretrained(out, max_shard_size=int(spec.export_size * 10**9))
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(out)
+    del model
+    files = sorted(p.name for p in out.iterdir())
+
+    _say(5, "verifying: reloading the export as a sequence classifier in a fresh process")
+    expected = {"rendered": rendered}
+    request = {"reward": True, "dir": str(out), "device": device, "dtype": stored, "rows": rows,
+               "conversations": PROBE_CONVERSATIONS, "rendered": rendered}
+    try:
+        checks = compare_reward(src, _run_verifier(request, print), stored=stored, expected=expected)
+    except RuntimeError as exc:
+        checks = [{"name": "reload", "ok": False, "detail": str(exc)}]
+    source_info = {"model": spec.model_name_or_path, "model_folder": str(folder),
+                   "adapters": [str(a) for a in adapters], "template": template.name, "reward_model": True}
+    return _conclude(out, final, checks, {"format": "safetensors", "stored_as": stored, "files": files,
+                                          "source": source_info, "warnings": warnings}, started)
 
 
 def _remove_partials(spec) -> None:

@@ -88,6 +88,50 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+REWARD_TASK_TYPE = "SEQ_CLS"  # peft's task type of a reward adapter (the score head rides in modules_to_save)
+
+
+def is_reward_model_dir(path: str | Path | None) -> bool:
+    """Whether a folder holds a reward model (what stage rm saves: a one-output score head), judged from its
+    small JSON / YAML files only, so that the web UI (no torch) and the backend (eval, export, PPO's
+    reward_model) give the same answer:
+    - adapter_config.json decides for an adapter folder: task_type SEQ_CLS (a causal LM adapter is not one);
+    - else config.json: architectures ...ForSequenceClassification with one label (a full / freeze rm run);
+    - else run_spec.yaml with stage: rm (an rm run that has not saved its model yet)."""
+    if not path:
+        return False
+    path = Path(path).expanduser()
+    try:
+        if (path / "adapter_config.json").is_file():
+            config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+            return isinstance(config, dict) and config.get("task_type") == REWARD_TASK_TYPE
+        if (path / "config.json").is_file():
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            if not isinstance(config, dict):
+                return False
+            return (any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+                    and len(config.get("id2label") or {0: ""}) == 1)
+        if (path / SPEC_FILE).is_file():
+            import yaml
+
+            try:
+                spec = yaml.safe_load((path / SPEC_FILE).read_text(encoding="utf-8"))
+            except yaml.YAMLError:
+                return False
+            return isinstance(spec, dict) and spec.get("stage") == "rm"
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def reward_model_folder(model_name_or_path: str | Path | None, adapter_name_or_path: str | None = None) -> str | None:
+    """The folder that makes `model (+ adapters)` a reward model, or None when it is a causal LM: the last
+    adapter when there are adapters (it holds the trained score head), else the model folder."""
+    adapters = [a.strip() for a in str(adapter_name_or_path or "").split(",") if a.strip()]
+    holder = adapters[-1] if adapters else model_name_or_path
+    return str(holder) if is_reward_model_dir(holder) else None
+
+
 def end_reason(returncode: int | None, step: Any = None, total: Any = None, stop_requested: bool = False) -> str:
     """Why a process ended without writing its final status, in words, with where it was. A SIGKILL out of
     the blue is most often the kernel's out-of-memory killer; after a stop request it is the escalation."""

@@ -770,6 +770,13 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     if spec.export_quantization_bit is not None and spec.adapter_name_or_path:
         err("export_quantization_bit", "merge the adapter first, then quantize the merged model",
             "adapter_name_or_path")
+    if spec.export_format == "gguf" and check_files:
+        from backend.export import reward_gguf_refusal
+        from backend.rundir import reward_model_folder
+
+        holder = reward_model_folder(spec.model_name_or_path, spec.adapter_name_or_path)
+        if holder:  # stage rm's output (adapter_config.json task_type SEQ_CLS, config.json, run_spec.yaml)
+            err("export_format", reward_gguf_refusal(holder), "model_name_or_path", "adapter_name_or_path")
     if spec.interleave_probs and spec.mix_strategy == "concat":
         err("interleave_probs", "only used with mix_strategy interleave_under or interleave_over", "mix_strategy")
     errors.extend(_refusals(spec, check_files))

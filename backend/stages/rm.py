@@ -21,6 +21,7 @@ from pathlib import Path
 from backend.models import load_tokenizer, resolve_model
 from backend.preference import build_preference_dataset
 from backend.resolve import pick_template
+from backend.rundir import is_reward_model_dir  # the one light check (the web UI uses it too)
 from backend.stages.base import StageResult, fit, train_and_eval_rows, trainable_model
 
 PREDICTIONS_FILE = "generated_predictions.jsonl"
@@ -165,25 +166,25 @@ def pair_metrics(scores: list[tuple[float, float]]) -> dict:
 
 
 def write_scores(path: Path, examples: list[dict], scores: list[tuple[float, float]]) -> None:
-    """One JSON line per pair: where it comes from, both scores, whether the chosen one won."""
+    """One JSON line per pair: where it comes from, its question and two answers (what the Evaluate tab's
+    pair view shows), both scores, whether the chosen one won."""
     with open(path, "w", encoding="utf-8") as f:
         for i, (example, (chosen, rejected)) in enumerate(zip(examples, scores)):
             f.write(json.dumps({"index": i, "source": example.get("_source"), "row": example.get("_row"),
+                                "question": _last_user_text(example), "chosen": _answer_text(example, "chosen"),
+                                "rejected": _answer_text(example, "rejected"),
                                 "chosen_score": chosen, "rejected_score": rejected, "margin": chosen - rejected,
                                 "correct": chosen > rejected}, ensure_ascii=False) + "\n")
 
 
-def is_reward_model_dir(path: str | Path) -> bool:
-    """A folder this stage saved: a full reward model (config.json) or a reward adapter (SEQ_CLS)."""
-    path = Path(path)
-    try:
-        if (path / "adapter_config.json").is_file():
-            return json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("task_type") == "SEQ_CLS"
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return (any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
-            and len(config.get("id2label") or {0: ""}) == 1)
+def _last_user_text(example: dict) -> str:
+    turn = next((m for m in reversed(example.get("messages") or []) if m.get("role") == "user"), None)
+    return "" if turn is None else str(turn.get("content") or "")
+
+
+def _answer_text(example: dict, key: str) -> str:
+    answer = example.get(key)
+    return str(answer.get("content") or "") if isinstance(answer, dict) else str(answer or "")
 
 
 def reward_model_location(path: str | Path) -> tuple[str, str | None]:

@@ -139,6 +139,9 @@ def test_rm_reloads_with_the_same_scores(rm_run, rm_eval):
     assert len({round(c, 3) for c, _ in trained}) > 1  # real scores, not a constant
     for (c1, r1), (c2, r2) in zip(trained, reloaded):
         assert c1 == pytest.approx(c2, abs=1e-5) and r1 == pytest.approx(r2, abs=1e-5)
+    # each line carries the pair's text too (the Evaluate tab's pair view shows it)
+    first = json.loads((rm_eval / "generated_predictions.jsonl").read_text().splitlines()[0])
+    assert first["question"] and first["chosen"] and first["rejected"] and first["chosen"] != first["rejected"]
 
 
 @slow

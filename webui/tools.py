@@ -237,7 +237,8 @@ def read_results(out_dir: str | Path | None) -> dict:
     return jobs.read_json(Path(out_dir) / EVAL_RESULTS) if out_dir else {}
 
 
-METRIC_ORDER = ("eval_loss", "perplexity", "predict_bleu-4", "predict_rouge-1", "predict_rouge-2",
+METRIC_ORDER = ("eval_accuracy", "eval_margin", "eval_rewards/chosen", "eval_rewards/rejected",  # a reward model
+                "eval_loss", "perplexity", "predict_bleu-4", "predict_rouge-1", "predict_rouge-2",
                 "predict_rouge-l", "predict_exact_match", "predict_json_valid", "predict_field_precision",
                 "predict_field_recall", "predict_field_f1")
 NOT_METRICS = ("rows", "seconds", "eval_tokens", "predict_rows")
@@ -253,6 +254,28 @@ def metric_names(results: list[dict]) -> list[str]:
                 present.append(k)
     known = [k for k in METRIC_ORDER if k in present]
     return known + [k for k in present if k not in known]
+
+
+def is_reward_model(model: str | None, adapter: str | None) -> bool:
+    """Whether the top bar's model (+ adapter) is a reward model (stage rm's output), from its JSON / YAML
+    files (backend.rundir.is_reward_model_dir: the same check the backend's eval and export use)."""
+    from backend.rundir import reward_model_folder
+
+    return reward_model_folder(model, adapter) is not None
+
+
+def ranking_datasets(dataset_dir: str | Path | None = None) -> list[str]:
+    """The datasets of dataset_info.json with chosen / rejected pairs ("ranking": true): what a reward model
+    is evaluated on."""
+    from webui.choices import dataset_info
+
+    return [n for n, e in dataset_info(dataset_dir).items() if isinstance(e, dict) and e.get("ranking") is True]
+
+
+def pair_score(row: dict) -> float:
+    """A scored pair's margin (chosen score - rejected score); worst first = most wrongly ranked first."""
+    v = row.get("margin")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
 
 
 def read_predictions(out_dir: str | Path | None) -> list[dict]:

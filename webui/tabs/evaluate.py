@@ -4,6 +4,11 @@ the rows (generated_predictions.jsonl: prompt, reference, prediction, per-row sc
 request. "Compare base vs tuned" runs the same rows twice, with and without the adapter, one after the
 other (two processes at once would only halve the speed of each), and shows both side by side.
 
+A reward model (the top bar's adapter / model is stage rm's output: tools.is_reward_model) is evaluated
+with `stage: rm` on a ranking dataset: the rows become chosen / rejected pairs with both scores, the margin
+and whether the chosen answer won, and the metrics are pairwise accuracy and mean margin. There is no
+"compare with base" for it: the base model has no trained score head.
+
 Per-browser state (gr.State): {"parts": [{"name": "tuned"|"base", "dir": str, "adapter": str|None,
 "launched": bool}], "spec": flat dict, "aborted": bool, "rows": [...], "results": {name: dict}}.
 The job folder keeps what the state is rebuilt from after a page reload (attach()): plan.json (parts,
@@ -53,6 +58,7 @@ def build(reg) -> dict:
         c["val_size"] = reg.comp(gr.Number, "eval-val_size", value=0, minimum=0, scale=1,
                                  info="0 = the first rows of the dataset; 0.1 = the 10% training holds out")
         c["compare"] = reg.comp(gr.Checkbox, "eval-compare", value=False, scale=1)
+    c["rm_note"] = gr.Markdown("", visible=False, elem_id="eval-rm-note")
     with gr.Row():
         c["start"] = reg.button("eval-start", variant="primary")
         c["abort"] = reg.button("eval-abort", variant="stop")
@@ -90,12 +96,45 @@ def eval_flat(model, adapter, method, quant, template, datasets, max_samples, ma
             "do_eval": True, "do_predict": True, "do_sample": False}
     if held_out:  # backend.evaluate: no eval_dataset -> the val_size split of dataset
         flat.update(eval_dataset=None, dataset=names, val_size=int(held_out) if held_out >= 1 else held_out)
+    if tools.is_reward_model(model, flat["adapter_name_or_path"]):  # pairs are scored, nothing is generated
+        flat["stage"] = "rm"
+        del flat["max_new_tokens"], flat["do_sample"]
+        flat["dataset"] = names  # validate checks `dataset` against the stage's data kind too
     return flat
+
+
+def is_rm(flat: dict | None) -> bool:
+    """An eval of a reward model (eval_flat set stage rm)."""
+    return (flat or {}).get("stage") == "rm"
+
+
+RM_NOTE = ("**Reward model**: the eval scores the chosen and the rejected answer of each pair of a ranking "
+           "dataset ({datasets}) and reports pairwise accuracy (chosen scored higher) and the mean margin. "
+           "No compare with base: the base model has no trained score head.")
+
+
+def reward_mode_update(model, adapter, datasets):
+    """The tab for the top bar's model (+ adapter): for a reward model, the note, compare off and hidden,
+    max new tokens hidden and a ranking dataset picked (unless one is); else the plain eval form (and the
+    default dataset again if only ranking ones were picked: a causal LM eval cannot use them).
+    Inputs: top bar model, adapter, datasets. Outputs: rm note, compare, max new tokens, dataset."""
+    ranking = tools.ranking_datasets()
+    datasets = [d for d in ([datasets] if isinstance(datasets, str) else datasets or []) if d]
+    picked = [d for d in datasets if d in ranking]
+    if not tools.is_reward_model(model, adapter):
+        plain = ["identity"] if "identity" in choices.dataset_names() else []
+        return (gr.update(visible=False, value=""), gr.update(visible=True), gr.update(visible=True),
+                gr.update(value=plain) if datasets and len(picked) == len(datasets) else gr.skip())
+    return (gr.update(visible=True, value=RM_NOTE.format(datasets=", ".join(f"`{d}`" for d in ranking) or "none")),
+            gr.update(visible=False, value=False), gr.update(visible=False),
+            gr.skip() if picked else gr.update(value=ranking[:1]))
 
 
 def rows_scored(flat: dict) -> str:
     """Which rows an eval scores, in words (the intro cannot know: it depends on val_size)."""
     n = flat.get("max_samples")
+    if is_rm(flat) and not flat.get("val_size"):
+        return f"the {f'first {n} pairs' if n else 'pairs'} of `{flat.get('eval_dataset')}`"
     if flat.get("val_size"):
         v = flat["val_size"]
         share = f"{v:g} rows" if v >= 1 else f"{100 * v:g}%"
@@ -109,6 +148,9 @@ def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
     """The eval parts to run ([tuned] / [base] / [tuned, base]) or (None, why not)."""
     if not (flat.get("eval_dataset") or flat.get("dataset")):
         return None, "⛔ Pick at least one dataset to evaluate on."
+    if compare and is_rm(flat):
+        return None, ("⛔ Compare with base is not available for a reward model: the base model has no trained "
+                      "score head.")
     if compare and not flat.get("adapter_name_or_path"):
         return None, "⛔ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**)."
     try:
@@ -117,8 +159,8 @@ def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
         return None, "⛔ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors)
     job = tools.new_job_dir("eval")
     adapter = flat.get("adapter_name_or_path")
-    parts = [{"name": "tuned" if adapter else "base", "dir": str(job / ("tuned" if adapter else "base")),
-              "adapter": adapter, "launched": False}]
+    name = "tuned" if adapter or is_rm(flat) else "base"  # a reward model is always a trained one
+    parts = [{"name": name, "dir": str(job / name), "adapter": adapter, "launched": False}]
     if compare:
         parts.append({"name": "base", "dir": str(job / "base"), "adapter": None, "launched": False})
     return parts, ""
@@ -135,6 +177,8 @@ def start_eval(st: dict, flat: dict, compare: bool) -> tuple[dict, str, bool]:
     st["parts"], st["spec"] = parts, flat
     save_plan(st)
     launch_part(st, parts[0])
+    if is_rm(flat):
+        return st, f"Scoring chosen / rejected pairs with the reward model: {rows_scored(flat)}…", True
     what = " and ".join(p["name"] for p in parts)
     return st, f"Evaluating {what} on {rows_scored(flat)}…", True
 
@@ -186,6 +230,8 @@ def attach(job: str | None) -> dict:
 
 
 def attached_message(st: dict) -> str:
+    if is_rm(st["spec"]):
+        return f"Reward model eval on {rows_scored(st['spec'])} (picked up again after a reload)."
     what = " and ".join(p["name"] for p in st["parts"])
     return f"Eval of {what} on {rows_scored(st['spec'])} (picked up again after a reload)."
 
@@ -239,6 +285,7 @@ def _fmt(v) -> str:
 
 
 ROW_WIDTHS = {7: ["5%", "22%", "25%", "25%", "9%", "8%", "6%"],
+              8: ["4%", "19%", "20%", "20%", "10%", "10%", "9%", "8%"],  # a reward model's pairs
               9: ["4%", "14%", "17%", "17%", "8%", "7%", "6%", "16%", "11%"]}
 
 
@@ -250,7 +297,9 @@ def rows_update(st: dict, worst_first: bool, lang: str = "en"):
 
 def rows_frame(st: dict, worst_first: bool) -> pd.DataFrame:
     """One line per row: prompt, reference, prediction, per-row score (rouge-l) and, comparing, the base
-    model's prediction and score beside it. Worst first = lowest score first."""
+    model's prediction and score beside it. Worst first = lowest score first. A reward model: pair_frame."""
+    if is_rm(st.get("spec")):
+        return pair_frame(st, worst_first)
     parts = st["parts"]
     cols = ["#", "question", "reference", "prediction", tools.ROW_SCORE, "bleu-4", "exact"]
     if len(parts) > 1:
@@ -270,9 +319,46 @@ def rows_frame(st: dict, worst_first: bool) -> pd.DataFrame:
     return pd.DataFrame(out, columns=cols)
 
 
+PAIR_COLUMNS = ["#", "question", "chosen", "rejected", "chosen score", "rejected score", "margin", "correct"]
+
+
+def pair_frame(st: dict, worst_first: bool) -> pd.DataFrame:
+    """A reward model's pairs, one line each: question, the two answers, their scores, the margin (chosen -
+    rejected) and whether the chosen answer scored higher. Worst first = smallest margin first."""
+    parts = st.get("parts") or []
+    rows = st["rows"].get(parts[0]["name"], []) if parts else []
+    order = sorted(rows, key=tools.pair_score) if worst_first else rows
+    out = [[r.get("index"), tools.short(r.get("question")), tools.short(r.get("chosen")),
+            tools.short(r.get("rejected")), _fmt(r.get("chosen_score")), _fmt(r.get("rejected_score")),
+            _fmt(r.get("margin")), "✓" if r.get("correct") else "✗"] for r in order]
+    return pd.DataFrame(out, columns=PAIR_COLUMNS)
+
+
+def pair_detail(st: dict, index) -> str:
+    """One scored pair in full: the question, each answer with its score, the margin."""
+    parts = (st or {}).get("parts") or []
+    rows = {r.get("index"): r for r in (st.get("rows") or {}).get(parts[0]["name"], [])} if parts else {}
+    r = rows.get(index)
+    if r is None:
+        return ""
+    esc = html.escape
+    where = f" · {r['source']} row {r.get('row')}" if r.get("source") else ""
+    verdict = ("the chosen answer scored higher ✓" if r.get("correct")
+               else "the rejected answer scored higher or equal ✗")
+    return (f'<div class="tb-row-detail" data-index="{esc(str(index))}"><h4>Pair {esc(str(index))}{esc(where)}</h4>'
+            f"<b>Question</b><pre>{esc(str(r.get('question') or ''))}</pre>"
+            f"<b>Chosen</b> <small>score {esc(_fmt(r.get('chosen_score')))}</small>"
+            f"<pre>{esc(str(r.get('chosen') or ''))}</pre>"
+            f"<b>Rejected</b> <small>score {esc(_fmt(r.get('rejected_score')))}</small>"
+            f"<pre>{esc(str(r.get('rejected') or ''))}</pre>"
+            f"<p>margin {esc(_fmt(r.get('margin')))}: {verdict}</p></div>")
+
+
 def row_detail(st: dict, index) -> str:
     """One scored row in full (a click on the table): the whole prompt as the model saw it, the reference,
-    each part's answer and its per-row scores."""
+    each part's answer and its per-row scores. A reward model: pair_detail."""
+    if is_rm((st or {}).get("spec")):
+        return pair_detail(st, index)
     parts = (st or {}).get("parts") or []
     rows = {p["name"]: {r.get("index"): r for r in (st.get("rows") or {}).get(p["name"], [])} for p in parts}
     main = rows.get(parts[0]["name"], {}).get(index) if parts else None
@@ -320,7 +406,8 @@ def poll(st: dict, worst_first: bool, lang: str = "en") -> tuple:
     total, done = s.get("total_steps"), s.get("step") or 0
     n = len(st["parts"])
     idx = st["parts"].index(part) + 1
-    label = f"{part['name']} ({idx}/{n}): " + (f"predicting row {done} of {total}" if total else "loading…")
+    doing = "scoring pair" if is_rm(st.get("spec")) else "predicting row"
+    label = f"{part['name']} ({idx}/{n}): " + (f"{doing} {done} of {total}" if total else "loading…")
     return (st, tools.progress_html("running", int(done), total, label, lang), gr.skip(), gr.skip(), gr.skip(), log,
             gr.Timer(active=True))
 
@@ -350,6 +437,11 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str =
         state = "completed"
         n_rows = len(st["rows"].get(st["parts"][0]["name"], []))
         message = f"✓ **Eval done**: {n_rows} rows, results in `{Path(st['parts'][0]['dir']).parent}`"
+        if is_rm(st.get("spec")):
+            acc = st["results"].get(st["parts"][0]["name"], {}).get("eval_accuracy")
+            message = (f"✓ **Reward model eval done**: {n_rows} pairs"
+                       + (f", pairwise accuracy {acc:.3f}" if isinstance(acc, (int, float)) else "")
+                       + f", results in `{Path(st['parts'][0]['dir']).parent}`")
     total = max((len(v) for v in st["rows"].values()), default=0)
     bar = tools.progress_html(state, total if state == "completed" else 0, total or None,
                               " + ".join(p["name"] for p in st["parts"]), lang)
@@ -393,3 +485,8 @@ def wire(c: dict, top: dict) -> None:
     c["rows"].select(pick_row, [c["state"]], [c["detail"]])
     c["worst_first"].change(lambda st, w, lang: rows_update(st, w, lang) if st and st.get("parts") else gr.skip(),
                             [c["state"], c["worst_first"], top["lang"]], [c["rows"]], show_progress="hidden")
+
+    # a reward model (top bar) switches the tab to scoring pairs: reward_mode_update says how
+    for source in (top["model_name_or_path"], top["adapter_name_or_path"]):
+        source.change(reward_mode_update, [top["model_name_or_path"], top["adapter_name_or_path"], c["dataset"]],
+                      [c["rm_note"], c["compare"], c["max_new_tokens"], c["dataset"]], show_progress="hidden")

@@ -194,6 +194,20 @@ def tokenizer_and_template(spec, run_dir: RunDir):
     return resolved, tokenizer, template
 
 
+def predict_held_out(spec, run_dir: RunDir, result: StageResult, model, tokenizer, template,
+                     val_examples: list[dict]) -> StageResult:
+    """do_predict: generate answers for the held-out rows into generated_predictions.jsonl (streamed) and
+    add the scores to the result's metrics; nothing after a stopped run."""
+    if spec.do_predict and val_examples and not result.stopped:
+        from backend.evaluate import predict
+
+        run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
+        model.eval()
+        result.metrics.update(predict(model, tokenizer, template, val_examples,
+                                      run_dir.path / "generated_predictions.jsonl", spec))
+    return result
+
+
 def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
     """Examples of the named datasets, with the data report in the run log."""
     from backend.data import load_examples

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from backend.models import resolve_model
 from backend.preference import build_kto_dataset
-from backend.stages.base import RunError, StageResult, fit, tokenizer_and_template, train_and_eval_rows, trainable_model
+from backend.stages.base import (RunError, StageResult, fit, predict_held_out, tokenizer_and_template,
+                                 train_and_eval_rows, trainable_model)
 
 
 def run(spec, run_dir, stop) -> StageResult:
@@ -54,15 +55,8 @@ def run(spec, run_dir, stop) -> StageResult:
                          "undesirable_weight": spec.kto_rejected_weight, "max_length": spec.cutoff_len},
                  ref_model=ref_model)
 
-    # 5. predictions on the held-out rows (do_predict), as for sft
-    if spec.do_predict and val_examples and not result.stopped:
-        from backend.evaluate import predict
-
-        run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
-        model.eval()
-        result.metrics.update(predict(model, tokenizer, template, val_examples,
-                                      run_dir.path / "generated_predictions.jsonl", spec))
-    return result
+    # 5. predictions on the held-out rows (do_predict), streamed to generated_predictions.jsonl
+    return predict_held_out(spec, run_dir, result, model, tokenizer, template, val_examples)
 
 
 def reference_model(spec, run_dir, resolved, model):

@@ -5,7 +5,8 @@ Reads top to bottom: tokenizer/template -> dataset -> model (+adapter) -> traine
 from __future__ import annotations
 
 from backend.preprocess import build_sft_dataset
-from backend.stages.base import StageResult, batching, fit, tokenizer_and_template, train_and_eval_rows, trainable_model
+from backend.stages.base import (StageResult, batching, fit, predict_held_out, tokenizer_and_template,
+                                 train_and_eval_rows, trainable_model)
 
 
 def run(spec, run_dir, stop) -> StageResult:
@@ -32,11 +33,4 @@ def run(spec, run_dir, stop) -> StageResult:
                  collator=collator, eval_dataset=eval_rows)
 
     # 5. predictions on the held-out rows (do_predict), streamed to generated_predictions.jsonl
-    if spec.do_predict and val_examples and not result.stopped:
-        from backend.evaluate import predict
-
-        run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
-        model.eval()
-        result.metrics.update(predict(model, tokenizer, template, val_examples,
-                                      run_dir.path / "generated_predictions.jsonl", spec))
-    return result
+    return predict_held_out(spec, run_dir, result, model, tokenizer, template, val_examples)

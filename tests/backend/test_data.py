@@ -176,7 +176,7 @@ BUNDLED = [  # name, stage, rows, formatting
     ("toolcall_demo", "sft", 48, "sharegpt"),
     ("sharegpt_multiturn_demo", "sft", 30, "sharegpt"),
     ("openai_demo", "sft", 20, "openai"),
-    ("dpo_en_demo", "dpo", 40, "alpaca"),
+    ("dpo_en_demo", "dpo", 80, "alpaca"),
     ("kto_en_demo", "kto", 40, "sharegpt"),
     ("c4_demo", "pt", 100, "alpaca"),
     ("csv_demo", "sft", 20, "alpaca"),

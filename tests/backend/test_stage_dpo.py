@@ -298,7 +298,12 @@ def test_dpo_adapter_chats(preference_runs, tiny_llama, capsys):
     spec = load_spec(None, [f"model_name_or_path={tiny_llama}", f"adapter_name_or_path={out}", "template=llama3",
                             "do_sample=false", "max_new_tokens=6"])
     assert chat.main(spec, query="Tell me something about the sea.") == 0
-    assert capsys.readouterr().out.strip()
+    printed = capsys.readouterr().out
+    # A DPO-trained random tiny model may end its turn at once (an empty line): the answer printed is the
+    # engine's, token for token, whatever it says.
+    engine = list(chat.load_engines(spec, include_base=False).values())[-1]
+    reply = engine.chat([{"role": "user", "content": "Tell me something about the sea."}])
+    assert reply.finish_reason in ("stop", "length") and printed.strip() == reply.text.strip()
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ export HF_HUB_DISABLE_TELEMETRY=1
 export GRADIO_ANALYTICS_ENABLED=False
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup demo webui test test-fast browser clean
+.PHONY: setup demo webui test test-fast browser clean bench
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,13 @@ test: setup browser
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e"
+
+# Side by side (not a test): the same LoRA SFT recipe by tuneboard, a plain TRL script and LLaMA-Factory
+# (its own venv, bench/.venv-lf; skipped with the reason if it cannot install). BENCH_ARGS="--levers all" adds
+# TuneBoard with each speed lever off. Results: bench/results/, table in bench/README.md.
+bench: setup
+	bash bench/install_lf.sh > bench/install_lf.log 2>&1 || echo "LLaMA-Factory did not install: see bench/install_lf.log (the benchmark runs without it)"
+	$(PY) bench/run.py --rounds 2 $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

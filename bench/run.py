@@ -1,0 +1,262 @@
+"""Side-by-side benchmark (not a test): the recipe bench/recipe.yaml run by `tuneboard train`, by a plain TRL
+SFTTrainer script (bench/trl_sft.py) and by LLaMA-Factory (bench/.venv-lf, see bench/install_lf.sh),
+alternately, for --rounds rounds; prints useful tokens/s, time to first step, peak RSS, MFU and the ratios,
+and checks that the tools trained the same tokens (per-step losses side by side).
+
+    python bench/run.py [--rounds 2] [--tools tuneboard,trl,lf] [--levers all|padded,plain-loss,...] [--steps N]
+
+--levers adds TuneBoard with a lever switched off (padded batches, plain loss, no checkpointing) or bf16
+(autocast, on CPUs with native bf16 matmul), so each lever is measured in the same run as the others.
+
+Measured: time to first step = process start to the first logged step (loading, tokenizing, first step);
+useful tokens/s = useful (non-pad) tokens of steps 2..N over the wall time from step 1's log line to step N's
+(the tools log every step; step 1, with its warm-up, is left out); the useful tokens per step are the
+dataset's mean row length (as TuneBoard tokenizes it) x batch size: the same figure for every tool, which
+trains the same rows in the same order (equal first losses show it); peak RSS = the process's ru_maxrss
+(wait4), its tokenizer workers included only when they are larger; MFU = 6 x parameters x tokens/s over this
+machine's fp32 (and bf16) matmul peak, measured at the start of the run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+RECIPE = BENCH / "recipe.yaml"
+LF_VENV = BENCH / ".venv-lf"
+PY = sys.executable
+
+
+def matmul_peak(dtype_name: str, n: int = 2048, reps: int = 5) -> float:
+    """Best GFLOP/s of an n^3 matmul in this dtype on this machine, now."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def recipe_facts(model_dir: Path) -> dict:
+    """Mean useful tokens per row (TuneBoard's tokenization), parameter count, batch size, steps."""
+    import yaml
+
+    sys.path.insert(0, str(REPO))
+    from backend.data import load_examples
+    from backend.models import load_tokenizer, resolve_model
+    from backend.preprocess import build_sft_dataset
+    from backend.resolve import pick_template
+
+    recipe = yaml.safe_load(RECIPE.read_text())
+    resolved = resolve_model(str(model_dir))
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(recipe["template"], resolved, tokenizer)
+    examples, _ = load_examples(recipe["dataset"], REPO / recipe["dataset_dir"])
+    rows, stats = build_sft_dataset(examples, template, tokenizer, recipe["cutoff_len"])
+    config = json.loads((model_dir / "config.json").read_text())
+    h, layers, inter, vocab = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
+    kv = config.get("num_key_value_heads", config["num_attention_heads"]) * h // config["num_attention_heads"]
+    params = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h  # the head: the tied embedding, as a matmul
+    return {"mean_row_tokens": stats.total_tokens / stats.rows, "rows": stats.rows, "params": params,
+            "batch": recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"],
+            "steps": recipe["max_steps"]}
+
+
+# TuneBoard with one lever changed: name -> (extra argv, extra env)
+LEVERS = {
+    "padded": ([], {"TUNEBOARD_PADDING_FREE": "0"}),
+    "plain-loss": ([], {"TUNEBOARD_CHUNKED_LOSS": "0"}),
+    "padded+plain-loss": ([], {"TUNEBOARD_PADDING_FREE": "0", "TUNEBOARD_CHUNKED_LOSS": "0"}),
+    "no-ckpt": (["gradient_checkpointing=false"], {}),
+    "bf16": (["bf16=true"], {}),
+}
+
+
+def tools(model_dir: Path, wanted: list[str], levers: list[str], steps: int | None) -> list[tuple[str, list[str], dict]]:
+    """(name, argv, extra env) per run kind, in the order they alternate."""
+    more = [f"max_steps={steps}"] if steps else []
+    tb = [PY, "-m", "backend.cli", "train", str(RECIPE), f"model_name_or_path={model_dir}", *more]
+    out = []
+    if "lf" in wanted:
+        cli = LF_VENV / "bin" / "llamafactory-cli"
+        if cli.is_file():
+            shims = {"PYTHONPATH": str(BENCH / "lf_shims")}  # torchaudio stand-in: see lf_shims/torchaudio
+            out.append(("llamafactory", [str(cli), "train", str(RECIPE), f"model_name_or_path={model_dir}", *more], shims))
+        else:
+            print(f"LLaMA-Factory skipped: {cli} is missing (bash bench/install_lf.sh installs it; see its log)")
+    if "trl" in wanted:
+        out.append(("trl", [PY, str(BENCH / "trl_sft.py"), str(model_dir), str(steps or 12)], {}))
+    if "tuneboard" in wanted:
+        out.append(("tuneboard", tb, {}))
+        for lever in levers:
+            argv, env = LEVERS[lever]
+            out.append((f"tuneboard {lever}", tb + argv, env))
+    return out
+
+
+def losses_of(log: Path) -> list[tuple[float, float]]:
+    """[(step, loss)] from a trainer_log.jsonl (TuneBoard/TRL: step; LLaMA-Factory: current_steps)."""
+    rows = []
+    if log.exists():
+        for line in log.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            step = row.get("step", row.get("current_steps"))
+            if step is not None and row.get("loss") is not None:
+                rows.append((step, float(row["loss"])))
+    return rows
+
+
+def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict:
+    """One run: spawn, watch its trainer_log.jsonl for step lines, wait4 for its peak RSS."""
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    argv = argv[:3] + [str(out_dir)] + argv[3:] if argv[1].endswith("trl_sft.py") else argv + [f"output_dir={out_dir}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env_extra)
+    for switch in ("TUNEBOARD_PADDING_FREE", "TUNEBOARD_CHUNKED_LOSS"):
+        if switch not in env_extra:
+            env.pop(switch, None)
+    log = out_dir / "trainer_log.jsonl"
+    with (out_dir / "bench_stdout.txt").open("w") as sink:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        seen: dict[int, float] = {}
+        while True:  # wait4 (not Popen.poll, which would reap the child and lose its rusage)
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            now = time.perf_counter()
+            for step, _ in losses_of(log):
+                seen.setdefault(int(step), now)
+            if pid:
+                break
+            time.sleep(0.25)
+    returncode = os.waitstatus_to_exitcode(status)
+    peak_kib = usage.ru_maxrss
+    end = time.perf_counter()
+    for step, _ in losses_of(log):
+        seen.setdefault(int(step), end)
+    steps = sorted(seen)
+    result = {"tool": name, "returncode": returncode, "losses": [loss for _, loss in losses_of(log)],
+              "peak_rss_mib": peak_kib / 1024, "wall_s": end - start}
+    if returncode == 0 and len(steps) >= 2:
+        result["first_step_s"] = seen[steps[0]] - start
+        result["steady_s"] = seen[steps[-1]] - seen[steps[0]]
+        result["steady_steps"] = steps[-1] - steps[0]
+    else:
+        print(f"  {name} failed (exit {returncode}); see {out_dir / 'bench_stdout.txt'}")
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tools", default="tuneboard,trl,lf")
+    parser.add_argument("--levers", default="", help="also TuneBoard with levers off / bf16: 'all' or names from "
+                        + ", ".join(LEVERS))
+    parser.add_argument("--steps", type=int, default=None, help="max_steps for every tool (default: the recipe's)")
+    parser.add_argument("--out", default=str(BENCH / "results"))
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(BENCH))
+    import make_data
+
+    from backend.models import materialize_gguf
+    from backend.paths import default_model_file
+
+    make_data.main()
+    model_dir = materialize_gguf(default_model_file())
+    facts = recipe_facts(model_dir)
+    if args.steps:
+        facts["steps"] = args.steps
+    import torch
+
+    peaks = {"fp32": matmul_peak("float32"),
+             "bf16": matmul_peak("bfloat16") if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None}
+    when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    machine = f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}"
+    print(f"{when}  {machine}  load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"matmul peak 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s" + (f", bf16 {peaks['bf16']:.0f} GFLOP/s" if peaks["bf16"] else ""))
+    sys.stdout.flush()
+    print(f"recipe: {facts['rows']} rows, mean {facts['mean_row_tokens']:.1f} useful tokens a row, batch {facts['batch']}, "
+          f"{facts['steps']} steps, {facts['params'] / 1e6:.0f}M matmul parameters", flush=True)
+    levers = list(LEVERS) if args.levers == "all" else [x for x in args.levers.split(",") if x]
+    kinds = tools(model_dir, args.tools.split(","), levers, args.steps)
+    results: list[dict] = []
+    out_root = Path(args.out)
+    for round_ in range(1, args.rounds + 1):
+        for name, argv, env in kinds:
+            print(f"round {round_}: {name} ...", flush=True)
+            r = run_once(name, argv, env, out_root / "runs" / name.replace(" ", "_"))
+            r["round"] = round_
+            if "steady_s" in r:
+                r["tokens_per_s"] = r["steady_steps"] * facts["batch"] * facts["mean_row_tokens"] / r["steady_s"]
+                print(f"  {r['tokens_per_s']:.1f} useful tokens/s, first step after {r['first_step_s']:.0f} s, "
+                      f"peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+            results.append(r)
+    table = summarize(results, facts, peaks)
+    out_root.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M")
+    (out_root / f"bench-{stamp}.json").write_text(json.dumps(
+        {"when": when, "machine": machine, "peaks_gflops": peaks, "facts": facts, "runs": results}, indent=1))
+    print(table)
+    return 0
+
+
+def summarize(results: list[dict], facts: dict, peaks: dict) -> str:
+    """Markdown table: medians per tool and the ratios against LLaMA-Factory (else TRL); the losses side by side."""
+    by_tool: dict[str, list[dict]] = {}
+    for r in results:
+        by_tool.setdefault(r["tool"], []).append(r)
+    med = {}
+    for tool, runs in by_tool.items():
+        ok = [r for r in runs if "tokens_per_s" in r]
+        if ok:
+            med[tool] = {k: statistics.median(r[k] for r in ok) for k in ("tokens_per_s", "first_step_s", "peak_rss_mib")}
+            med[tool]["losses"] = ok[0]["losses"]
+    base = "llamafactory" if "llamafactory" in med else "trl" if "trl" in med else None
+    lines = [f"| tool | useful tokens/s | vs {base} | first step (s) | peak RSS (MiB) | vs {base} | MFU fp32 |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for tool, m in med.items():
+        speed = m["tokens_per_s"] / med[base]["tokens_per_s"] if base else float("nan")
+        memory = m["peak_rss_mib"] / med[base]["peak_rss_mib"] if base else float("nan")
+        mfu = 6 * facts["params"] * m["tokens_per_s"] / (peaks["fp32"] * 1e9)
+        lines.append(f"| {tool} | {m['tokens_per_s']:.1f} | {speed:.2f}x | {m['first_step_s']:.0f} | "
+                     f"{m['peak_rss_mib']:,.0f} | {memory:.2f}x | {100 * mfu:.1f}% |")
+    lines.append("")
+    lines.append("per-step losses (first round):")
+    for tool, m in med.items():
+        lines.append(f"  {tool:28s} " + " ".join(f"{x:.4f}" for x in m["losses"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

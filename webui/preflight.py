@@ -18,6 +18,11 @@ FIELDS = ("model_name_or_path", "finetuning_type", "quantization_bit", "stage", 
           "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16")
 
 
+def _checkpointing(flat: dict) -> bool:
+    """Gradient checkpointing as the run will have it: unset = on (LLaMA-Factory's default, the spec's too)."""
+    return flat.get("gradient_checkpointing") is not False and not flat.get("disable_gradient_checkpointing")
+
+
 def param_count(model: str) -> float | None:
     name = (model or "").lower()
     for key, n in KNOWN_PARAMS.items():
@@ -67,7 +72,7 @@ def estimate(flat: dict) -> dict:
     pairs = pairwise(flat)
     tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024) * (2 if pairs else 1)
     layers = max(12.0, n / 12 / hidden ** 2)
-    acts = tokens * hidden * layers * 34 * (2 if half else 4) / (8 if flat.get("gradient_checkpointing") else 1)
+    acts = tokens * hidden * layers * 34 * (2 if half else 4) / (8 if _checkpointing(flat) else 1)
     reference = 0.0
     if reference_copy(flat):
         reference = (param_count(flat.get("ref_model") or "") or n) * weight_b  # frozen: weights only

@@ -147,7 +147,7 @@ def test_export_tab_reattaches_after_a_reload(app_page, finished_runs, tiny_llam
 def test_start_while_training_queues_and_runs_shows_it(app_page, tiny_llama, shot):
     page = app_page
     set_dropdown(page, "top-model_name_or_path", tiny_llama)
-    set_number(page, "train-max_steps", 200)
+    set_number(page, "train-max_steps", 5000)  # outlasts the checks: a tiny model can run ~100 steps/s
     page.locator("#train-start").click()
     expect(page.locator("#train-message")).to_contain_text("Started", timeout=30_000)
     first = page.locator("#train-progress .tb-run-name").inner_text()

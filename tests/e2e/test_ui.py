@@ -68,7 +68,7 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     model.fill(str(tiny_llama))
     model.press("Enter")
     steps = page.locator("#train-max_steps input")
-    steps.fill("60")
+    steps.fill("5000")  # far more than the test watches (it aborts): a tiny model runs ~100 steps/s when idle
     steps.press("Tab")
     page.locator("#train-start").click()
     try:
@@ -78,7 +78,7 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
         raise AssertionError("not started; errors box: " + page.locator("#train-errors").inner_text()) from None
     # before its first step the card says what the run does, and the step total max_steps fixes
     expect(page.locator("#train-progress .tb-phase")).to_be_attached()
-    expect(page.locator("#train-progress .tb-stats")).to_contain_text("/ 60")
+    expect(page.locator("#train-progress .tb-stats")).to_contain_text("/ 5000")
     state = page.locator("#train-progress .tb-progress")
     expect(state).to_have_attribute("data-state", "running", timeout=120_000)
     page.wait_for_function("() => document.querySelectorAll('#train-loss_plot [aria-roledescription=\"point\"]').length > 0",
@@ -99,7 +99,7 @@ def test_train_from_form_live_reload_abort(app_page, tiny_llama, shot):
     expect(state).to_have_attribute("data-state", "running", timeout=30_000)
     # the form shows the attached run's settings, not the defaults
     expect(page.locator("#train-message")).to_contain_text("Attached to the running")
-    expect(page.locator("#train-max_steps input")).to_have_value("60")
+    expect(page.locator("#train-max_steps input")).to_have_value("5000")
     after = _step(page)
     page.wait_for_function(f"() => +document.querySelector('#train-progress .tb-progress').dataset.step > {after}",
                            timeout=60_000)

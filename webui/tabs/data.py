@@ -16,6 +16,10 @@ LEGEND = ('<div class="tb-legend"><span class="tb-trained">trained (the model le
           '<span class="tb-masked">masked (context only)</span></div>')
 
 
+# Row previews run one at a time, in the order they were asked for: the first look on opening the tab
+# (a preview subprocess) finishing after a dataset pick used to put the old dataset's row back on screen.
+ONE_ROW_AT_A_TIME = {"concurrency_limit": 1, "concurrency_id": "data-row"}
+
 def build(reg) -> dict:
     c: dict = {}
     with gr.Row():
@@ -125,15 +129,15 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
             """Inputs: the rendered row, then as show_row. Outputs: summary, rendered row."""
             return (gr.skip(), gr.skip()) if rendered else show_row(*values)
 
-        tab.select(first_look, [c["rendered"], *ins], [c["summary"], c["rendered"]])
-    c["show"].click(show_row, ins, [c["summary"], c["rendered"]])
+        tab.select(first_look, [c["rendered"], *ins], [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
+    c["show"].click(show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     # a dataset picked: its statistics are not the last one's, and its row 0 is shown at once
     c["dataset"].change(lambda: (0, *cleared_stats()), None, [c["index"], c["stats_md"], c["hist"]],
-                        show_progress="hidden").then(show_row, ins, [c["summary"], c["rendered"]])
+                        show_progress="hidden").then(show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     c["next"].click(lambda i: int(i or 0) + 1, [c["index"]], [c["index"]]).then(
-        show_row, ins, [c["summary"], c["rendered"]])
+        show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     c["prev"].click(lambda i: max(0, int(i or 0) - 1), [c["index"]], [c["index"]]).then(
-        show_row, ins, [c["summary"], c["rendered"]])
+        show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     c["stats"].click(stats, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff],
                      [c["stats_md"], c["hist"]])
     c["dir"].submit(lambda d: gr.update(choices=choices.dataset_names(d)), [c["dir"]], [c["dataset"]])

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import gradio as gr
 import pandas as pd
-import yaml
 
 from backend import paths
 from backend.spec import SpecError, load_spec, validate_spec

@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from webui import jobs
@@ -35,14 +34,6 @@ def finished_run(root: Path, name: str, steps: int = 3, checkpoint: bool = True)
     if checkpoint:
         (d / f"checkpoint-{steps}").mkdir()
     return d
-
-
-@pytest.fixture
-def root(tmp_path, monkeypatch):
-    r = tmp_path / "saves"
-    r.mkdir()
-    monkeypatch.setenv("TUNEBOARD_SAVES", str(r))
-    return r
 
 
 def argv_of(run_dir: Path) -> list[str]:

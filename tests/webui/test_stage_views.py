@@ -48,14 +48,6 @@ def run_dir_with(root: Path, name: str, spec: dict, records: list[dict], state="
     return d
 
 
-@pytest.fixture
-def root(tmp_path, monkeypatch):
-    r = tmp_path / "saves"
-    r.mkdir()
-    monkeypatch.setenv("TUNEBOARD_SAVES", str(r))
-    return r
-
-
 # ------------------------------------------------------------------ Train tab: the stage's plots
 
 def test_every_declared_plot_has_a_component_and_a_label():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from backend.rundir import LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
 from backend.stages import stage_module
-from backend.stages.base import RunError, StageResult  # noqa: F401 (the run life cycle's result and error)
+from backend.stages.base import RunError
 
 EXIT_OK, EXIT_FAILED, EXIT_ABORTED = 0, 1, 130
 _RUN_OUTPUTS = (LOG_FILE, "adapter_model.safetensors", "model.safetensors", "trainer_state.json")

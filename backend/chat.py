@@ -19,7 +19,7 @@ class _Printer:
     """Writes streamed pieces with the answer's leading and trailing whitespace trimmed, so a one-shot
     answer is one clean line block (what `make demo` shows)."""
 
-    def __init__(self, out=sys.stdout):
+    def __init__(self, out):
         self.out, self.started, self.pending = out, False, ""
 
     def write(self, piece: str) -> None:
@@ -41,8 +41,10 @@ class _Printer:
         self.out.flush()
 
 
-def answer(engine, messages: list[dict], out=sys.stdout) -> str:
-    """Stream one answer to `out`; return its text (partial if interrupted with Ctrl-C)."""
+def answer(engine, messages: list[dict], out=None) -> str:
+    """Stream one answer to `out` (sys.stdout as it is at call time); return its text (partial if
+    interrupted with Ctrl-C)."""
+    out = out if out is not None else sys.stdout
     stream = engine.stream(messages)
     printer, text = _Printer(out), []
     try:

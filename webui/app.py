@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr  # noqa: E402
 
-from backend import paths  # noqa: E402
+from backend import allowed, paths  # noqa: E402
 from webui import choices, jobs, tools  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS  # noqa: E402
@@ -200,11 +200,24 @@ setInterval(() => {
 </script>"""
 
 
-def launch_kwargs() -> dict:
-    """What `launch()` needs besides host/port (Gradio 6 takes theme/css/head at launch time)."""
+LOGIN_NOTE = ("After {n} wrong logins from one address, that address has to wait {minutes} minutes "
+              "before it can try again.")
+
+
+def launch_kwargs(login: dict | None = None) -> dict:
+    """What `launch()` needs besides host/port (Gradio 6 takes theme/css/head at launch time). The login
+    guard (webui/login.py: back-off, lockout, API names kept behind the login) acts only when `auth` is set;
+    `login`: its settings (LoginGuard's keyword arguments)."""
+    from starlette.middleware import Middleware
+
+    from webui.login import LoginGuard
+
+    login = dict(login or {})
+    note = LOGIN_NOTE.format(n=login.get("max_failures", 5), minutes=round(login.get("lockout_s", 300) / 60, 1))
     return {"css_paths": [CSS_FILE], "allowed_paths": [str(paths.ASSETS_DIR)], "favicon_path": str(LOGO),
             "theme": gr.themes.Soft(primary_hue="indigo", secondary_hue="sky"),
-            "footer_links": [], "head": FOLLOW_LOGS_JS}
+            "footer_links": [], "head": FOLLOW_LOGS_JS, "auth_message": note,
+            "app_kwargs": {"middleware": [Middleware(LoginGuard, **login)]}}
 
 
 # ------------------------------------------------------------------ command line
@@ -222,6 +235,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="allow a non-loopback --host without a login (anyone on the network can train)")
     p.add_argument("--max-concurrent", type=int, default=None, help="runs allowed at once (queue setting)")
+    p.add_argument("--allow-path", action="append", default=[], metavar="DIR",
+                   help="a folder the UI may read and write besides data/, saves/, the cache and examples/ "
+                        "(repeatable; also $TUNEBOARD_ALLOW_PATHS, folders separated by ':')")
+    p.add_argument("--login-max-failures", type=int, default=5,
+                   help="with --auth: wrong logins from one address before it is locked out (default 5)")
+    p.add_argument("--login-lockout", type=float, default=300.0, metavar="SECONDS",
+                   help="with --auth: how long a locked-out address waits (default 300 s)")
     return p.parse_args(argv)
 
 
@@ -263,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
               "could run jobs on it. Add --auth USER:PASS (or --auth-file F), or pass --insecure-no-auth "
               "if you really mean it.", file=sys.stderr)
         return 2
+    for d in opts.allow_path:
+        if not os.path.isdir(os.path.expanduser(d)):
+            print(f"error: --allow-path {d}: no such folder", file=sys.stderr)
+            return 2
+    allowed.add_roots(opts.allow_path)
     port = free_port(opts.host, opts.port)
     if port != opts.port:
         print(f"port {opts.port} is taken: using {port}", flush=True)
@@ -271,9 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     worker = jobs.QueueWorker().start()
     demo = create_app()
     print(f"TuneBoard: http://{opts.host}:{port}{opts.root_path or ''}/", flush=True)
+    print("Allowed folders: " + allowed.roots_text(allowed.roots()), flush=True)
     try:
         demo.launch(server_name=opts.host, server_port=port, auth=auth or None, root_path=opts.root_path,
-                    show_error=True, **launch_kwargs())
+                    show_error=True, **launch_kwargs({"max_failures": opts.login_max_failures,
+                                                      "lockout_s": opts.login_lockout}))
     finally:
         worker.stop()
     return 0

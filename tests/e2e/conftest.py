@@ -61,9 +61,13 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def app_url(saves_root):
+def app_url(saves_root, tmp_path_factory):
+    from backend import allowed
     from webui import jobs
     from webui.app import create_app, launch_kwargs
+
+    # the tests' own folders (a copy of data/, export targets under tmp_path), as `--allow-path` would add them
+    allowed.add_roots([str(tmp_path_factory.getbasetemp())])
 
     worker = jobs.QueueWorker(saves_root, interval_s=1.0).start()
     demo = create_app()

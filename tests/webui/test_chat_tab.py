@@ -12,7 +12,7 @@ def test_tab_builds_and_imports_no_ml_stack():
     code = ("import sys, gradio as gr\nfrom webui.ui import Registry\nfrom webui.tabs import chat\n"
             "reg = Registry('en')\n"
             "with gr.Blocks():\n"
-            "    top = {k: gr.Textbox() for k in ('model_name_or_path', 'adapter_name_or_path', 'template')}\n"
+            "    top = {k: gr.Textbox() for k in ('model_name_or_path', 'adapter_name_or_path', 'template', 'lang')}\n"
             "    ui = chat.build(reg, top)\n    chat.wire(ui)\n"
             "print(','.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)

@@ -61,6 +61,7 @@ def saves(tmp_path, monkeypatch):
     monkeypatch.setattr(jobs, "tuneboard_argv", lambda: [sys.executable, str(cli)])
     monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path / "saves"))
     monkeypatch.setenv("FAKE_CLI_HOLD_S", "0")
+    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", str(tmp_path))  # exports go to tmp_path/out (--allow-path)
     (tmp_path / "models" / "tiny").mkdir(parents=True)  # validate checks that the model path holds a model
     (tmp_path / "models" / "tiny" / "config.json").write_text("{}")
     return tmp_path / "saves"

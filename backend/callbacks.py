@@ -62,11 +62,16 @@ class RunDirCallback(TrainerCallback):
         self._tokens0 = state.num_input_tokens_seen or 0
         self._step0 = state.global_step
         self.run_dir.update_status(total_steps=state.max_steps, step=state.global_step)
-        self.run_dir.log(f"training: {state.max_steps} steps, {args.num_train_epochs:g} epochs max")
+        world = getattr(args, "world_size", 1)
+        self.run_dir.log(f"training: {state.max_steps} steps, {args.num_train_epochs:g} epochs max, world size {world}"
+                         + (f" ({args.per_device_train_batch_size} rows per device x {world} processes x "
+                            f"{args.gradient_accumulation_steps} accumulation = "
+                            f"{args.per_device_train_batch_size * world * args.gradient_accumulation_steps} "
+                            "rows per step; tokens/s counts every rank)" if world > 1 else ""))
 
     def on_step_end(self, args, state, control, **kwargs):
         self.run_dir.update_status(step=state.global_step, total_steps=state.max_steps)
-        reason = self.stop.reason
+        reason = agreed_stop(self.stop.reason) if not self.stop_reason else None
         if reason and not self.stop_reason:
             self.stop_reason = reason
             self.run_dir.log(f"stop requested ({reason}): saving and stopping after step {state.global_step}")
@@ -75,6 +80,10 @@ class RunDirCallback(TrainerCallback):
         if control.should_training_stop or state.global_step >= state.max_steps:
             control.should_log = True  # the last step is always on the curve, whatever logging_steps says
         return control
+            if not self.run_dir.writer:  # the other ranks say it once on stdout (the launcher's process log)
+                import os
+
+                print(f"rank {os.environ.get('RANK')}: stopping after step {state.global_step} ({reason})", flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {})
@@ -114,6 +123,23 @@ def _memory_mb() -> float | None:
 
         if torch.cuda.is_available():
             return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+def agreed_stop(reason: str | None) -> str | None:
+    """In a run of several processes, every rank stops after the same step: rank 0 reads the STOP file, any
+    rank may have caught a signal, and one all-reduce (max) per step makes the decision everyone's. Alone,
+    the local reason as it is."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return reason
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if reason else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and not reason:
+        return "stop requested on another rank"
+    return reason
+
+
         import psutil
 
         return round(psutil.Process().memory_info().rss / 2**20, 1)

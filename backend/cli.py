@@ -40,6 +40,11 @@ def _offline_env() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    if not os.environ.get("DS_ACCELERATOR"):  # DeepSpeed (imported by transformers) warns when it has to guess
+        from backend.launch import visible_accelerators
+
+        if not visible_accelerators():
+            os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def cmd_validate(args: list[str]) -> int:
@@ -56,14 +61,25 @@ def cmd_validate(args: list[str]) -> int:
 
 def cmd_train(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help"):
-        print("usage: tuneboard train [SPEC.yaml] [key=value ...]\n\nkeys: see `tuneboard fields`")
+        print("usage: tuneboard train [--print-launch] [SPEC.yaml] [key=value ...]\n\n"
+              "--print-launch: print the command that starts each node of a multi-node run (nnodes, master_addr)"
+              " and exit\n\nkeys: see `tuneboard fields`")
         return 0
+    print_launch = "--print-launch" in args
+    args = [a for a in args if a != "--print-launch"]
     spec = load_or_report(args)
     if spec is None:
         return 1
+    if print_launch:
+        from backend.launch import launch_commands
+
+        for node, line in enumerate(launch_commands(args, spec)):
+            print(f"# node {node}" + (" (main: writes the run folder)" if node == 0 else ""))
+            print(line)
+        return 0
     from backend.train import run
 
-    return run(spec)
+    return run(spec, args)
 
 
 def cmd_fields(args: list[str]) -> int:

@@ -200,13 +200,16 @@ def mark_ended(run_dir: str | Path, returncode: int | None = None, *, launched_a
 
 
 class RunDir:
-    """Writer for one run directory."""
+    """Writer for one run directory. In a run of several processes only global rank 0 writes: the other
+    ranks get a RunDir with writer=False, which keeps the status in memory, writes no file, prints nothing
+    and never reads the STOP file (rank 0 reads it and tells the others: backend.callbacks)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, writer: bool = True):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.writer = writer
         self.status: dict[str, Any] = read_status(self.path) or {}
-        self._log = open(self.path / RUNNING_LOG, "a", encoding="utf-8")
+        self._log = open(self.path / RUNNING_LOG, "a", encoding="utf-8") if writer else None
         self._started = time.time()
 
     # -- status.json -------------------------------------------------------------------------
@@ -215,7 +218,8 @@ class RunDir:
         self.status["updated_at"] = now_iso()
         self.status.setdefault("output_dir", str(self.path))
         self.status.setdefault("warnings", [])
-        write_json_atomic(self.path / STATUS_FILE, self.status)
+        if self.writer:
+            write_json_atomic(self.path / STATUS_FILE, self.status)
 
     def start(self) -> None:
         self.clear_stale_stop()
@@ -273,6 +277,8 @@ class RunDir:
         """A human-readable line, to running_log.txt and stdout (which the launcher also captures). A line
         that cannot be written to the file (disk full) still goes to stdout."""
         line = f"[{datetime.now().strftime('%H:%M:%S')}] {message}"
+        if not self.writer:
+            return
         print(line, flush=True)
         try:
             self._log.write(line + "\n")
@@ -282,6 +288,8 @@ class RunDir:
 
     def append_metrics(self, record: dict) -> None:
         row = {key: record.get(key) for key in TRAINER_LOG_KEYS}
+        if not self.writer:
+            return
         row.update({k: v for k, v in record.items() if k not in row})
         with open(self.path / LOG_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
@@ -289,10 +297,12 @@ class RunDir:
 
     @property
     def stop_requested(self) -> bool:
-        return (self.path / STOP_FILE).exists()
+        return self.writer and (self.path / STOP_FILE).exists()
 
     def close(self) -> None:
         try:
+        if self._log is None:
+            return
             self._log.close()
         except OSError:  # the last buffered line could not be written (disk full)
             pass

@@ -36,10 +36,11 @@ from backend.stages import IMPLEMENTED, STAGE_IDS, get_stage, stages_using_field
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
 
 STAGES = STAGE_IDS  # declared in backend/stages (the stage contract); kept here for readers of the spec
-GROUPS = ("model", "method", "lora", "freeze", "quantization", "data", "train", "logging", "eval", "export",
-          "generation", "advanced")
+GROUPS = ("model", "method", "lora", "freeze", "quantization", "data", "train", "distributed", "logging", "eval",
+          "export", "generation", "advanced")
 GROUP_TITLES = {"model": "Model", "method": "Method", "lora": "LoRA", "freeze": "Freeze",
-                "quantization": "Quantization", "data": "Data", "train": "Train", "logging": "Logging",
+                "quantization": "Quantization", "data": "Data", "train": "Train",
+                "distributed": "Devices and distribution", "logging": "Logging",
                 "eval": "Eval", "export": "Export", "generation": "Generation", "advanced": "Advanced"}
 PASSTHROUGH_TITLE = "TrainingArguments passthrough"
 
@@ -315,6 +316,15 @@ class RunSpec(BaseModel):
     do_predict: bool = _f(False, "Generate predictions on the evaluation set.", "eval")
     predict_with_generate: bool = _f(True, "Use generation when predicting (always: predictions are generated text).", "eval", refused="predictions are always generated (do_predict writes generated_predictions.jsonl), so predict_with_generate is always true")
     per_device_eval_batch_size: int = _f(2, "Rows per device per evaluation pass.", "eval", ge=1)
+    # ---------------------------------------------------------------- distributed (backend/launch.py)
+    nproc_per_node: Union[int, Literal["auto"]] = _f("auto", "Training processes on this machine: a number, or auto = one per visible GPU (1 on a CPU-only machine).", "distributed")
+    nnodes: int = _f(1, "Machines in the run; start the same spec on each with its node_rank (`tuneboard train --print-launch` prints the commands).", "distributed", ge=1)
+    node_rank: int = _f(0, "This machine's index among the nnodes (0 = the main node, which writes the run folder).", "distributed", ge=0)
+    master_addr: Optional[str] = _f(None, "Address of node 0 that every node can reach (default 127.0.0.1 on one machine).", "distributed")
+    master_port: Optional[int] = _f(None, "Rendezvous port on node 0 (default: a free port).", "distributed", ge=1, le=65535)
+    deepspeed: Optional[str] = _f(None, "DeepSpeed config JSON (ZeRO stage, offload), e.g. examples/deepspeed/ds_z3_config.json.", "distributed")
+    accelerate_config: Optional[str] = _f(None, "An accelerate FSDP config YAML, e.g. examples/accelerate/fsdp_config.yaml (GPU only).", "distributed")
+
     eval_strategy: Literal["no", "steps", "epoch"] = _f("no", "When to evaluate during training (needs val_size or eval_dataset).", "eval")
     eval_steps: Union[int, float, None] = _f(None, "Evaluate every N steps (default: logging_steps).", "eval", gt=0)
     load_best_model_at_end: bool = _f(False, "Load the best checkpoint at the end (needs evaluation).", "eval")
@@ -421,6 +431,17 @@ class RunSpec(BaseModel):
     def _known_optim(cls, value: str) -> str:
         choices = training_args_fields().get("optim", {}).get("choices")
         if choices and value not in choices:
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _process_count(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"must be auto or a number of processes, 1 or more (got {_show(value)})")
+        return value
+
             close = difflib.get_close_matches(value, choices, n=3)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else f"; known: {', '.join(choices)}"
             raise ValueError(f"unknown optimizer {value!r}{hint}")
@@ -792,6 +813,9 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         if sampling != "sequential":
             err("train_sampling_strategy", f"KTO needs sequential sampling (got {sampling}): its KL pairs are built "
                 "within fixed batches of neighbouring rows", "stage")
+    from backend.launch import distributed_errors
+
+    errors.extend(distributed_errors(spec, check_files))
     if spec.stage in ("rm", "kto") or get_stage(spec.stage).module == "dpo":
         if spec.resolved_packing:
             err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "

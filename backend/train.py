@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import sys
 import traceback
 from pathlib import Path
 
@@ -88,8 +89,17 @@ def failure_message(exc: BaseException, out: Path) -> str:
     return message
 
 
-def run(spec) -> int:
-    """Run a training stage; return the process exit code. Never raises."""
+def run(spec, args: list[str] | None = None) -> int:
+    """Run a training stage; return the process exit code. Never raises. `args`: the command line the spec
+    came from (SPEC.yaml key=value ...), which the workers of a launched run are started with."""
+    from backend import launch
+
+    if launch.is_worker():
+        return _run_worker(spec)
+    if launch.needs_launcher(spec) and spec.node_rank > 0:  # node 0 keeps the run directory
+        spec.output_dir = str(Path(spec.output_dir or spec.default_output_dir()).resolve())
+        Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+        return launch.run_launcher(spec, list(args or []), None)
     try:
         out = prepare_output_dir(spec)
         run_dir = RunDir(out)
@@ -101,25 +111,68 @@ def run(spec) -> int:
         where = exc.filename or spec.output_dir
         print(f"error: output_dir {spec.output_dir}: cannot write {where}: {exc.strerror or exc}", flush=True)
         return EXIT_FAILED
+    run_dir.update_status(world_size=launch.world_size(spec))
+    if launch.needs_launcher(spec):
+        run_dir.log(f"stage {spec.stage}, {spec.finetuning_type}, model {spec.model_name_or_path}, output {out}")
+        run_dir.log(f"distributed: {launch.describe(spec)}")
+        try:
+            code = launch.run_launcher(spec, list(args or []), run_dir)
+        except Exception as exc:  # the launcher itself failed (rendezvous port taken, ...)
+            run_dir.log(traceback.format_exc().rstrip())
+            run_dir.finish("failed", EXIT_FAILED, error=f"could not launch the workers: {type(exc).__name__}: {exc}")
+            code = EXIT_FAILED
+        run_dir.close()
+        return code
+    return _train(spec, run_dir, out)
+
+
+def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = False) -> int:
+    """The stage, from a started run directory to its final status (rank 0 writes it; other ranks only
+    train). Returns the exit code."""
     from backend.callbacks import StopSwitch
 
     stop = StopSwitch(run_dir)
     stop.install()
     try:
         stage = stage_module(spec.stage)
-        run_dir.log(f"stage {spec.stage}, {spec.finetuning_type}, model {spec.model_name_or_path}, output {out}")
+        if not launched:
+            run_dir.log(f"stage {spec.stage}, {spec.finetuning_type}, model {spec.model_name_or_path}, output {out}")
         seed_everything(spec)
         result = stage.run(spec, run_dir, stop)
     except Exception as exc:  # the run ends here; the status says why
         message = failure_message(exc, out)
+        if rank:
+            print(f"rank {rank}: FAILED: {message}\n{traceback.format_exc().rstrip()}", file=sys.stderr, flush=True)
         if not isinstance(exc, RunError):
             run_dir.log(traceback.format_exc().rstrip())
         run_dir.log(f"FAILED: {message}")
         run_dir.finish("failed", EXIT_FAILED, error=message)
         run_dir.close()
+        from backend.launch import record_worker_failure
+
+        record_worker_failure(message)
         return EXIT_FAILED
     state, code = ("aborted", EXIT_ABORTED) if result.stopped else ("completed", EXIT_OK)
     run_dir.log(f"{state}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.metrics.items()))
     run_dir.finish(state, code, final_metrics=result.metrics)
     run_dir.close()
     return code
+
+
+def _run_worker(spec) -> int:
+    """One rank of a launched run (backend.launch): the launcher prepared the run directory and holds its
+    status; global rank 0 writes, the others train silently. Ends the process (flush, os._exit): completed and
+    aborted exit 0 (a non-zero exit makes the agent stop every rank), failed exits 1."""
+    from backend import launch
+
+    launch.become_worker()
+    rank = launch.rank()
+    out = Path(spec.output_dir)
+    try:
+        run_dir = RunDir(out, writer=rank == 0)
+    except OSError as exc:
+        launch.record_worker_failure(f"cannot open the run directory {out}: {exc}")
+        launch.worker_exit(EXIT_FAILED)
+    code = _train(spec, run_dir, out, rank=rank, launched=True)
+    launch.worker_exit(EXIT_FAILED if code == EXIT_FAILED else EXIT_OK)
+    return code  # not reached

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(os.path.expanduser(d)):
             print(f"error: --allow-path {d}: no such folder", file=sys.stderr)
             return 2
-    allowed.add_roots(opts.allow_path)
+    allowed.add_roots([os.path.abspath(os.path.expanduser(d)) for d in opts.allow_path])  # from the shell's folder
     port = free_port(opts.host, opts.port)
     if port != opts.port:
         print(f"port {opts.port} is taken: using {port}", flush=True)

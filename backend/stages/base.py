@@ -112,10 +112,29 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     kwargs["fp16"] = bool(kwargs.get("fp16")) and dtype == torch.float16
     if kwargs["bf16"] and not torch.cuda.is_available():
         kwargs["use_cpu"] = True  # bf16 autocast on a CPU with native bf16 matmul: transformers wants it said
+    kwargs.update(distributed_arguments(spec))
     if not has_eval:
         kwargs["eval_strategy"] = "no"
         kwargs["load_best_model_at_end"] = False
     return args_class(**kwargs)
+
+
+def distributed_arguments(spec) -> dict:
+    """TrainingArguments of the spec's sharding engine: deepspeed (the config file's path; on a CPU-only
+    machine DeepSpeed runs on its CPU accelerator, which transformers only picks with use_cpu, else each rank
+    trains alone and the "auto" batch sizes assert), or fsdp + fsdp_config from an accelerate FSDP config."""
+    import torch
+
+    from backend.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
+
+    out: dict = {}
+    if (spec.deepspeed or world_size(spec) > 1) and not torch.cuda.is_available():
+        out["use_cpu"] = True  # without it accelerate sees the process group but trains each CPU rank alone
+    if spec.deepspeed:
+        out["deepspeed"] = str(resolve_config(spec.deepspeed))
+    if spec.accelerate_config:
+        out.update(fsdp_training_arguments(read_accelerate_config(spec.accelerate_config)))
+    return out
 
 
 def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collator=None, eval_dataset=None,
@@ -147,7 +166,8 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     install_optimizer(trainer, spec)  # LoRA+ / GaLore build their own optimizer (backend.models)
     if checkpoint:
         step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
-        trim_log_to(out, step)
+        if run_dir.writer:
+            trim_log_to(out, step)
         run_dir.log(f"resuming from {checkpoint}")
     result = trainer.train(resume_from_checkpoint=checkpoint)
     if early is not None and early.early_stopping_patience_counter >= spec.early_stopping_patience:
@@ -155,9 +175,10 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         run_dir.log(f"early stopping at step {trainer.state.global_step} of {trainer.state.max_steps}: "
                     f"{args.metric_for_best_model} did not improve for {spec.early_stopping_patience} evaluations"
                     + (f" (best {best:.4g}, from {trainer.state.best_model_checkpoint})" if best is not None else ""))
-    trainer.save_model(str(out))
+    trainer.save_model(str(out))  # every rank takes part (ZeRO-3 gathers the weights); rank 0 writes
     trainer.save_state()
-    tokenizer.save_pretrained(str(out))
+    if run_dir.writer:
+        tokenizer.save_pretrained(str(out))
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
     metrics["global_step"] = trainer.state.global_step
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -168,7 +189,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         done = [h for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == step]
         eval_metrics = done[-1] if done else trainer.evaluate()  # no second point at the same step
         metrics.update({k: v for k, v in eval_metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))})
-    if spec.plot_loss:
+    if spec.plot_loss and run_dir.writer:
         from backend.plot import plot_loss
 
         path = plot_loss(out)

@@ -157,7 +157,7 @@ def test_every_field_has_description_and_group():
     for name, field in RunSpec.model_fields.items():
         assert field.description and "\n" not in field.description, name
         assert (field.json_schema_extra or {}).get("group") in (
-            "model", "method", "lora", "freeze", "quantization", "data", "train", "logging", "eval", "export",
+            "model", "method", "lora", "freeze", "quantization", "data", "train", "distributed", "logging", "eval", "export",
             "generation", "advanced"), name
 
 
@@ -453,7 +453,8 @@ def test_to_yaml_groups_follow_field_order():
     text = RunSpec.model_validate({}, context={"check_files": False}).to_yaml()
     headers = [line for line in text.splitlines() if line.startswith("### ")]
     assert headers == ["### Model", "### Method", "### LoRA", "### Freeze", "### Quantization", "### Data",
-                       "### Train", "### Logging", "### Eval", "### Export", "### Generation"]
+                       "### Train", "### Devices and distribution", "### Logging", "### Eval", "### Export",
+                       "### Generation"]
     keys = [line.split(":")[0] for line in text.splitlines() if not line.startswith("#")]
     assert keys == [k for k in RunSpec.model_fields if k != "passthrough"]
 

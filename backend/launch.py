@@ -101,6 +101,17 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0")) if is_worker() else 0
 
 
+DEFAULT_MULTINODE_PORT = 29500  # torchrun's default: every node must know it without asking node 0
+
+
+def rendezvous_port(spec) -> int:
+    """master_port; unset: a free port on one machine, torchrun's 29500 across machines (the other nodes
+    cannot learn a port node 0 picked at random)."""
+    if spec.master_port:
+        return int(spec.master_port)
+    return free_port() if spec.nnodes == 1 else DEFAULT_MULTINODE_PORT
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -214,9 +225,6 @@ def distributed_errors(spec, check_files: bool = True) -> list[tuple[str, str, f
         err("node_rank", f"must be below nnodes ({spec.nnodes}): node ranks are 0 .. nnodes-1", "nnodes")
     if spec.nnodes > 1 and not spec.master_addr:
         err("master_addr", "a multi-node run needs node 0's address that every node can reach", "nnodes")
-    if spec.nnodes > 1 and spec.node_rank > 0 and not spec.master_port:
-        err("master_port", "the other nodes need node 0's port: set the same master_port on every node "
-            "(`tuneboard train --print-launch` picks one and prints every node's command)", "nnodes", "node_rank")
     gpus = visible_accelerators()
     if spec.nproc_per_node != "auto" and gpus and int(spec.nproc_per_node) > gpus:
         err("nproc_per_node", f"{spec.nproc_per_node} processes but {gpus} GPU(s) visible here "
@@ -289,7 +297,7 @@ def node_argv(args: list[str], spec, node: int, port: int) -> list[str]:
 
 def launch_commands(args: list[str], spec) -> list[str]:
     """One shell line per node (node 0 first), to start over ssh or a scheduler."""
-    port = spec.master_port or free_port()
+    port = rendezvous_port(spec)
     return [shlex.join(node_argv(args, spec, node, port)) for node in range(spec.nnodes)]
 
 
@@ -389,7 +397,7 @@ def run_launcher(spec, args: list[str], run_dir) -> int:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     n = nproc(spec)
-    port = spec.master_port or free_port()
+    port = rendezvous_port(spec)
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=n, run_id="tuneboard",
         rdzv_backend="static", rdzv_endpoint=f"{spec.master_addr or '127.0.0.1'}:{port}",

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from backend.launch import shipped_accelerate_configs, shipped_deepspeed_configs
 from backend.spec import spec_fields
 
 # Shown in the top bar (shared by all tabs), not in the accordions.
@@ -22,7 +23,7 @@ BOOSTER_FIELDS = ("flash_attn", "enable_liger_kernel")
 # Groups that belong to other tools (export, chat), not to a training run.
 SKIPPED_GROUPS = ("export", "generation")
 # Accordion order on the Train tab, and which start open (none: the first screen is the basic fields).
-ACCORDIONS = ("method", "train", "data", "lora", "freeze", "quantization", "logging", "eval", "model")
+ACCORDIONS = ("method", "train", "distributed", "data", "lora", "freeze", "quantization", "logging", "eval", "model")
 OPEN_ACCORDIONS: tuple[str, ...] = ()
 # Always visible above the accordions, in this order (model and method are in the top bar): what a user
 # changes on almost every run. Everything else waits in a closed accordion.
@@ -52,6 +53,10 @@ OVERRIDES: dict[str, dict] = {
     "report_to": {"choices": ["none", "tensorboard", "wandb", "mlflow"], "custom": True},
     "learning_rate": {"step": 1e-5},
     "resume_from_checkpoint": {"placeholder": "true, or a checkpoint folder"},
+    # Devices and distribution: a process count or auto; the shipped DeepSpeed / FSDP configs (or a typed path)
+    "nproc_per_node": {"choices": ["auto", "1", "2", "4", "8"], "custom": True},
+    "deepspeed": {"choices": shipped_deepspeed_configs(), "custom": True},
+    "accelerate_config": {"choices": shipped_accelerate_configs(), "custom": True},
 }
 
 

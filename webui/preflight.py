@@ -9,13 +9,15 @@ import re
 
 import psutil
 
+from backend import launch
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import get_stage, uses_reference
 
 KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
 # The spec fields the estimate reads: the Train tab refreshes it when one of them changes.
 FIELDS = ("model_name_or_path", "finetuning_type", "quantization_bit", "stage", "pref_loss", "ref_model",
-          "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16")
+          "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16",
+          "nproc_per_node", "nnodes", "deepspeed")
 
 
 def _checkpointing(flat: dict) -> bool:
@@ -54,6 +56,36 @@ def pairwise(flat: dict) -> bool:
         return False
 
 
+def layout(flat: dict) -> tuple[int, int, int | None]:
+    """(processes on this machine, world size, ZeRO stage or None) of the form's distribution settings."""
+    value = flat.get("nproc_per_node") or "auto"
+    try:
+        local = max(1, launch.visible_accelerators()) if value == "auto" else max(1, int(value))
+    except (TypeError, ValueError):
+        local = 1
+    nodes = flat.get("nnodes") if isinstance(flat.get("nnodes"), int) and flat.get("nnodes") > 0 else 1
+    stage = None
+    if flat.get("deepspeed"):
+        try:
+            stage = int(launch.read_deepspeed_config(flat["deepspeed"]).get("zero_optimization", {}).get("stage", 0))
+        except (ValueError, TypeError):
+            stage = None
+    return local, local * nodes, stage
+
+
+def shard(weights: float, state: float, world: int, stage: int | None) -> tuple[float, float]:
+    """Weights and trainable state held by ONE process under ZeRO: the 16 bytes of state per trainable
+    parameter are 4 (fp32 master weight) + 4 (gradient) + 8 (Adam moments); ZeRO-1 splits the moments over the
+    processes, ZeRO-2 the gradients too, ZeRO-3 the weights as well. DDP (no ZeRO) copies everything."""
+    if not stage or world < 2:
+        return weights, state
+    if stage == 1:
+        return weights, state * (8 + 8 / world) / 16
+    if stage == 2:
+        return weights, state * (4 + 12 / world) / 16
+    return weights / world, state / world
+
+
 def estimate(flat: dict) -> dict:
     """Bytes needed, by part. Full fine-tuning keeps fp32 weights + grads + 2 Adam moments (16 B/param);
     LoRA/freeze keep frozen weights at their dtype and ~1-5% trainable state; activations ~ batch x
@@ -76,9 +108,14 @@ def estimate(flat: dict) -> dict:
     reference = 0.0
     if reference_copy(flat):
         reference = (param_count(flat.get("ref_model") or "") or n) * weight_b  # frozen: weights only
-    total = (weights + state + acts + reference) * 1.2
+    local, world, stage = layout(flat)
+    weights, state = shard(weights, state, world, stage)
+    per_process = (weights + state + acts + reference) * 1.2
+    # On a CPU every local process takes its share of the same RAM; a GPU process holds it on its own device.
+    total = per_process * (local if not launch.visible_accelerators() else 1)
     return {"known": True, "params": n, "weights": weights, "state": state, "activations": acts,
-            "reference": reference, "pairs": pairs, "total": total,
+            "reference": reference, "pairs": pairs, "total": total, "per_process": per_process,
+            "processes": local, "world": world, "zero_stage": stage,
             "available": psutil.virtual_memory().available, "machine": psutil.virtual_memory().total}
 
 
@@ -92,7 +129,14 @@ def summary_md(flat: dict) -> str:
     verdict = "fits" if fits else "⚠ will likely NOT fit in free memory"
     extra = f', reference model copy {e["reference"] / gib:.1f}' if e["reference"] else ""
     pairs = " for chosen + rejected" if e["pairs"] else ""
+    split = ""
+    if e["world"] > 1:
+        what = {None: "DDP: every process holds a full copy", 0: "ZeRO-0: every process holds a full copy",
+                1: "ZeRO-1 shards the optimizer state", 2: "ZeRO-2 shards gradients and optimizer state",
+                3: "ZeRO-3 shards weights, gradients and optimizer state"}.get(e["zero_stage"], "")
+        split = (f'; {e["per_process"] / gib:.1f} GiB per process x {e["processes"]} here, {e["world"]} processes '
+                 f'in all ({what})')
     return (f'<span class="{cls}">Memory estimate: <b>{e["total"] / gib:.1f} GiB</b> '
             f'({e["params"] / 1e6:.0f}M params: weights {e["weights"] / gib:.1f}, trainable state '
-            f'{e["state"] / gib:.1f}, activations {e["activations"] / gib:.1f}{pairs}{extra}) — '
+            f'{e["state"] / gib:.1f}, activations {e["activations"] / gib:.1f}{pairs}{extra}{split}) — '
             f'{e["available"] / gib:.1f} GiB free of {e["machine"] / gib:.1f}: {verdict}</span>')

@@ -204,7 +204,14 @@ def preview_of(spec) -> tuple[str, str]:
     """(exact command, YAML) of what Start would run."""
     spec = spec.with_output_dir()
     spec_path = Path(spec.output_dir) / jobs.SPEC_FILE
-    return shlex.join(jobs.train_argv(spec_path)), spec.to_yaml()
+    command = shlex.join(jobs.train_argv(spec_path))
+    if spec.nnodes > 1:  # Start runs node 0 here; each other node is started by hand (ssh, a scheduler)
+        from backend.launch import launch_commands
+
+        others = launch_commands([str(spec_path)], spec)[1:]
+        command += ("\n\n# the other nodes (each needs this spec file and the model, data and run folder "
+                    "paths, e.g. on a shared disk):\n" + "\n".join(others))
+    return command, spec.to_yaml()
 
 
 N_PLOTS = len(live.plot_names())

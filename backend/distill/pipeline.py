@@ -24,8 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REJECTED_FILE, SPEC_FILE, TEACHER_LOG,
-                             TRAIN_DIRNAME)
+from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, REJECTED_FILE, SPEC_FILE,
+                             TEACHER_LOG, TRAIN_DIRNAME)
 from backend.distill.spec import DistillSpec
 
 LATEST = 20          # pairs shown in the UI's table
@@ -192,13 +192,14 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
         raise DistillError(f"cutoff_len {spec.cutoff_len} leaves {chunk_tokens} tokens per chunk after the answer "
                            f"(answer_tokens {spec.answer_tokens}) and the instruction ({overhead} tokens with the "
                            "template): raise cutoff_len or shorten task")
-    chunks = chunk_documents(docs, tokenizer, chunk_tokens, min(spec.chunk_overlap, chunk_tokens // 2))
+    overlap = min(spec.chunk_overlap, chunk_tokens // 2)
+    chunks = chunk_documents(docs, tokenizer, chunk_tokens, overlap)
     dupes = near_duplicates(chunks, spec.dedup_threshold)
     held_out = split_documents([d.id for d in docs], spec.eval_ratio, spec.seed)
     split_of = {c.id: "eval" if c.doc_id in held_out else "train" for c in chunks}
     to_ask = [c for c in chunks if c.id not in dupes]
     run_dir.log(f"{len(docs)} documents -> {len(chunks)} chunks of at most {chunk_tokens} tokens "
-                f"(overlap {spec.chunk_overlap}); {len(dupes)} near-duplicate chunks dropped; "
+                f"(overlap {overlap}); {len(dupes)} near-duplicate chunks dropped; "
                 f"{len(held_out)} documents held out for eval")
     progress.update(force=True, documents=len(docs), chunks=len(chunks), to_ask=len(to_ask), duplicates=len(dupes),
                     train_chunks=sum(split_of[c.id] == "train" for c in to_ask),
@@ -354,9 +355,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                                                                     "answer")} for r in rejected]))
     _write_atomic(out / PAIRS_FILE, _jsonl([{k: r[k] for k in ("chunk", "document", "split", "prompt", "answer")}
                                             for r in accepted]))
-    reasons: dict[str, int] = {}
-    for r in rejected:
-        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    reasons = {why: n for why in REASONS if (n := sum(r["reason"] == why for r in rejected))}
     summary = ", ".join(f"{n} {why}" for why, n in reasons.items()) or "none"
     run_dir.log(f"{len(accepted)} pairs accepted, {len(rejected)} rejected ({summary})")
     train = [r for r in accepted if r["split"] == "train"]

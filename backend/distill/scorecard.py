@@ -32,13 +32,15 @@ def held_out_pairs(spec: DistillSpec, limit: int) -> list[dict]:
     return rows[:limit]
 
 
-def row_scores(prediction: str, reference: str, schema: dict | None) -> dict:
+def row_scores(prediction: str, reference: str, schema: dict | None, answer_format: str = "json") -> dict:
+    """One answer's scores in [0, 1]; the JSON ones only for answer_format json."""
     from backend import rewards
 
     one = dict(prompts=[""], completions=[prediction], reference=[reference])
-    row = {"json_valid": rewards.json_valid(**one)[0],
-           "exact_match": rewards.exact_match(**one)[0],
-           "field_f1": rewards.field_f1(**one)[0]}
+    row = {"exact_match": rewards.exact_match(**one)[0]}
+    if answer_format != "json":
+        return row
+    row.update(json_valid=rewards.json_valid(**one)[0], field_f1=rewards.field_f1(**one)[0])
     if schema is not None:
         row["schema_valid"] = float(rewards.schema_score(prediction, schema) == 1.0)
     return row
@@ -52,7 +54,7 @@ def summarize(rows: list[dict], seconds: float, tokens: int) -> dict:
     out = {"rows": len(rows), "json_valid": mean("json_valid"), "schema_valid": mean("schema_valid"),
            "field_f1": mean("field_f1"), "exact_match": mean("exact_match"), "generated_tokens": tokens,
            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None}
-    return {k: v for k, v in out.items() if v is not None or k in ("json_valid", "field_f1", "exact_match")}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def score(spec: DistillSpec, run_dir, stop) -> int:
@@ -92,7 +94,7 @@ def score(spec: DistillSpec, run_dir, stop) -> int:
             reply = engines[name].chat(messages, max_new_tokens=spec.answer_tokens, do_sample=False)
             seconds += time.perf_counter() - t0
             tokens += reply.completion_tokens
-            scores = row_scores(reply.text, pair["answer"], schema)
+            scores = row_scores(reply.text, pair["answer"], schema, spec.answer_format)
             rows.append(scores)
             lines.append({"model": label, "chunk": pair["chunk"], "document": pair["document"], "teacher": pair["answer"],
                           "student": reply.text, **scores})
@@ -102,7 +104,7 @@ def score(spec: DistillSpec, run_dir, stop) -> int:
         run_dir.log(f"score {label}: " + ", ".join(f"{k} {v}" for k, v in results[label].items()))
     _write_atomic(out / PREDICTIONS_FILE, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
     report = {"student": spec.model_name_or_path, "adapter": adapter, "teacher": _teacher_name(spec),
-              "dataset": spec.dataset_name, "rows": len(pairs), "schema": schema is not None, **results}
+              "dataset": spec.dataset_name, "rows": len(pairs), "answer_format": spec.answer_format, "schema": schema is not None, **results}
     _write_atomic(out / REPORT_FILE, json.dumps(report, ensure_ascii=False, indent=1))
     run_dir.log(f"wrote {out / REPORT_FILE}")
     return 0

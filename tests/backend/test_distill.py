@@ -1,0 +1,263 @@
+"""tuneboard distill, fast tier: the spec's messages, documents and chunks, and the generate step in-process
+against a local HTTP teacher that misbehaves on purpose (tests/fake_teacher.py). No network, no training."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from fake_teacher import SCHEMA, FakeTeacher
+
+from backend.distill import PAIRS_FILE, PROGRESS_FILE, REJECTED_FILE, read_progress
+from backend.distill.spec import DistillSpecError, validate_distill
+
+KEY = "sk-distill-secret-0123456789"
+TASK = "Extract the first word, the word count and the topic as JSON."
+LONG = " ".join(f"Widget fact number {i} says the widget is blue and costs {i} dollars." for i in range(30))
+
+
+def make_pdf(path: Path, text: str) -> None:
+    """A one-page PDF with `text` in Helvetica (enough for pypdf's text extraction)."""
+    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+    objs = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+            b"/Resources << /Font << /F1 5 0 R >> >> >>",
+            b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    path.write_bytes(bytes(out))
+
+
+def make_docs(folder: Path, extra_jsonl: list[str] = ()) -> Path:
+    """Documents of every kind: .txt, .md, .html, .pdf, .jsonl (and a near-copy of the .txt)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.txt").write_text("Widget report. The Acme widget costs twelve dollars and ships in blue. "
+                                  "It was launched in 2021 by a small team in Oslo.", encoding="utf-8")
+    (folder / "a_copy.txt").write_text("Widget report. The Acme widget costs twelve dollars and ships in blue. "
+                                       "It was launched in 2021 by a small team in Oslo!", encoding="utf-8")
+    (folder / "b.md").write_text("# Gadget notes\n\nThe Zeta gadget weighs 120 grams and runs two days.",
+                                 encoding="utf-8")
+    (folder / "c.html").write_text("<html><head><script>var hidden = 1;</script><style>p{}</style></head><body>"
+                                   "<article><h1>Sprocket</h1><p>Sprockets are toothed wheels; the Beta sprocket "
+                                   "has 42 teeth.</p></article></body></html>", encoding="utf-8")
+    make_pdf(folder / "d.pdf", "Pdfdoc about the Gamma gear with 17 teeth")
+    lines = ["Gizmo line one about gizmos in Paris.", "Doohickey line two about a red doohickey.", *extra_jsonl]
+    (folder / "e.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in lines), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    server = FakeTeacher("valid", key=KEY).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def flat(tmp_path, tiny_qwen2, teacher, monkeypatch):
+    """A distill spec on the fake teacher, with its key in an environment variable only."""
+    monkeypatch.setenv("FAKE_TEACHER_KEY", KEY)
+    teacher.mode, teacher.requests, teacher.failures = "valid", [], {}
+    return {"documents": str(make_docs(tmp_path / "docs")), "text_column": "body", "task": TASK,
+            "json_schema": SCHEMA, "teacher": teacher.url, "teacher_model": "fake",
+            "teacher_api_key_env": "FAKE_TEACHER_KEY", "model_name_or_path": str(tiny_qwen2), "template": "auto",
+            "cutoff_len": 128, "answer_tokens": 40, "chunk_overlap": 8, "concurrency": 2, "retry_backoff": 0.0,
+            "max_retries": 2, "request_timeout": 20, "eval_ratio": 0.3, "dataset_dir": str(tmp_path / "data"),
+            "output_dir": str(tmp_path / "run"), "dataset_name": "facts"}
+
+
+def generate(flat: dict) -> tuple[int, Path]:
+    from backend.distill.pipeline import generate as gen
+    from backend.rundir import RunDir
+
+    spec = validate_distill(flat)
+    run_dir = RunDir(spec.resolved_output_dir())
+    run_dir.start()
+    try:
+        return gen(spec, run_dir, stop=lambda: False), spec.resolved_output_dir()
+    finally:
+        run_dir.close()
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def no_key_under(*folders: Path, key: str = KEY) -> None:
+    for folder in folders:
+        for f in Path(folder).rglob("*"):
+            if f.is_file():
+                assert key.encode() not in f.read_bytes(), f"the API key is written in {f}"
+
+
+# ------------------------------------------------------------------------------------------- spec
+def test_spec_errors_name_the_key(tmp_path):
+    def errors(**data):
+        with pytest.raises(DistillSpecError) as exc:
+            validate_distill({"documents": str(tmp_path), "task": "t", **data})
+        return dict(exc.value.errors)
+
+    assert "did you mean teacher_model" in errors(teacher_modle="x")["teacher_modle"]
+    assert "environment variable" in errors(teacher_api_key="sk-1")["teacher_api_key"]
+    assert "required" in errors(teacher="http://127.0.0.1:1/v1")["teacher_model"]
+    assert "no room" in errors(cutoff_len=128, answer_tokens=120)["answer_tokens"]
+    assert "not a valid JSON Schema" in errors(json_schema={"type": "nope"})["json_schema"]
+    assert "choose from generate, train, score" in errors(steps="generate,deploy")["steps"]
+    assert "does not exist" in errors(documents=str(tmp_path / "missing"))["documents"]
+    assert "unknown run-spec key" in errors(steps="train", train_args={"lora_rnak": 4})["train_args"]
+    with pytest.raises(DistillSpecError) as exc:
+        validate_distill({"documents": str(tmp_path)})
+    assert dict(exc.value.errors)["task"].startswith("required")
+    spec = validate_distill({"documents": str(tmp_path), "task": "t", "steps": "score,generate"})
+    assert spec.steps == ["generate", "score"]
+
+
+# ------------------------------------------------------------------------------- documents, chunks
+def test_documents_of_every_kind_chunks_and_duplicates(tmp_path, tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    from backend.distill.documents import chunk_documents, load_documents, near_duplicates, split_documents
+
+    folder = make_docs(tmp_path / "docs")
+    (folder / "long.txt").write_text(LONG, encoding="utf-8")
+    docs = {d.id: d.text for d in load_documents(str(folder), "body")}
+    assert set(docs) == {"a.txt", "a_copy.txt", "b.md", "c.html", "d.pdf", "e.jsonl:1", "e.jsonl:2", "long.txt"}
+    assert "42 teeth" in docs["c.html"] and "hidden" not in docs["c.html"]  # the script is dropped
+    assert "Gamma gear with 17 teeth" in docs["d.pdf"]
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    chunks = chunk_documents(load_documents(str(folder), "body"), tok, chunk_tokens=40, overlap=8)
+    long = [c for c in chunks if c.doc_id == "long.txt"]
+    assert len(long) > 3 and all(c.tokens <= 40 for c in chunks)
+    assert all(c.text in LONG for c in long)  # slices of the document
+    assert long[0].text[-15:] in long[1].text  # neighbours overlap
+    dupes = near_duplicates(chunks, 0.8)
+    assert dupes == {"a_copy.txt#0": "a.txt#0"}
+    held = split_documents(list(docs), 0.3, seed=1)
+    assert 1 <= len(held) < len(docs) and held == split_documents(list(docs), 0.3, seed=1)
+    with pytest.raises(ValueError, match=r"e.jsonl line 1: no 'text' field \(text_column\)"):
+        load_documents(str(folder), "text")
+
+
+# ---------------------------------------------------------------------------------- generate step
+def test_generate_validates_every_pair_and_registers_the_dataset(flat, teacher, tmp_path):
+    teacher.mode = "mixed"  # the first word of a chunk picks the fault
+    make_docs(Path(flat["documents"]), ["empty answer please", "prose answer please", "wrong schema please",
+                                        "long answer please"])
+    code, out = generate(flat)
+    assert code == 0
+    rejected = {r["chunk"]: r["reason"] for r in lines(out / REJECTED_FILE)}
+    assert rejected == {"a_copy.txt#0": "duplicate", "e.jsonl:3#0": "empty", "e.jsonl:4#0": "not JSON",
+                        "e.jsonl:5#0": "schema error", "e.jsonl:6#0": "too long"}
+    progress = read_progress(out)
+    assert progress["state"] == "completed" and progress["accepted"] == 6
+    assert progress["rejected"] == {"duplicate": 1, "empty": 1, "not JSON": 1, "schema error": 1, "too long": 1}
+    assert progress["requests"] == 10 and len(teacher.requests) == 10  # the duplicate was never asked
+    assert progress["prompt_tokens"] == 100 and progress["latest"]
+    # every request carried the schema and the key; the key is in no file
+    assert all(r["headers"]["Authorization"] == f"Bearer {KEY}" for r in teacher.requests)
+    assert '"first_word"' in teacher.requests[0]["body"]["messages"][0]["content"]
+    no_key_under(out, tmp_path / "data")
+    # the dataset: alpaca rows, registered, train and eval never share a document
+    info = json.loads((tmp_path / "data" / "dataset_info.json").read_text())
+    assert info["facts"]["file_name"] == "facts.json" and info["facts_eval"]["file_name"] == "facts_eval.json"
+    train = json.loads((tmp_path / "data" / "facts.json").read_text())
+    held = json.loads((tmp_path / "data" / "facts_eval.json").read_text())
+    assert len(train) + len(held) == 6 and held
+    assert not {r["document"] for r in train} & {r["document"] for r in held}
+    for row in train + held:
+        assert row["instruction"] == TASK and json.loads(row["output"]) == json.loads(row["output"])
+        assert set(json.loads(row["output"])) == {"first_word", "words", "topic"}
+    assert progress["dataset"]["train_rows"] == len(train) and progress["dataset"]["cutoff_len"] <= 128
+    assert len(lines(out / PAIRS_FILE)) == 6
+    # the backend's own loader reads it with the template
+    from backend.data import load_examples
+
+    examples, _ = load_examples("facts", tmp_path / "data")
+    assert examples[0]["messages"][0]["content"].startswith(TASK + "\n")
+
+
+def test_429_then_ok_is_retried_and_a_rerun_answers_from_the_cache(flat, teacher):
+    teacher.mode, teacher.fail_times = "429_then_ok", 2
+    code, out = generate(flat)
+    asked = 6  # 7 documents, one chunk each, minus the duplicate
+    assert code == 0 and read_progress(out)["accepted"] == asked
+    assert len(teacher.requests) == 3 * asked  # two 429s, then the answer
+    assert "HTTP 429: rate limited; retry 1/2" in (out / "running_log.txt").read_text()
+    first = (Path(flat["dataset_dir"]) / "facts.json").read_bytes()
+    teacher.requests = []
+    code, out = generate(flat)
+    assert code == 0 and teacher.requests == [] and read_progress(out)["cached"] == asked
+    assert (Path(flat["dataset_dir"]) / "facts.json").read_bytes() == first
+
+
+@pytest.mark.parametrize("mode, said", [("500", "HTTP 500: boom"), ("bad_body", "malformed reply"),
+                                        ("truncated", "the connection broke mid-reply"),
+                                        ("slow", "timed out after 0.5 s (request_timeout)")])
+def test_a_failing_teacher_ends_in_one_clear_line(flat, teacher, mode, said):
+    from backend.distill.pipeline import DistillError
+
+    teacher.mode, teacher.delay = mode, 3.0
+    flat.update(request_timeout=0.5, max_retries=1)
+    with pytest.raises(DistillError, match="the teacher answered none of the first") as exc:
+        generate(flat)
+    assert said in str(exc.value) and "after 2 attempts" in str(exc.value)
+    # each failed chunk had its 2 attempts, and the run stopped early instead of trying all 6 chunks
+    assert len(teacher.requests) <= 2 * 4
+    assert KEY not in str(exc.value)
+
+
+def test_refused_key_is_fatal_with_a_hint_and_never_shown(flat, teacher, monkeypatch):
+    from backend.distill.pipeline import DistillError
+
+    monkeypatch.setenv("FAKE_TEACHER_KEY", "sk-wrong-key-42")
+    with pytest.raises(DistillError, match=r"HTTP 401: Incorrect API key provided \(the API key was refused: "
+                                           "check the variable named by teacher_api_key_env"):
+        generate(flat)
+    assert len(teacher.requests) <= flat["concurrency"]  # no retry of a 401
+
+
+def test_request_budget_stops_asking_and_a_bigger_budget_continues(flat, teacher):
+    flat.update(max_requests=3, eval_ratio=0.0, concurrency=1)
+    code, out = generate(flat)
+    assert code == 0 and len(teacher.requests) == 3
+    progress = read_progress(out)
+    assert progress["accepted"] == 3 and progress["dataset"]["train_rows"] == 3
+    status = json.loads((out / "status.json").read_text())
+    assert any("max_requests 3 spent: 3 chunks were not asked" in w for w in status["warnings"])
+    flat["max_requests"] = 0
+    code, out = generate(flat)
+    assert code == 0 and len(teacher.requests) == 6 and read_progress(out)["accepted"] == 6
+
+
+def test_no_accepted_pair_is_an_error_not_an_empty_dataset(flat, teacher):
+    from backend.distill.pipeline import DistillError
+
+    teacher.mode = "answer_not_json"
+    with pytest.raises(DistillError, match=r"no training pair accepted \(0 accepted, rejected: 6 not JSON, 1 duplicate"):
+        generate(flat)
+    assert not (Path(flat["dataset_dir"]) / "dataset_info.json").exists()
+    rejected = lines(Path(flat["output_dir"]) / REJECTED_FILE)
+    assert {r["reason"] for r in rejected} == {"duplicate", "not JSON"}
+    assert read_progress(flat["output_dir"])["state"] == "failed"
+
+
+def test_a_name_registered_for_another_file_is_refused(flat, tmp_path):
+    from backend.distill.pipeline import DistillError
+
+    data = Path(flat["dataset_dir"])
+    data.mkdir(parents=True)
+    (data / "theirs.json").write_text(json.dumps([{"instruction": "q", "output": "a"}]))
+    (data / "dataset_info.json").write_text(json.dumps({"facts": {"file_name": "theirs.json"}}))
+    with pytest.raises(DistillError, match="dataset_name: 'facts' is already registered .* for theirs.json"):
+        generate(flat)
+    assert json.loads((data / "dataset_info.json").read_text()) == {"facts": {"file_name": "theirs.json"}}
+    assert re.search(r"accepted", (Path(flat["output_dir"]) / "running_log.txt").read_text())
+    assert (Path(flat["output_dir"]) / PROGRESS_FILE).exists()

@@ -1,0 +1,112 @@
+"""A small OpenAI-compatible chat endpoint that misbehaves on purpose, for the distill tests (no network).
+
+    server = FakeTeacher(mode="valid").start()   # server.url = http://127.0.0.1:PORT/v1
+    server.mode = "429_then_ok"; server.requests  # every request seen (path, headers, body)
+
+Modes: valid (a JSON answer that depends only on the chunk: {"first_word", "words", "topic"}), slow (valid,
+after `delay` s), 429_then_ok (each chunk's first `fail_times` requests get 429 with Retry-After 0), 500,
+bad_body (HTTP 200 whose body is not JSON), truncated (a body shorter than its Content-Length, then the
+connection closes), answer_not_json (a well-formed reply whose content is prose), mixed (by the chunk's first
+word: "empty" -> empty answer, "prose" -> not JSON, "wrong" -> a schema error, "long" -> finish_reason
+length, else valid). With `key`, a request without `Authorization: Bearer <key>` gets 401.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+SCHEMA = {"type": "object", "required": ["first_word", "words", "topic"],
+          "properties": {"first_word": {"type": "string"}, "words": {"type": "integer"},
+                         "topic": {"type": "string"}}}
+
+
+def answer_for(chunk: str) -> dict:
+    words = re.findall(r"\w+", chunk)
+    return {"first_word": words[0] if words else "", "words": len(words), "topic": "widgets" if "widget" in chunk.lower()
+            else "other"}
+
+
+class FakeTeacher:
+    def __init__(self, mode: str = "valid", key: str | None = None, delay: float = 0.0, fail_times: int = 1):
+        self.mode, self.key, self.delay, self.fail_times = mode, key, delay, fail_times
+        self.requests: list[dict] = []
+        self.failures: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def start(self) -> "FakeTeacher":
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, status: int, body: bytes, headers: dict | None = None, length: int | None = None):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body) if length is None else length))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+                self.wfile.flush()
+
+            def do_GET(self):
+                self._send(200, json.dumps({"object": "list", "data": [{"id": "fake-teacher"}]}).encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                with fake.lock:
+                    fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                if fake.key and self.headers.get("Authorization") != f"Bearer {fake.key}":
+                    return self._send(401, json.dumps({"error": {"message": "Incorrect API key provided"}}).encode())
+                chunk = body["messages"][-1]["content"]
+                mode = fake.mode
+                if mode == "slow":
+                    time.sleep(fake.delay)
+                if mode == "429_then_ok":
+                    with fake.lock:
+                        n = fake.failures.get(chunk, 0)
+                        fake.failures[chunk] = n + 1
+                    if n < fake.fail_times:
+                        return self._send(429, b'{"error": {"message": "rate limited"}}', {"Retry-After": "0"})
+                if mode == "500":
+                    return self._send(500, b'{"error": {"message": "boom"}}')
+                if mode == "bad_body":
+                    return self._send(200, b"<html>gateway says hi")
+                if mode == "truncated":
+                    self._send(200, b'{"choices": [{"message": {"content": "{\\"a\\"', length=400)
+                    self.close_connection = True
+                    return
+                finish, content = "stop", json.dumps(answer_for(chunk))
+                if mode == "answer_not_json":
+                    content = "Sure! Here is what I found."
+                if mode == "mixed":
+                    first = (re.findall(r"\w+", chunk) or [""])[0].lower()
+                    content, finish = {"empty": ("", "stop"), "prose": ("Certainly, a widget.", "stop"),
+                                       "wrong": (json.dumps({"first_word": 3}), "stop"),
+                                       "long": ('{"first_word": "lo', "length")}.get(first, (content, finish))
+                reply = {"id": "x", "object": "chat.completion", "model": body.get("model"),
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                      "finish_reason": finish}],
+                         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+                self._send(200, json.dumps(reply).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.shutdown()
+            self.server.server_close()

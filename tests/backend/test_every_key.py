@@ -99,6 +99,12 @@ CONSUMED = {
     "do_eval": "backend/test_key_effects.py::test_do_eval_alone_skips_the_predictions",
     "do_predict": "backend/test_train_cli.py::test_eval_during_training_and_predictions",
     "early_stopping_patience": "backend/test_train_cli.py::test_early_stopping_ends_the_run_when_eval_loss_stops_improving",
+    # devices and distribution (backend/launch.py)
+    "nproc_per_node": "backend/test_distributed_runs.py::test_ddp_two_processes_match_one_process_with_the_doubled_batch",
+    "nnodes": "backend/test_distributed.py::test_print_launch_gives_every_node_the_same_spec_and_rendezvous",
+    "node_rank": "backend/test_distributed.py::test_print_launch_gives_every_node_the_same_spec_and_rendezvous",
+    "master_addr": "backend/test_distributed.py::test_print_launch_gives_every_node_the_same_spec_and_rendezvous",
+    "master_port": "backend/test_distributed.py::test_bad_process_layouts_are_refused_with_the_field",
     # export
     "export_dir": "backend/test_export.py::test_safetensors_sharded_export_equals_base_plus_adapter",
     "export_size": "backend/test_export.py::test_safetensors_sharded_export_equals_base_plus_adapter",
@@ -126,6 +132,9 @@ SAMPLES = {
     "disable_gradient_checkpointing": (True, {"gradient_checkpointing": True}),
     "gradient_checkpointing": (False, {}),  # unset = on (LLaMA-Factory's default)
     "mix_strategy": ("interleave_under", {"dataset": "a,b"}),
+    # a shipped config: reaches the Trainer (deepspeed=...), or, for FSDP on a CPU-only machine, is refused
+    "deepspeed": ("examples/deepspeed/ds_z2_config.json", {}),
+    "accelerate_config": ("examples/accelerate/fsdp_config.yaml", {}),
 }
 
 

@@ -230,6 +230,8 @@ def test_a_model_path_outside_must_be_a_model(client, where):
     assert allowed.spec_refusals({"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}) == []
     status = client.predict(model=str(junk), api_name="/load")[0]  # Chat: no server is started for it
     assert "not a model folder" in status and SECRET not in status, status
+    summary, rendered = client.predict(model=str(junk), api_name="/show_row")  # Data: the preview's tokenizer
+    assert "not a model folder" in summary and rendered == "", summary
 
 
 def test_export_dir_outside_is_refused(client, where):

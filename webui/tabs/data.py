@@ -67,13 +67,14 @@ def _preview_args(dataset, index, top_vals, cutoff, dataset_dir) -> list[str]:
     return args
 
 
-def dir_refusal(dataset_dir, lang: str = "en", write: bool = False) -> str:
+def dir_refusal(dataset_dir, lang: str = "en", write: bool = False, model: str | None = None) -> str:
     """"" when the dataset folder may be read (written: `write`), else the refusal in `lang` (the folder,
-    the allowed roots): its dataset_info.json and the files it names would be shown on the page."""
-    if not (dataset_dir or "").strip():
-        return ""
+    the allowed roots): its dataset_info.json and the files it names would be shown on the page. `model`:
+    the tokenizer's model, checked as backend.allowed.check_model says (the preview's errors are shown)."""
     try:
-        (allowed.check_write if write else allowed.check_read)(dataset_dir, "dataset_dir")
+        if (dataset_dir or "").strip():
+            (allowed.check_write if write else allowed.check_read)(dataset_dir, "dataset_dir")
+        allowed.check_model(model, "model_name_or_path")
     except allowed.PathRefused as exc:
         return refusal(lang, exc)
     return ""
@@ -84,7 +85,7 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
     rendered row."""
     if not dataset:
         return "Pick a dataset.", ""
-    refused = dir_refusal(dataset_dir, lang)
+    refused = dir_refusal(dataset_dir, lang, model=model)
     if refused:
         return refused, ""
     res = D.run_preview(_preview_args(dataset, index, (model, template), cutoff, dataset_dir))
@@ -101,7 +102,7 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
 
 def stats(dataset_dir, dataset, model, template, cutoff, lang="en"):
     """Inputs: as show_row. Outputs: stats markdown, histogram."""
-    refused = dir_refusal(dataset_dir, lang)
+    refused = dir_refusal(dataset_dir, lang, model=model)
     if refused:
         return refused, gr.update(visible=False)
     args = _preview_args(dataset, 0, (model, template), cutoff, dataset_dir) + ["--stats"]

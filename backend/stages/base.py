@@ -24,6 +24,77 @@ class RunError(RuntimeError):
     """A problem with the run's inputs, reported as one clear line (no traceback in the status)."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """Writing checkpoint-N failed (disk full, ...): the cause is chained; the partial folder is gone."""
+
+    def __init__(self, checkpoint: str, cause: BaseException):
+        super().__init__(f"could not save {checkpoint}: {type(cause).__name__}: {cause}")
+        self.checkpoint = checkpoint
+
+
+STAGING_PREFIX = ".saving-"  # out/.saving-N/checkpoint-N while the Trainer writes it; then renamed into place
+
+
+def remove_staged_checkpoints(out: Path, log=print) -> None:
+    """Drop staging folders a killed save left behind (never a checkpoint: it was not renamed into place)."""
+    import shutil
+
+    for stale in Path(out).glob(f"{STAGING_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        log(f"removed {stale.name}, an unfinished checkpoint save of an earlier process")
+
+
+def save_checkpoints_atomically(trainer) -> None:
+    """Make the Trainer's checkpoint-N folders complete or absent: each is written into out/.saving-N/ and
+    renamed to out/checkpoint-N only once every file (trainer_state.json last) is written, so a kill or a
+    full disk during a save never leaves a checkpoint-N that looks resumable. A failed save removes its
+    staging folder (space back for the status write) and raises CheckpointSaveError naming checkpoint-N.
+
+    The Trainer writes checkpoints below `_get_output_dir()`; pointed at the staging folder for the call,
+    the Trainer's own code (and a TRL subclass's override) does the writing; the best-checkpoint path and the
+    save_total_limit rotation, which the Trainer does inside the staging folder, are redone for the real
+    folder here."""
+    import os
+    import shutil
+
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+    original = trainer._save_checkpoint  # bound: a TRL override calls Trainer._save_checkpoint via super()
+    plain_output_dir = trainer._get_output_dir
+
+    def save(model, trial):
+        if trial is not None or trainer.hp_search_backend is not None:
+            return original(model, trial)  # hyperparameter search trials keep the Trainer's own layout
+        out = Path(plain_output_dir(trial))
+        step = trainer.state.global_step
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        staging = out / f"{STAGING_PREFIX}{step}"
+        staged, final = staging / name, out / name
+        trainer._get_output_dir = lambda trial=None: str(staging)
+        try:
+            original(model, trial)
+            trainer.accelerator.wait_for_everyone()  # every rank has written its part (rng states, shards)
+            if trainer.args.should_save:
+                best = trainer.state.best_model_checkpoint
+                if best and Path(best).parent == staging:  # the Trainer named the staged path as the best one
+                    trainer.state.best_model_checkpoint = str(out / Path(best).name)
+                    trainer.state.save_to_json(str(staged / "trainer_state.json"))
+                if final.exists():  # an earlier incomplete or older copy of this step
+                    shutil.rmtree(final)
+                os.replace(staged, final)
+                shutil.rmtree(staging, ignore_errors=True)
+                rotate_checkpoints(output_dir=str(out), save_total_limit=trainer.args.save_total_limit,
+                                   best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+        except Exception as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointSaveError(name, exc) from exc
+        finally:
+            trainer._get_output_dir = plain_output_dir
+        trainer.accelerator.wait_for_everyone()  # no rank reads checkpoint-N before it is in place
+
+    trainer._save_checkpoint = save
+
+
 def resume_checkpoint(spec, out: Path, log=print) -> str | None:
     """`resume_from_checkpoint: true` = the newest complete checkpoint-N in output_dir (one cut short by a
     kill or a full disk has no trainer_state.json: skipped, and `log` says so); a path = that one."""
@@ -130,6 +201,8 @@ def distributed_arguments(spec) -> dict:
     out: dict = {}
     if (spec.deepspeed or world_size(spec) > 1) and not torch.cuda.is_available():
         out["use_cpu"] = True  # without it accelerate sees the process group but trains each CPU rank alone
+    if world_size(spec) > 1 and spec.finetuning_type == "lora" and "ddp_find_unused_parameters" not in spec.passthrough:
+        out["ddp_find_unused_parameters"] = False  # every LoRA weight takes part in the forward (as LLaMA-Factory)
     if spec.deepspeed:
         out["deepspeed"] = str(resolve_config(spec.deepspeed))
     if spec.accelerate_config:
@@ -164,6 +237,9 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     )
     trainer.remove_callback(PrinterCallback)  # our callback logs each step as one readable line
     install_optimizer(trainer, spec)  # LoRA+ / GaLore build their own optimizer (backend.models)
+    save_checkpoints_atomically(trainer)
+    if run_dir.writer:
+        remove_staged_checkpoints(out, log=run_dir.log)
     if checkpoint:
         step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
         if run_dir.writer:

@@ -184,6 +184,8 @@ def test_trainer_arguments_of_a_launched_cpu_run(no_gpu):
 
     assert distributed_arguments(load_spec(None, [])) == {}
     ddp = distributed_arguments(load_spec(None, ["nproc_per_node=2"]))
-    assert ddp == {"use_cpu": True}
+    assert ddp == {"use_cpu": True, "ddp_find_unused_parameters": False}
+    assert "ddp_find_unused_parameters" not in distributed_arguments(load_spec(None, ["nproc_per_node=2",
+                                                                                     "finetuning_type=full"]))
     zero = distributed_arguments(load_spec(None, ["deepspeed=examples/deepspeed/ds_z3_config.json"]))
     assert zero["use_cpu"] and zero["deepspeed"] == str(REPO / "examples/deepspeed/ds_z3_config.json")

@@ -139,14 +139,16 @@ def start(tiny_llama, out: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def step_of(out: Path) -> int:
+    try:
+        return status(out).get("step") or 0
+    except (OSError, ValueError):
+        return 0
+
+
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen) -> None:
-    while True:
+    while step_of(out) < step:
         assert proc.poll() is None, out.with_suffix(".log").read_text()[-3000:]
-        try:
-            if (status(out).get("step") or 0) >= step:
-                return
-        except (OSError, ValueError):
-            pass
         time.sleep(0.2)
 
 
@@ -178,27 +180,41 @@ def alive(procs: list[psutil.Process]) -> list[int]:
     return out
 
 
-def test_stop_file_stops_both_ranks_after_the_same_step_with_one_checkpoint(tiny_llama, tmp_path):
-    out = tmp_path / "stopped"
-    proc = start(tiny_llama, out)
+def test_abort_from_the_ui_stops_both_ranks_after_the_same_step_with_one_checkpoint(tiny_llama, tmp_path):
+    """The UI's job record (webui.jobs: launch.json with the launcher's pid, Abort = a STOP file, then SIGTERM /
+    SIGKILL of the group) on a 2-process run: rank 0 reads STOP, both ranks stop after the same step."""
+    from backend.spec import load_spec
+    from webui import jobs
+
+    out = tmp_path / "aborted"
+    args = base_args(tiny_llama, out, "per_device_train_batch_size=1", "nproc_per_node=2", "max_steps=5000",
+                     "save_steps=100000", "gradient_accumulation_steps=1")
+    spec_path = jobs.write_spec_yaml(out, load_spec(None, args).to_yaml())
+    pid = jobs.launch(out, jobs.train_argv(spec_path))
     try:
-        wait_for_step(out, 2, proc)
-        ranks = workers(proc.pid)
-        assert len([p for p in ranks if p.environ().get("RANK") in ("0", "1")]) == 2
-        (out / "STOP").write_text("stop")
-        assert proc.wait(timeout=180) == 130
+        deadline = time.monotonic() + 300
+        while step_of(out) < 2:
+            assert time.monotonic() < deadline and jobs.pid_alive(pid), (out / jobs.PROCESS_LOG).read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = workers(pid)
+        assert sorted(p.environ().get("RANK") for p in ranks if p.environ().get("RANK")) == ["0", "1"]
+        assert jobs.run_state(out).pid == pid and jobs.run_state(out).alive
+        assert jobs.abort(out)
+        while jobs.pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if jobs.pid_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
     st = status(out)
-    assert st["state"] == "aborted" and st["exit_code"] == 130 and st["pid"] == proc.pid
+    assert st["state"] == "aborted" and st["exit_code"] == 130 and st["pid"] == pid
+    assert jobs.run_state(out).state == "aborted"
     step = st["step"]
     assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"]
     assert sorted(p.name for p in (out / f"checkpoint-{step}").glob("rng_state_*")) == ["rng_state_0.pth", "rng_state_1.pth"]
-    output = out.with_suffix(".log").read_text()
+    output = (out / jobs.PROCESS_LOG).read_text()
     assert f"rank 1: stopping after step {step} (stop requested on another rank)" in output
     assert f"stopping after step {step}" in (out / "running_log.txt").read_text()
-    assert alive(ranks) == []
+    assert alive(ranks) == [] and alive(workers(pid)) == []
 
 
 def test_a_killed_rank_fails_the_run_by_name_and_leaves_no_process(tiny_llama, tmp_path):

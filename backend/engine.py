@@ -627,8 +627,10 @@ def trained_template(adapter: str) -> str | None:
     renders exactly as training did even when the tokenizer's own template differs."""
     import yaml
 
+    from backend.rundir import SPEC_FILE
+
     for folder in (Path(adapter), Path(adapter).parent):
-        f = folder / "run_spec.yaml"
+        f = folder / SPEC_FILE
         if f.is_file():
             try:
                 name = (yaml.safe_load(f.read_text(encoding="utf-8")) or {}).get("template")

@@ -206,11 +206,11 @@ class RunDir:
 
     def __init__(self, path: str | Path, writer: bool = True):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self.writer = writer
         self.status: dict[str, Any] = read_status(self.path) or {}
         self._log = open(self.path / RUNNING_LOG, "a", encoding="utf-8") if writer else None
         self._started = time.time()
+        self.path.mkdir(parents=True, exist_ok=True)
 
     # -- status.json -------------------------------------------------------------------------
     def update_status(self, **fields: Any) -> None:
@@ -276,23 +276,23 @@ class RunDir:
     def log(self, message: str) -> None:
         """A human-readable line, to running_log.txt and stdout (which the launcher also captures). A line
         that cannot be written to the file (disk full) still goes to stdout."""
-        line = f"[{datetime.now().strftime('%H:%M:%S')}] {message}"
         if not self.writer:
             return
         print(line, flush=True)
         try:
             self._log.write(line + "\n")
+        line = f"[{datetime.now().strftime('%H:%M:%S')}] {message}"
             self._log.flush()
         except OSError:
             pass
 
     def append_metrics(self, record: dict) -> None:
-        row = {key: record.get(key) for key in TRAINER_LOG_KEYS}
         if not self.writer:
             return
         row.update({k: v for k, v in record.items() if k not in row})
         with open(self.path / LOG_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
+        row = {key: record.get(key) for key in TRAINER_LOG_KEYS}
             f.flush()
 
     @property
@@ -300,9 +300,9 @@ class RunDir:
         return self.writer and (self.path / STOP_FILE).exists()
 
     def close(self) -> None:
-        try:
         if self._log is None:
             return
             self._log.close()
         except OSError:  # the last buffered line could not be written (disk full)
             pass
+        try:

@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from backend import paths
+from backend.rundir import CHECKPOINT_PREFIX, LOG_FILE
 from webui import jobs
 
 
@@ -76,7 +77,7 @@ def adapter_label(run_dir: Path, checkpoint: str | None = None) -> str:
         parts.append(stamp.strftime("%m-%d %H:%M"))
     except (OSError, ValueError):
         parts.append(run_dir.name)
-    loss = last_value(run_dir / "trainer_log.jsonl", "loss")
+    loss = last_value(run_dir / LOG_FILE, "loss")
     if loss is not None:
         parts.append(f"loss {loss:.3f}")
     if checkpoint:
@@ -89,7 +90,7 @@ def adapter_pairs(root: Path | None = None) -> list[tuple[str, str]]:
     pairs, seen = [(NO_ADAPTER, "")], set()
     for path in adapter_choices(root):
         p = Path(path)
-        run = p.parent if p.name.startswith("checkpoint-") else p
+        run = p.parent if p.name.startswith(CHECKPOINT_PREFIX) else p
         label = adapter_label(run, p.name if run != p else None)
         if label in seen:  # two runs of the same kind started the same minute
             label += f" · {run.name}"

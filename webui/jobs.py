@@ -28,13 +28,9 @@ import psutil
 import yaml
 
 from backend import paths
-from backend.rundir import mark_ended
+from backend.rundir import (CHECKPOINT_PREFIX, LAUNCH_FILE, PROCESS_LOG, SPEC_FILE, STATUS_FILE, STOP_FILE,  # noqa: F401
+                            mark_ended)
 
-SPEC_FILE = "run_spec.yaml"
-STATUS_FILE = "status.json"
-LAUNCH_FILE = "launch.json"
-PROCESS_LOG = "process_output.log"
-STOP_FILE = "STOP"
 QUEUE_DIRNAME = ".queue"
 
 ACTIVE_STATES = ("starting", "pending", "running")
@@ -325,7 +321,7 @@ def iter_run_dirs(root: Path | None = None):
             found.append(Path(dirpath))
             dirnames[:] = []
             continue
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not d.startswith("checkpoint-")]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not d.startswith(CHECKPOINT_PREFIX)]
     found.sort(key=lambda p: _mtime(p / SPEC_FILE) or 0, reverse=True)
     return found
 

@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.rundir import LOG_FILE, PROCESS_LOG, RUNNING_LOG, STATUS_FILE
+
 # Bytes of the file head remembered to notice an in-place rewrite that is not shorter than before.
 _HEAD_BYTES = 64
 
@@ -168,9 +170,9 @@ class RunTail:
     def __post_init__(self) -> None:
         d = Path(self.run_dir)
         if self.metrics is None:
-            self.metrics = JsonlTail(str(d / "trainer_log.jsonl"))
+            self.metrics = JsonlTail(str(d / LOG_FILE))
         if self.status_file is None:
-            self.status_file = StatusFile(str(d / "status.json"))
+            self.status_file = StatusFile(str(d / STATUS_FILE))
         if self.log_tail is None:
             self.log_tail = deque(maxlen=self.log_lines)
 
@@ -178,8 +180,8 @@ class RunTail:
         """The process output file (everything the subprocess printed, tracebacks included) when the UI
         launched the run, else the backend's running_log.txt (a run started from the CLI)."""
         d = Path(self.run_dir)
-        proc = d / "process_output.log"
-        return str(proc if proc.exists() else d / "running_log.txt")
+        proc = d / PROCESS_LOG
+        return str(proc if proc.exists() else d / RUNNING_LOG)
 
     def poll(self) -> dict:
         """Read what is new. Returns the status dict (may be empty)."""

@@ -11,6 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from backend import paths
+from backend.rundir import LOG_FILE
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live
@@ -59,7 +60,7 @@ def run_rows(root: Path | None = None) -> list[dict]:
 def final_loss(run_dir: str, status: dict | None = None) -> float | None:
     """The last logged training loss of a run (trainer_log.jsonl), else the final_loss its status holds.
     Not the trainer's train_loss: that is the mean over the whole run."""
-    loss = last_value(Path(run_dir) / "trainer_log.jsonl", "loss")
+    loss = last_value(Path(run_dir) / LOG_FILE, "loss")
     if loss is None:
         value = ((status or {}).get("final_metrics") or {}).get("final_loss")
         loss = float(value) if isinstance(value, (int, float)) else None
@@ -112,7 +113,7 @@ def run_at(name: str | None, row: int | None, status: str, model: str) -> str | 
 
 
 def _records(run_dir: str) -> list[dict]:
-    recs, _ = JsonlTail(str(Path(run_dir) / "trainer_log.jsonl")).read()
+    recs, _ = JsonlTail(str(Path(run_dir) / LOG_FILE)).read()
     return recs
 
 

@@ -19,6 +19,8 @@ LOG_FILE = "trainer_log.jsonl"
 RUNNING_LOG = "running_log.txt"
 SPEC_FILE = "run_spec.yaml"
 STOP_FILE = "STOP"
+LAUNCH_FILE = "launch.json"  # written by the web UI's job launcher: the launched pid, its argv and launch time
+PROCESS_LOG = "process_output.log"  # the launched process's stdout and stderr (the UI's launcher writes it)
 CHECKPOINT_PREFIX = "checkpoint-"
 # What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
 # a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.
@@ -207,10 +209,10 @@ class RunDir:
     def __init__(self, path: str | Path, writer: bool = True):
         self.path = Path(path)
         self.writer = writer
+        self.path.mkdir(parents=True, exist_ok=True)
         self.status: dict[str, Any] = read_status(self.path) or {}
         self._log = open(self.path / RUNNING_LOG, "a", encoding="utf-8") if writer else None
         self._started = time.time()
-        self.path.mkdir(parents=True, exist_ok=True)
 
     # -- status.json -------------------------------------------------------------------------
     def update_status(self, **fields: Any) -> None:
@@ -278,10 +280,10 @@ class RunDir:
         that cannot be written to the file (disk full) still goes to stdout."""
         if not self.writer:
             return
+        line = f"[{datetime.now().strftime('%H:%M:%S')}] {message}"
         print(line, flush=True)
         try:
             self._log.write(line + "\n")
-        line = f"[{datetime.now().strftime('%H:%M:%S')}] {message}"
             self._log.flush()
         except OSError:
             pass
@@ -289,10 +291,10 @@ class RunDir:
     def append_metrics(self, record: dict) -> None:
         if not self.writer:
             return
+        row = {key: record.get(key) for key in TRAINER_LOG_KEYS}
         row.update({k: v for k, v in record.items() if k not in row})
         with open(self.path / LOG_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        row = {key: record.get(key) for key in TRAINER_LOG_KEYS}
             f.flush()
 
     @property
@@ -302,7 +304,7 @@ class RunDir:
     def close(self) -> None:
         if self._log is None:
             return
+        try:
             self._log.close()
         except OSError:  # the last buffered line could not be written (disk full)
             pass
-        try:

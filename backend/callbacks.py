@@ -75,15 +75,15 @@ class RunDirCallback(TrainerCallback):
         if reason and not self.stop_reason:
             self.stop_reason = reason
             self.run_dir.log(f"stop requested ({reason}): saving and stopping after step {state.global_step}")
+            if not self.run_dir.writer:  # the other ranks say it once on stdout (the launcher's process log)
+                import os
+
+                print(f"rank {os.environ.get('RANK')}: stopping after step {state.global_step} ({reason})", flush=True)
             control.should_save = True
             control.should_training_stop = True
         if control.should_training_stop or state.global_step >= state.max_steps:
             control.should_log = True  # the last step is always on the curve, whatever logging_steps says
         return control
-            if not self.run_dir.writer:  # the other ranks say it once on stdout (the launcher's process log)
-                import os
-
-                print(f"rank {os.environ.get('RANK')}: stopping after step {state.global_step} ({reason})", flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {})
@@ -117,12 +117,6 @@ class RunDirCallback(TrainerCallback):
         self.run_dir.log("  ".join(parts))
 
 
-def _memory_mb() -> float | None:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return round(torch.cuda.max_memory_allocated() / 2**20, 1)
 def agreed_stop(reason: str | None) -> str | None:
     """In a run of several processes, every rank stops after the same step: rank 0 reads the STOP file, any
     rank may have caught a signal, and one all-reduce (max) per step makes the decision everyone's. Alone,
@@ -140,6 +134,12 @@ def agreed_stop(reason: str | None) -> str | None:
     return reason
 
 
+def _memory_mb() -> float | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return round(torch.cuda.max_memory_allocated() / 2**20, 1)
         import psutil
 
         return round(psutil.Process().memory_info().rss / 2**20, 1)

@@ -306,6 +306,15 @@ class RunSpec(BaseModel):
     save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints.", "train", ge=1)
     ddp_timeout: int = _f(1800, "Distributed timeout in seconds.", "train", ge=1)
 
+    # ---------------------------------------------------------------- distributed (backend/launch.py)
+    nproc_per_node: Union[int, Literal["auto"]] = _f("auto", "Training processes on this machine: a number, or auto = one per visible GPU (1 on a CPU-only machine).", "distributed")
+    nnodes: int = _f(1, "Machines in the run; start the same spec on each with its node_rank (`tuneboard train --print-launch` prints the commands).", "distributed", ge=1)
+    node_rank: int = _f(0, "This machine's index among the nnodes (0 = the main node, which writes the run folder).", "distributed", ge=0)
+    master_addr: Optional[str] = _f(None, "Address of node 0 that every node can reach (default 127.0.0.1 on one machine).", "distributed")
+    master_port: Optional[int] = _f(None, "Rendezvous port on node 0 (default: a free port).", "distributed", ge=1, le=65535)
+    deepspeed: Optional[str] = _f(None, "DeepSpeed config JSON (ZeRO stage, offload), e.g. examples/deepspeed/ds_z3_config.json.", "distributed")
+    accelerate_config: Optional[str] = _f(None, "An accelerate FSDP config YAML, e.g. examples/accelerate/fsdp_config.yaml (GPU only).", "distributed")
+
     # ---------------------------------------------------------------- logging
     logging_steps: int = _f(5, "Log loss and learning rate every N steps.", "logging", ge=1)
     plot_loss: bool = _f(True, "Save training_loss.png at the end.", "logging")
@@ -316,15 +325,6 @@ class RunSpec(BaseModel):
     do_predict: bool = _f(False, "Generate predictions on the evaluation set.", "eval")
     predict_with_generate: bool = _f(True, "Use generation when predicting (always: predictions are generated text).", "eval", refused="predictions are always generated (do_predict writes generated_predictions.jsonl), so predict_with_generate is always true")
     per_device_eval_batch_size: int = _f(2, "Rows per device per evaluation pass.", "eval", ge=1)
-    # ---------------------------------------------------------------- distributed (backend/launch.py)
-    nproc_per_node: Union[int, Literal["auto"]] = _f("auto", "Training processes on this machine: a number, or auto = one per visible GPU (1 on a CPU-only machine).", "distributed")
-    nnodes: int = _f(1, "Machines in the run; start the same spec on each with its node_rank (`tuneboard train --print-launch` prints the commands).", "distributed", ge=1)
-    node_rank: int = _f(0, "This machine's index among the nnodes (0 = the main node, which writes the run folder).", "distributed", ge=0)
-    master_addr: Optional[str] = _f(None, "Address of node 0 that every node can reach (default 127.0.0.1 on one machine).", "distributed")
-    master_port: Optional[int] = _f(None, "Rendezvous port on node 0 (default: a free port).", "distributed", ge=1, le=65535)
-    deepspeed: Optional[str] = _f(None, "DeepSpeed config JSON (ZeRO stage, offload), e.g. examples/deepspeed/ds_z3_config.json.", "distributed")
-    accelerate_config: Optional[str] = _f(None, "An accelerate FSDP config YAML, e.g. examples/accelerate/fsdp_config.yaml (GPU only).", "distributed")
-
     eval_strategy: Literal["no", "steps", "epoch"] = _f("no", "When to evaluate during training (needs val_size or eval_dataset).", "eval")
     eval_steps: Union[int, float, None] = _f(None, "Evaluate every N steps (default: logging_steps).", "eval", gt=0)
     load_best_model_at_end: bool = _f(False, "Load the best checkpoint at the end (needs evaluation).", "eval")
@@ -419,6 +419,17 @@ class RunSpec(BaseModel):
                              "with a dataset that has a kto_tag column")
         return value
 
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _process_count(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"must be auto or a number of processes, 1 or more (got {_show(value)})")
+        return value
+
     @field_validator("freeze_trainable_layers")
     @classmethod
     def _nonzero_layers(cls, value: int) -> int:
@@ -431,17 +442,6 @@ class RunSpec(BaseModel):
     def _known_optim(cls, value: str) -> str:
         choices = training_args_fields().get("optim", {}).get("choices")
         if choices and value not in choices:
-    @field_validator("nproc_per_node", mode="before")
-    @classmethod
-    def _process_count(cls, value: Any) -> Any:
-        if value == "auto":
-            return value
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"must be auto or a number of processes, 1 or more (got {_show(value)})")
-        return value
-
             close = difflib.get_close_matches(value, choices, n=3)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else f"; known: {', '.join(choices)}"
             raise ValueError(f"unknown optimizer {value!r}{hint}")
@@ -801,6 +801,9 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     if spec.interleave_probs and spec.mix_strategy == "concat":
         err("interleave_probs", "only used with mix_strategy interleave_under or interleave_over", "mix_strategy")
     errors.extend(_refusals(spec, check_files))
+    from backend.launch import distributed_errors
+
+    errors.extend(distributed_errors(spec, check_files))
     if spec.stage == "kto":
         if spec.per_device_train_batch_size < 2:
             err("per_device_train_batch_size", "KTO estimates its KL term by pairing each prompt with another row's "
@@ -813,9 +816,6 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         if sampling != "sequential":
             err("train_sampling_strategy", f"KTO needs sequential sampling (got {sampling}): its KL pairs are built "
                 "within fixed batches of neighbouring rows", "stage")
-    from backend.launch import distributed_errors
-
-    errors.extend(distributed_errors(spec, check_files))
     if spec.stage in ("rm", "kto") or get_stage(spec.stage).module == "dpo":
         if spec.resolved_packing:
             err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "

@@ -13,6 +13,7 @@ import time
 from transformers import TrainerCallback
 
 from backend.rundir import RunDir
+from backend.stages import matches
 
 
 class StopSwitch:
@@ -56,6 +57,10 @@ class RunDirCallback(TrainerCallback):
         self._t0 = None
         self._tokens0 = 0
         self._step0 = 0
+
+    def _declared(self, key: str) -> bool:
+        """A key the stage declares (a `rewards/*` pattern covers rewards/<name>/mean, ...)."""
+        return any(matches(key, pattern) for pattern in self.metric_keys)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._t0 = time.time()
@@ -106,12 +111,13 @@ class RunDirCallback(TrainerCallback):
             "eta_s": round(elapsed / steps_done * remaining, 2) if steps_done else None,
             "memory_mb": _memory_mb(),
         }
-        record.update({k: _clean(logs[k]) for k in self.metric_keys if k in logs})
+        record.update({k: _clean(v) for k, v in logs.items() if self._declared(k)})
         self.run_dir.append_metrics(record)
         self.run_dir.update_status(step=state.global_step, total_steps=state.max_steps)
         parts = [f"step {state.global_step}/{state.max_steps}"]
-        shown = ("loss", "eval_loss", "lr", "grad_norm") + self.metric_keys
-        parts += [f"{k}={v:.4g}" for k, v in record.items() if k in shown and isinstance(v, (int, float))]
+        shown = ("loss", "eval_loss", "lr", "grad_norm")
+        parts += [f"{k}={v:.4g}" for k, v in record.items()
+                  if (k in shown or self._declared(k)) and isinstance(v, (int, float))]
         if record["tokens_per_s"]:
             parts.append(f"{record['tokens_per_s']:.0f} tok/s")
         self.run_dir.log("  ".join(parts))

@@ -472,7 +472,7 @@ def _conversation(items: Any, spec: _Spec, stage: str) -> tuple[list[dict], str 
         if prev_kind not in ("user", "tool"):
             raise RowError(f"a ranking row's conversation must end with a '{t['user_tag']}' turn "
                            f"(the answers are in chosen/rejected), it ends with {prev_role!r} at turn {last}")
-    elif prev_kind not in ("assistant", "call"):
+    elif prev_kind not in ("assistant", "call") and not (_kind(stage) == "prompts" and prev_kind in ("user", "tool")):
         raise RowError(f"conversation must end with a '{t['assistant_tag']}' turn, "
                        f"it ends with {prev_role!r} at turn {last}")
     return messages, system
@@ -580,10 +580,13 @@ def convert_row(row: dict, spec: _Spec, stage: str) -> dict:
         messages = _alpaca_messages(row, spec)
         system = _text(row, c["system"], required=False) if c.get("system") else ""
         if not spec.ranking:
-            response = _text(row, c["response"])
-            if not response.strip():
+            # a prompts stage (grpo) takes rows without an answer too: the answer is only its reward's reference
+            prompts_only = _kind(stage) == "prompts"
+            response = _text(row, c["response"], required=not prompts_only)
+            if response.strip():
+                messages.append({"role": "assistant", "content": response})
+            elif not prompts_only:
                 raise RowError(f"empty response (column '{c['response']}')")
-            messages.append({"role": "assistant", "content": response})
     else:
         messages, system = _conversation(row.get(c["messages"]), spec, "dpo" if spec.ranking else stage)
         if system is None:

@@ -148,6 +148,31 @@ BUILTINS: dict[str, Callable] = {f.__name__: f for f in (json_valid, json_schema
                                                           length_penalty, format_regex)}
 
 
+def load_schema(value: str) -> dict:
+    """reward_schema -> the JSON Schema: a .json file, or the schema written inline as JSON. ValueError says
+    what is wrong (no file, not JSON, not a valid schema)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    text = str(value).strip()
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{text} is neither inline JSON nor a file")
+        text = path.read_text(encoding="utf-8")
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON Schema is an object ({...})")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+    return schema
+
+
 # -- names -> functions -----------------------------------------------------------------------------
 
 def split_names(value) -> list[str]:

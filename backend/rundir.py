@@ -19,6 +19,7 @@ LOG_FILE = "trainer_log.jsonl"
 RUNNING_LOG = "running_log.txt"
 SPEC_FILE = "run_spec.yaml"
 STOP_FILE = "STOP"
+COMPLETIONS_FILE = "completions.jsonl"  # stage grpo: a sample of the completions with their rewards, per logging step
 LAUNCH_FILE = "launch.json"  # written by the web UI's job launcher: the launched pid, its argv and launch time
 PROCESS_LOG = "process_output.log"  # the launched process's stdout and stderr (the UI's launcher writes it)
 CHECKPOINT_PREFIX = "checkpoint-"

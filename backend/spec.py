@@ -46,7 +46,8 @@ PASSTHROUGH_TITLE = "TrainingArguments passthrough"
 
 # Fields that hold a comma-separated list; a YAML list is accepted and joined.
 _COMMA_FIELDS = ("adapter_name_or_path", "lora_target", "additional_target", "freeze_trainable_modules",
-                 "freeze_extra_modules", "galore_target", "dataset", "eval_dataset", "interleave_probs")
+                 "freeze_extra_modules", "galore_target", "dataset", "eval_dataset", "interleave_probs",
+                 "reward_funcs", "reward_weights")
 
 
 def _f(default: Any, description: str, group: str, *, methods: list[str] | None = None,
@@ -205,7 +206,7 @@ class RunSpec(BaseModel):
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f("auto", "Weight dtype for inference and export.", "model")
 
     # ---------------------------------------------------------------- method (stage + finetuning type)
-    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, or a preference method (DPO, ORPO, SimPO, KTO).", "method", choices=IMPLEMENTED)
+    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), or online RL with reward functions (GRPO).", "method", choices=IMPLEMENTED)
     do_train: bool = _f(True, "Run training.", "method", refused="`tuneboard train` always trains: to only evaluate or predict, run `tuneboard eval` with this spec (do_eval / do_predict pick the parts)")
     finetuning_type: Literal["lora", "freeze", "full"] = _f("lora", "What is trained: LoRA adapters, the last layers (freeze), or every weight (full).", "method")
     pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")
@@ -223,6 +224,15 @@ class RunSpec(BaseModel):
     ppo_target: float = _f(6.0, "Target KL for adaptive KL control in PPO.", "method", gt=0)
     ppo_score_norm: bool = _f(False, "Normalise PPO rewards.", "method")
     ppo_whiten_rewards: bool = _f(False, "Whiten PPO rewards before computing advantages.", "method")
+    reward_funcs: Optional[str] = _f(None, "GRPO reward functions, comma-separated: json_valid, json_schema, field_f1, exact_match, length_penalty, format_regex, or your own module:function / path/to/file.py:function.", "method")
+    reward_weights: Optional[str] = _f(None, "GRPO: one weight per reward function, comma-separated (default: 1 each).", "method")
+    reward_schema: Optional[str] = _f(None, "GRPO json_schema reward: a JSON Schema file (.json) or inline JSON (default: each row's own, inferred from its reference answer).", "method")
+    reward_regex: Optional[str] = _f(None, "GRPO format_regex reward: the regular expression a whole completion must match (default: one JSON object).", "method")
+    num_generations: int = _f(4, "GRPO: completions sampled per prompt (each is scored against the others of its group).", "method", ge=2)
+    max_completion_length: int = _f(128, "GRPO: most tokens generated per completion.", "method", ge=1)
+    grpo_beta: float = _f(0.04, "GRPO: KL penalty against the starting model; 0 = no reference model (and no kl curve).", "method", ge=0)
+    grpo_epsilon: float = _f(0.2, "GRPO: clipping range of the policy ratio, as in PPO.", "method", gt=0)
+    use_vllm: bool = _f(False, "GRPO: generate the completions with vLLM (needs the vllm package and a GPU).", "method")
 
     # ---------------------------------------------------------------- lora
     lora_target: str = _f("all", "Modules that get LoRA adapters: 'all' (every linear layer but the head) or names, comma-separated.", "lora", methods=["lora"])
@@ -407,8 +417,10 @@ class RunSpec(BaseModel):
     @field_validator("stage")
     @classmethod
     def _implemented_stage(cls, value: str) -> str:
-        if not get_stage(value).implemented:
-            raise ValueError(f"stage {value!r} is not implemented yet (available: {', '.join(IMPLEMENTED)})")
+        stage = get_stage(value)
+        if not stage.implemented:
+            why = stage.reason or "it is not implemented yet"
+            raise ValueError(f"stage {value!r}: {why} (available: {', '.join(IMPLEMENTED)})")
         return value
 
     @field_validator("pref_loss")
@@ -829,6 +841,11 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
                 "loss to switch on", "stage")
     if get_stage(spec.stage).module == "dpo":
         errors.extend(_preference_errors(spec))
+    if spec.stage == "grpo":
+        errors.extend(_grpo_errors(spec, check_files))
+    elif spec.use_vllm:
+        err("use_vllm", f"{REFUSED}: only stage grpo generates while it trains (chat and the API pick their engine "
+            "with infer_backend)", "stage")
     if check_files:
         errors.extend(_template_errors(spec))
         errors.extend(_dataset_errors(spec))
@@ -927,6 +944,86 @@ def _preference_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     return errors
 
 
+def _grpo_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, frozenset]]:
+    """Stage grpo: reward functions that can be loaded, settings TRL's GRPOTrainer can run with, keys it ignores."""
+    from backend import rewards
+
+    errors: list[tuple[str, str, frozenset]] = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field, "stage") + involved)))
+
+    names = rewards.split_names(spec.reward_funcs)
+    if not names:
+        err("reward_funcs", f"stage grpo needs at least one reward function ({', '.join(rewards.BUILTINS)}, or "
+            "module:function / path/to/file.py:function)")
+    for name in names:
+        problem = rewards.name_problem(name, check_files=check_files)
+        if problem:
+            err("reward_funcs", problem)
+    users = [n for n in names if n not in rewards.BUILTINS]
+    if spec.reward_weights:
+        try:
+            weights = [float(w) for w in _split(spec.reward_weights)]
+        except ValueError:
+            err("reward_weights", f"{spec.reward_weights!r}: expected numbers, comma-separated")
+        else:
+            if len(weights) != len(names):
+                err("reward_weights", f"{len(weights)} weights for {len(names)} reward functions: give one weight "
+                    "per function, in the order of reward_funcs", "reward_funcs")
+    if spec.reward_schema:
+        if "json_schema" not in names and not users:
+            err("reward_schema", f"{REFUSED}: only the json_schema reward (or your own function, as `schema`) reads "
+                "it: add json_schema to reward_funcs or drop reward_schema", "reward_funcs")
+        else:
+            try:
+                rewards.load_schema(spec.reward_schema)
+            except ValueError as exc:
+                err("reward_schema", str(exc))
+    if spec.reward_regex:
+        if "format_regex" not in names:
+            err("reward_regex", f"{REFUSED}: only the format_regex reward reads it: add format_regex to reward_funcs "
+                "or drop reward_regex", "reward_funcs")
+        else:
+            try:
+                re.compile(spec.reward_regex)
+            except re.error as exc:
+                err("reward_regex", f"not a valid regular expression: {exc}")
+    rows_per_step = spec.per_device_train_batch_size * spec.gradient_accumulation_steps
+    if rows_per_step % spec.num_generations:
+        err("num_generations", f"per_device_train_batch_size x gradient_accumulation_steps ({rows_per_step}) must be "
+            f"a multiple of num_generations ({spec.num_generations}): each step scores whole groups of completions "
+            "of one prompt", "per_device_train_batch_size", "gradient_accumulation_steps")
+    if spec.max_completion_length >= spec.cutoff_len:
+        err("max_completion_length", f"must be below cutoff_len ({spec.cutoff_len}): prompt and completion share it",
+            "cutoff_len")
+    if spec.temperature <= 0:
+        err("temperature", "GRPO samples its completions: temperature must be above 0", "stage")
+    if spec.use_vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            err("use_vllm", "vllm is not installed (pip install -e '.[vllm]', on a machine with a GPU): leave "
+                "use_vllm off to generate with transformers")
+        elif not Path("/dev/nvidiactl").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            err("use_vllm", "vLLM generation needs a GPU and none is visible here: leave use_vllm off to generate "
+                "with transformers")
+    if spec.resolved_packing:
+        err("packing", f"{REFUSED}: GRPO generates completions for whole prompts: packing does not apply",
+            "neat_packing")
+    for name, why in (("train_on_prompt", "GRPO's loss covers the generated completions only"),
+                      ("mask_history", "GRPO trains on its own completions, not on the dataset's answers"),
+                      ("do_predict", "stage grpo writes no predictions: run `tuneboard eval` (stage sft) with the "
+                       "trained adapter")):
+        if getattr(spec, name):
+            err(name, f"{REFUSED}: {why}")
+    if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
+        field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
+        err(field, f"{REFUSED}: stage grpo does not evaluate while it trains (its rewards are the live measure): "
+            "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
+    return errors
+
+
 # Optimizers GaLore has a variant of (transformers' galore_* optimizers, package galore-torch). The 8-bit one is
 # not offered: galore-torch's GaLoreAdamW8bit calls torch.cuda.synchronize() in its step.
 GALORE_OPTIMIZERS = {"adamw_torch": "galore_adamw", "adamw_torch_fused": "galore_adamw", "adamw_hf": "galore_adamw",
@@ -952,7 +1049,9 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
             continue
         using = stages_using_field(name)
         if using and not any(get_stage(s).implemented for s in using):
-            refuse(name, f"only used by stage {', '.join(using)}, which is not implemented yet")
+            whys = "; ".join(get_stage(s).reason for s in using if get_stage(s).reason)
+            refuse(name, f"only used by stage {', '.join(using)}, which is not implemented" + (f": {whys}" if whys
+                                                                                            else " yet"))
     if spec.use_galore and spec.optim not in GALORE_OPTIMIZERS:
         refuse("use_galore", f"GaLore has no variant of optim {spec.optim}: use one of "
                f"{', '.join(GALORE_OPTIMIZERS)}", "optim")

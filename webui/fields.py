@@ -53,6 +53,9 @@ OVERRIDES: dict[str, dict] = {
     "report_to": {"choices": ["none", "tensorboard", "wandb", "mlflow"], "custom": True},
     "learning_rate": {"step": 1e-5},
     "resume_from_checkpoint": {"placeholder": "true, or a checkpoint folder"},
+    # GRPO: the built-in rewards and the extraction pair; any list or module:function can be typed
+    "reward_funcs": {"choices": ["json_valid", "json_schema,field_f1", "json_valid,field_f1", "json_schema",
+                                 "field_f1", "exact_match", "format_regex", "length_penalty"], "custom": True},
     # Devices and distribution: a process count or auto; the shipped DeepSpeed / FSDP configs (or a typed path)
     "nproc_per_node": {"choices": ["auto", "1", "2", "4", "8"], "custom": True},
     "deepspeed": {"choices": shipped_deepspeed_configs(), "custom": True},
@@ -100,11 +103,26 @@ def _kind(f: dict) -> str:
     return "text"
 
 
+def shared_field_stages() -> dict[str, tuple[str, ...]]:
+    """field -> the implemented stages that declare it in `shared_fields` (backend/stages): shown for them only."""
+    from backend.stages import STAGES
+
+    out: dict[str, tuple[str, ...]] = {}
+    for stage in STAGES.values():
+        if stage.implemented:
+            for name in stage.shared_fields:
+                out[name] = out.get(name, ()) + (stage.id,)
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def field_table() -> tuple[FieldRow, ...]:
     rows = []
+    shared = shared_field_stages()
     for f in spec_fields():
-        if f["group"] in SKIPPED_GROUPS or f.get("refused"):  # a key always refused at validate is not offered
+        if f["name"] in shared:  # a generation key a stage reads while it trains (grpo: temperature, top_p)
+            f = dict(f, group="method", stages=list(shared[f["name"]]))
+        elif f["group"] in SKIPPED_GROUPS or f.get("refused"):  # a key always refused at validate is not offered
             continue
         over = OVERRIDES.get(f["name"], {})
         choices = over.get("choices", f.get("choices"))

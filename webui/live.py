@@ -10,7 +10,7 @@ from datetime import datetime
 import pandas as pd
 
 from backend.paths import DEFAULT_MODEL_ID
-from backend.stages import STAGES, get_stage
+from backend.stages import STAGES, get_stage, matches
 from webui.i18n import has, tr
 
 MAX_POINTS = 2000  # a LinePlot value is sent whole each tick: thin long runs instead of sending 100k points
@@ -79,6 +79,9 @@ def metric_frame(records: list[dict], keys, run_label: str | None = None) -> pd.
     by the key; with a run label (the Runs overlay, one metric of several runs) by the run, and
     "<run> eval" for the eval variant, so the legend stays short enough to be read whole."""
     wanted = []
+    present = dict.fromkeys(k for r in records for k in r)
+    keys = [k for pattern in keys for k in ([pattern] if "*" not in pattern else
+                                            sorted(k for k in present if matches(k, pattern)))]
     for key in keys:
         wanted += [key] if key.startswith("eval_") else [key, f"eval_{key}"]
     rows = []
@@ -109,6 +112,41 @@ def stage_plots(stage_id: str | None) -> dict[str, tuple[str, ...]]:
         return dict(get_stage(stage_id).plots) if stage_id else {}
     except KeyError:
         return {}
+
+
+COMPLETION_COLUMNS = ("step", "reward", "rewards", "completion")
+
+
+def completions_frame(run_dir, n: int = 8, max_chars: int = 400) -> pd.DataFrame:
+    """The newest `n` completions of a GRPO run (backend.rundir.COMPLETIONS_FILE) for the table under the plots:
+    step, total reward, each function's reward, the completion (cut at max_chars). Reads only the file's
+    last 256 KiB, whatever its size; an unreadable line is skipped."""
+    import json
+    from pathlib import Path
+
+    from backend.rundir import COMPLETIONS_FILE
+
+    path = Path(run_dir) / COMPLETIONS_FILE
+    rows = []
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()[-n:]
+    except OSError:
+        lines = []
+    for line in reversed(lines):  # newest first
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        per = ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} –"
+                        for k, v in (r.get("rewards") or {}).items())
+        text = str(r.get("completion", ""))
+        rows.append((r.get("step"), _num(r.get("reward")), per,
+                     text[:max_chars] + ("…" if len(text) > max_chars else "")))
+    return pd.DataFrame(rows, columns=list(COMPLETION_COLUMNS))
 
 
 # Bookkeeping columns of trainer_log.jsonl that are not worth a curve in the Runs overlay.

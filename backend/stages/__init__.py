@@ -6,7 +6,12 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
 - `fields`: the stage-specific spec fields that apply to it (the form shows them for this stage only).
 - `metrics`: the keys it logs besides loss / eval_loss (also logged with an `eval_` prefix when it
   evaluates); they land in trainer_log.jsonl and feed the plots named in `plots`.
-- `implemented`: False = validate refuses the stage and the form does not offer it.
+- `implemented`: False = validate refuses the stage (with `reason`, when there is one) and the form does not
+  offer it; its own fields are refused too.
+- `shared_fields`: fields of every stage (not stage-specific) that this stage also reads, and the form shows for
+  it though their group is not on the Train form (grpo samples with `temperature` and `top_p`).
+- metric keys ending in `*` are prefixes: `rewards/*` logs every key that starts with `rewards/` (GRPO's
+  per-function rewards/<name>/mean|std, named after the user's functions).
 - `alias_of` + `pref_loss`: `stage: orpo` is `stage: dpo` with `pref_loss: orpo` (LLaMA-Factory has
   them as losses of dpo; the aliases keep older recipes running).
 
@@ -17,6 +22,7 @@ Adding a stage = its module, its declaration below, and its locale key `train-st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import metadata
 
 DATA_KINDS = ("text", "plain", "ranking", "kto", "prompts")
 
@@ -25,6 +31,19 @@ DATA_KINDS = ("text", "plain", "ranking", "kto", "prompts")
 _PREF_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                  "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
                  "log_odds_ratio", "log_odds_chosen", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
+
+
+def _trl_version() -> str:
+    try:
+        return metadata.version("trl")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+# Checked in TRL 1.16's sources: no PPOTrainer / PPOConfig in trl.trainer nor in trl.experimental (TRL removed its
+# PPO trainer); tests/backend/test_stage_grpo.py asserts it is still absent, so this reason cannot go stale.
+_NO_PPO = (f"TRL {_trl_version()} has no PPOTrainer (neither trl.trainer nor trl.experimental ships one): "
+           "use stage grpo with reward functions, or stage dpo/kto on preference data")
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,8 @@ class Stage:
     implemented: bool = True
     alias_of: str | None = None
     pref_loss: str | None = None  # an alias's fixed preference loss
+    reason: str | None = None  # why a stage is not implemented (validate says it)
+    shared_fields: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -72,10 +93,21 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
           metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
                    "logits/chosen", "logits/rejected", "kl", "entropy", "num_tokens", "aux_loss"),
           plots=(("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")), ("kl", ("kl",)))),
-    Stage("ppo", "PPO", "prompts", implemented=False,
+    Stage("ppo", "PPO", "prompts", implemented=False, reason=_NO_PPO,
           fields=("ref_model", "reward_model", "reward_model_type", "ppo_epochs", "ppo_buffer_size", "ppo_target",
                   "ppo_score_norm", "ppo_whiten_rewards")),
-    Stage("grpo", "GRPO", "prompts", implemented=False, fields=("reward_model",)),
+    Stage("grpo", "GRPO", "prompts",
+          fields=("reward_funcs", "reward_weights", "reward_schema", "reward_regex", "num_generations",
+                  "max_completion_length", "grpo_beta", "grpo_epsilon", "use_vllm"),
+          shared_fields=("temperature", "top_p"),
+          # what TRL's GRPOTrainer logs (kl only with grpo_beta > 0; rewards/<function>/mean|std per function)
+          metrics=("reward", "reward_std", "rewards/*", "kl", "entropy", "frac_reward_zero_std",
+                   "completions/mean_length", "completions/min_length", "completions/max_length",
+                   "completions/clipped_ratio", "completions/mean_terminated_length", "clip_ratio/region_mean",
+                   "clip_ratio/low_mean", "clip_ratio/high_mean", "num_tokens"),
+          plots=(("reward", ("reward", "reward_std")), ("rewards per function", ("rewards/*/mean",)),
+                 ("kl", ("kl",)), ("completion length", ("completions/mean_length", "completions/clipped_ratio")),
+                 ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")))),
 )}
 
 STAGE_IDS: tuple[str, ...] = tuple(STAGES)
@@ -93,6 +125,14 @@ def get_stage(stage_id: str) -> Stage:
 def stages_with_data(kind: str) -> tuple[str, ...]:
     """Implemented stages that take this dataset kind (for messages: 'use it with rm, dpo, ...')."""
     return tuple(s.id for s in STAGES.values() if s.data == kind and s.implemented)
+
+
+def matches(key: str, pattern: str) -> bool:
+    """Whether a logged key is a declared metric key; `*` in the pattern stands for any text."""
+    if "*" not in pattern:
+        return key == pattern
+    head, _, tail = pattern.partition("*")
+    return key.startswith(head) and key.endswith(tail) and len(key) >= len(head) + len(tail)
 
 
 def stages_using_field(name: str) -> tuple[str, ...] | None:

@@ -258,7 +258,7 @@ def test_type_messages(files):
 
 def test_choice_messages(files):
     m = messages({"stage": "sfft", "quantization_bit": 3, "finetuning_type": "qlora", "optim": "adamw"})
-    assert m["stage"] == "must be one of pt, sft, rm, dpo, orpo, simpo, kto (got 'sfft')"
+    assert m["stage"] == "must be one of pt, sft, rm, dpo, orpo, simpo, kto, grpo (got 'sfft')"
     assert m["quantization_bit"] == "must be one of 4, 8, null (got 3)"
     assert m["finetuning_type"] == "must be one of lora, freeze, full (got 'qlora')"
     assert m["optim"].startswith("unknown optimizer 'adamw'")
@@ -353,8 +353,9 @@ def test_cross_field_rules_pass_when_satisfied(files):
 def test_unimplemented_stages_are_refused_at_validate(files):
     from backend.stages import STAGES
 
-    for stage in [s.id for s in STAGES.values() if not s.implemented]:
-        assert messages({"stage": stage})["stage"].startswith(f"stage {stage!r} is not implemented yet (available: ")
+    for stage in [s for s in STAGES.values() if not s.implemented]:
+        why = stage.reason or "it is not implemented yet"
+        assert messages({"stage": stage.id})["stage"].startswith(f"stage {stage.id!r}: {why} (available: ")
     assert validate_spec({"stage": "simpo", "dataset": "dpo_en_demo", "pref_loss": "simpo"}).stage == "simpo"
 
 

@@ -37,8 +37,11 @@ def test_spec_to_form_to_spec_round_trip(stage, method):
         data["dataset"] = "kto_en_demo"
     if method == "lora":
         data.update(quantization_bit=4, use_dora=True)
-    if stage in ("ppo", "grpo"):
+    if stage == "ppo":
         data["reward_model"] = "some/reward"
+    if stage == "grpo":  # its reward settings and its sampling keys (shown for grpo only) survive the round trip
+        data.update(packing=False, reward_funcs="json_schema,field_f1", reward_weights="1,0.5", num_generations=2,
+                    temperature=0.8, top_p=0.9, grpo_beta=0.0)
     try:
         spec = validate_spec(data)
     except Exception as exc:  # a combination the spec itself refuses is not the form's business

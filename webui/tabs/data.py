@@ -168,7 +168,7 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
         refused = dir_refusal(dataset_dir, lang)
         if refused:
             return gr.update(choices=[]), refused
-        return gr.update(choices=choices.dataset_names(dataset_dir)), ""
+        return gr.update(choices=choices.dataset_names(dataset_dir)), gr.skip()
 
     c["dir"].submit(list_datasets, [c["dir"], top["lang"]], [c["dataset"], c["summary"]])
 

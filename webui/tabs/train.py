@@ -127,6 +127,10 @@ def build(reg, top: dict) -> dict:
                                color="series", height=300, x_title="step", y_title=name, visible=False,
                                elem_classes=["tb-plot"])
                 for name in live.plot_names()}
+            # GRPO: what the model writes, with its rewards (the newest completions of the attached run)
+            c["completions"] = reg.comp(gr.Dataframe, "train-completions", value=live.completions_frame("/nonexistent"),
+                                        interactive=False, wrap=True, visible=False, max_height=360,
+                                        column_widths=["8%", "10%", "22%", "60%"])
             c["lr_plot"] = reg.comp(gr.LinePlot, "train-lr_plot", value=empty_lr(), x="step", y="lr",
                                     height=200, x_title="step", y_title="learning rate")
             c["log"] = reg.comp(gr.Textbox, "train-log", lines=12, max_lines=12, autoscroll=True,
@@ -215,9 +219,9 @@ def preview_of(spec) -> tuple[str, str]:
 
 
 N_PLOTS = len(live.plot_names())
-# live view outputs between the state and the timer: progress, loss, lr, stage plots, log, final, image,
-# adapter picker, message
-N_VIEW = 8 + N_PLOTS
+# live view outputs between the state and the timer: progress, loss, lr, stage plots, completions table, log,
+# final, image, adapter picker, message
+N_VIEW = 9 + N_PLOTS
 
 
 def adapter_banner(adapter: str | None, lang: str = "en") -> tuple:
@@ -326,6 +330,7 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
         st.setdefault("series", {})["loss"] = series_of(loss)
     lr = live.lr_frame(tail.records) if changed else gr.skip()
     plots = stage_plot_updates(st, tail.records) if changed else [gr.skip()] * N_PLOTS
+    completions = completions_update(st, run_dir) if changed else gr.skip()
     done = not rs.active and state != "queued"
     final = live.final_metrics_md(status) if done else ""
     if tail.malformed:
@@ -337,8 +342,15 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
     if done and st.get("announced") != state:  # once per end: the message says how the run ended
         st["announced"] = state
         message = ended_message(run_dir, state, rs.status or status, lang)
-    return (st, prog, loss, lr, *plots, tail.log_text(), final, image, adapters, message,
+    return (st, prog, loss, lr, *plots, completions, tail.log_text(), final, image, adapters, message,
             gr.Timer(active=not done))
+
+
+def completions_update(st: dict, run_dir: str):
+    """The completions table: shown for a GRPO run (its newest completions and rewards), hidden otherwise."""
+    if st.get("stage") != "grpo":
+        return gr.update(visible=False)
+    return gr.update(value=live.completions_frame(run_dir), visible=True)
 
 
 def legend_updates(st: dict, plot_keys: list[str]) -> list:
@@ -406,7 +418,8 @@ def wire(c: dict, state) -> None:
     inputs = [top[n] for n in top_names] + [top["booster"], c["extra_args"]] + [c["fields"][n] for n in names]
     field_comps = [top[n] for n in top_names] + [c["fields"][n] for n in names]
     plot_comps = [c["stage_plots"][name] for name in live.plot_names()]
-    live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], *plot_comps, c["log"], c["final"],
+    live_outputs = [state, c["progress"], c["loss_plot"], c["lr_plot"], *plot_comps, c["completions"], c["log"],
+                    c["final"],
                     c["loss_image"], top["adapter_name_or_path"], c["message"], c["timer"]]
     top["adapter_name_or_path"].change(adapter_banner, [top["adapter_name_or_path"], top["lang"]],
                                        [c["adapter_note"], c["adapter_clear"]], show_progress="hidden")

@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 SCHEMA = {"type": "object", "required": ["first_word", "words", "topic"],
           "properties": {"first_word": {"type": "string"}, "words": {"type": "integer"},
@@ -110,3 +111,53 @@ class FakeTeacher:
         if self.server:
             self.server.shutdown()
             self.server.server_close()
+
+
+# ------------------------------------------------------------------------ documents and checks the tests share
+KEY = "sk-distill-secret-0123456789"
+TASK = "Extract the first word, the word count and the topic as JSON."
+LONG = " ".join(f"Widget fact number {i} says the widget is blue and costs {i} dollars." for i in range(30))
+
+
+def make_pdf(path: Path, text: str) -> None:
+    """A one-page PDF with `text` in Helvetica (enough for pypdf's text extraction)."""
+    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+    objs = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+            b"/Resources << /Font << /F1 5 0 R >> >> >>",
+            b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    path.write_bytes(bytes(out))
+
+
+def make_docs(folder: Path, extra_jsonl: list[str] = ()) -> Path:
+    """Documents of every kind: .txt, .md, .html, .pdf, .jsonl (and a near-copy of the .txt)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.txt").write_text("Widget report. The Acme widget costs twelve dollars and ships in blue. "
+                                  "It was launched in 2021 by a small team in Oslo.", encoding="utf-8")
+    (folder / "a_copy.txt").write_text("Widget report. The Acme widget costs twelve dollars and ships in blue. "
+                                       "It was launched in 2021 by a small team in Oslo!", encoding="utf-8")
+    (folder / "b.md").write_text("# Gadget notes\n\nThe Zeta gadget weighs 120 grams and runs two days.",
+                                 encoding="utf-8")
+    (folder / "c.html").write_text("<html><head><script>var hidden = 1;</script><style>p{}</style></head><body>"
+                                   "<article><h1>Sprocket</h1><p>Sprockets are toothed wheels; the Beta sprocket "
+                                   "has 42 teeth.</p></article></body></html>", encoding="utf-8")
+    make_pdf(folder / "d.pdf", "Pdfdoc about the Gamma gear with 17 teeth")
+    lines = ["Gizmo line one about gizmos in Paris.", "Doohickey line two about a red doohickey.", *extra_jsonl]
+    (folder / "e.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in lines), encoding="utf-8")
+    return folder
+
+
+def no_key_under(*folders: Path, key: str = KEY) -> None:
+    for folder in folders:
+        for f in Path(folder).rglob("*"):
+            if f.is_file():
+                assert key.encode() not in f.read_bytes(), f"the API key is written in {f}"

@@ -23,6 +23,7 @@ from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS  # noqa: E402
 from webui.tabs import chat as chat_tab  # noqa: E402
 from webui.tabs import data as data_tab  # noqa: E402
+from webui.tabs import distill as distill_tab  # noqa: E402
 from webui.tabs import evaluate as eval_tab  # noqa: E402
 from webui.tabs import export as export_tab  # noqa: E402
 from webui.tabs import runs as runs_tab  # noqa: E402
@@ -115,6 +116,8 @@ def create_app() -> gr.Blocks:
                 runs = runs_tab.build(reg)
             with reg.tab("tab-data", id="data") as data_tab_item:
                 data = data_tab.build(reg)
+            with reg.tab("tab-distill", id="distill"):
+                distill = distill_tab.build(reg)
             with reg.tab("tab-eval", id="eval"):
                 evaluate = eval_tab.build(reg)
             with reg.tab("tab-export", id="export"):
@@ -125,6 +128,7 @@ def create_app() -> gr.Blocks:
         train_tab.wire(train, state)
         runs_tab.wire(runs, state=state, train=train, tabs=tabs)
         data_tab.wire(data, top=top, train=train, tab=data_tab_item)
+        distill_tab.wire(distill, top, train, tabs, data)
         eval_tab.wire(evaluate, top)
         export_tab.wire(export, top)
         chat_tab.wire(chat)

@@ -226,9 +226,10 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                                  "reason": "duplicate", "detail": f"near-duplicate of {dupes[chunk.id]}",
                                  "prompt": chunk.text, "answer": ""}
     with progress.lock:
-        progress.data["rejected"]["duplicate"] = len(dupes) if dupes else 0
-        if not dupes:
-            progress.data["rejected"].pop("duplicate")
+        if dupes:
+            progress.data["rejected"]["duplicate"] = len(dupes)
+            progress.data["latest"] = [{k: records[i][k] for k in ("chunk", "split", "reason", "detail", "prompt",
+                                                                      "answer")} for i in dupes][:LATEST]
     pending = []
     for chunk in to_ask:
         cached = cache_dir / f"{keys[chunk.id]}.json"

@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from fake_teacher import SCHEMA, FakeTeacher
-from test_distill import TASK, generate, make_docs, no_key_under
+from fake_teacher import SCHEMA, TASK, FakeTeacher, make_docs, no_key_under
+from test_distill import generate
 
 from backend.distill import CACHE_DIRNAME, REPORT_FILE, read_progress
-from backend.paths import DEFAULT_MODEL_ID, REPO_ROOT
+from backend.paths import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.slow
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]

@@ -1,0 +1,384 @@
+"""Distill tab: documents (a folder or uploaded files) + a task (instruction, JSON Schema, examples) + a
+teacher (a `tuneboard api` started for the run, or any OpenAI-compatible endpoint) -> Generate: a
+`tuneboard distill` subprocess (webui/tools.py jobs, like Export and Evaluate) whose progress.json this tab
+polls: progress bar, accepted / rejected by reason, tokens, ETA, the latest pairs; Abort. The dataset is
+registered when it ends; "Fine-tune on it" fills the Train form; "Score" runs step score (the student, base
+and the top bar's adapter, against the teacher on the held-out chunks) and shows distill_report.json.
+
+The API key never passes through the page: the form names the environment variable (or the file) that holds
+it, and the subprocess reads it. The run folder is saves/distill/<dataset name>, so generating again with
+the same name and settings resumes from its cache. Per-browser state (gr.State): {"job", "out", "kind",
+"log", "lines"}. build() lays out; wire() binds.
+"""
+from __future__ import annotations
+
+import shutil
+from collections import deque
+from datetime import datetime
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+import yaml
+
+from backend import allowed, paths
+from backend.distill import REASONS, SPEC_FILE, TRAIN_DIRNAME, read_progress, read_report, report_rows
+from backend.distill.documents import SUFFIXES
+from webui import jobs, tools
+from webui.i18n import refusal
+from webui.tailer import FileTail
+
+TICK_S = 1.0
+LOG_LINES = 200
+PAIR_COLUMNS = ["chunk", "split", "result", "prompt", "answer"]
+SCORE_COLUMNS = ["metric", "base", "tuned"]
+UPLOADS_DIRNAME = "distill-uploads"
+NUMBERS = {  # spec key -> (default, minimum, step)
+    "cutoff_len": (1024, 64, 64), "answer_tokens": (256, 8, 16), "chunk_overlap": (64, 0, 8),
+    "eval_ratio": (0.2, 0, 0.05), "concurrency": (4, 1, 1), "request_timeout": (120, 1, 10),
+    "max_retries": (3, 0, 1), "max_requests": (0, 0, 10), "temperature": (0.0, 0, 0.1),
+}
+
+
+def empty(columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame([], columns=columns)
+
+
+def new_state() -> dict:
+    return {"job": None, "out": None, "kind": None, "log": None, "lines": []}
+
+
+def build(reg) -> dict:
+    c: dict = {}
+    c["intro"] = reg.markdown("distill-intro", elem_classes=["tb-section-note"])
+    with gr.Row():
+        c["documents"] = reg.comp(gr.Textbox, "distill-documents", value="", scale=3,
+                                  placeholder="a folder of .txt .md .html .pdf .jsonl files")
+        c["upload"] = reg.comp(gr.File, "distill-upload", file_count="multiple", type="filepath",
+                               file_types=list(SUFFIXES), scale=2)
+        c["text_column"] = reg.comp(gr.Textbox, "distill-text_column", value="text", scale=1)
+    with gr.Row():
+        c["task"] = reg.comp(gr.Textbox, "distill-task", lines=3, scale=3,
+                             value="Extract the product name, its price and its colors from the text as JSON.")
+        c["schema"] = reg.comp(gr.Code, "distill-schema", language="json", scale=3, value="")
+    with gr.Row():
+        c["answer_format"] = reg.dropdown("distill-answer_format", ["json", "text"], value="json", scale=1)
+        c["examples"] = reg.comp(gr.Textbox, "distill-examples", lines=2, scale=3, value="",
+                                 placeholder='[{"input": "...", "output": {...}}]')
+    with gr.Row(equal_height=True):
+        c["teacher"] = reg.dropdown("distill-teacher", ["local", "endpoint"], value="local", scale=1)
+        c["teacher_local_model"] = reg.comp(gr.Textbox, "distill-teacher_local_model", value="", scale=2,
+                                            placeholder="empty = the student (the model in the top bar)")
+        c["teacher_url"] = reg.comp(gr.Textbox, "distill-teacher_url", value="", scale=2, visible=False,
+                                    placeholder="https://api.openai.com/v1")
+        c["teacher_model"] = reg.comp(gr.Textbox, "distill-teacher_model", value="", scale=1, visible=False)
+        c["key_env"] = reg.comp(gr.Textbox, "distill-key_env", value="OPENAI_API_KEY", scale=1, visible=False)
+        c["key_file"] = reg.comp(gr.Textbox, "distill-key_file", value="", scale=1, visible=False)
+    with gr.Row():
+        c["dataset_name"] = reg.comp(gr.Textbox, "distill-dataset_name", value="distilled", scale=1)
+        c["dataset_dir"] = reg.comp(gr.Textbox, "distill-dataset_dir", value=str(paths.DATA_DIR), scale=2)
+    with reg.accordion("distill-group-settings", open=False):
+        with gr.Row():
+            c["numbers"] = {k: reg.comp(gr.Number, f"distill-{k}", value=d, minimum=m, step=s, min_width=110)
+                            for k, (d, m, s) in NUMBERS.items()}
+    with gr.Row():
+        c["start"] = reg.button("distill-start", variant="primary")
+        c["abort"] = reg.button("distill-abort", variant="stop")
+        c["finetune"] = reg.button("distill-finetune")
+        c["score"] = reg.button("distill-score")
+    c["message"] = gr.Markdown("", elem_id="distill-message")
+    c["progress"] = gr.HTML(tools.progress_html("idle", 0, None), elem_id="distill-progress")
+    c["counts"] = gr.Markdown("", elem_id="distill-counts")
+    c["pairs"] = reg.comp(gr.Dataframe, "distill-pairs", value=empty(PAIR_COLUMNS), interactive=False, wrap=True,
+                          max_chars=120, max_height=420)
+    c["scorecard"] = reg.comp(gr.Dataframe, "distill-scorecard", value=empty(SCORE_COLUMNS), interactive=False)
+    with reg.accordion("distill-group-log", open=False):
+        c["log"] = reg.comp(gr.Textbox, "distill-log", lines=10, max_lines=10, autoscroll=True, interactive=False,
+                            elem_classes=["tb-log"])
+    c["state"] = gr.State(new_state())
+    c["timer"] = gr.Timer(TICK_S, active=False)
+    return c
+
+
+# ------------------------------------------------------------------ handlers (plain functions)
+
+def stage_uploads(files, root: Path | None = None) -> str | None:
+    """Uploaded files (Gradio's temp copies) into a fresh folder saves/distill-uploads/<time>; its path."""
+    files = [f for f in (files or []) if f]
+    if not files:
+        return None
+    base = Path(root or paths.saves_dir()) / UPLOADS_DIRNAME
+    folder, n = base / datetime.now().strftime("%Y%m%d-%H%M%S"), 1
+    while folder.exists():
+        n += 1
+        folder = base / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{n}"
+    folder.mkdir(parents=True)
+    for f in files:
+        shutil.copyfile(f, folder / Path(f).name)
+    return str(folder)
+
+
+def distill_flat(model, template, documents, text_column, task, schema, answer_format, examples, teacher,
+                 teacher_local_model, teacher_url, teacher_model, key_env, key_file, dataset_name, dataset_dir,
+                 *numbers) -> dict:
+    """The distill spec of the form (values of the top bar's model and template, this tab's fields; `numbers`
+    in NUMBERS order). Empty fields are left out, so the spec's defaults apply."""
+    flat: dict = {"documents": (documents or "").strip(), "text_column": (text_column or "").strip() or "text",
+                  "task": (task or "").strip(), "answer_format": answer_format or "json",
+                  "model_name_or_path": model, "template": template or "auto",
+                  "dataset_name": (dataset_name or "").strip() or "distilled"}
+    if (schema or "").strip():
+        flat["json_schema"] = schema.strip()
+    if (examples or "").strip():
+        flat["examples"] = examples.strip()
+    if (dataset_dir or "").strip():
+        flat["dataset_dir"] = dataset_dir.strip()
+    if teacher == "endpoint":
+        flat.update(teacher=(teacher_url or "").strip(), teacher_model=(teacher_model or "").strip() or None,
+                    teacher_api_key_env=(key_env or "").strip() or "OPENAI_API_KEY")
+        if (key_file or "").strip():
+            flat["teacher_api_key_file"] = key_file.strip()
+    else:
+        flat["teacher"] = "local"
+        if (teacher_local_model or "").strip():
+            flat["teacher_local_model"] = teacher_local_model.strip()
+    for key, value in zip(NUMBERS, numbers):
+        if value not in (None, ""):
+            default = NUMBERS[key][0]
+            flat[key] = float(value) if isinstance(default, float) else int(value)
+    return flat
+
+
+def check_paths(flat: dict) -> list:
+    """The paths the UI lets the job read or write (backend.allowed): PathRefused list."""
+    refused = []
+    checks = [(allowed.check_read, d.strip(), "documents") for d in flat.get("documents", "").split(",") if d.strip()]
+    checks += [(allowed.check_write, flat.get("dataset_dir"), "dataset_dir")]
+    if flat.get("teacher_api_key_file"):
+        checks.append((allowed.check_read, flat["teacher_api_key_file"], "teacher_api_key_file"))
+    for check, path, field in checks:
+        if path:
+            try:
+                check(path, field)
+            except allowed.PathRefused as exc:
+                refused.append(exc)
+    for key in ("model_name_or_path", "teacher_local_model", "adapter_name_or_path"):
+        if flat.get(key):
+            try:
+                allowed.check_model(flat[key], key)
+            except allowed.PathRefused as exc:
+                refused.append(exc)
+    return refused
+
+
+def launch(st: dict, flat: dict, kind: str, lang: str = "en") -> tuple[dict, str, bool]:
+    """Validate the spec (backend.distill.spec, every error naming its key) and the paths, then start
+    `tuneboard distill` in a job folder. Returns (state, message, started)."""
+    from backend.distill.spec import DistillSpecError, validate_distill
+
+    if tools.alive((st or {}).get("job")):
+        return st, "A distill job is already running in this tab: wait for it or abort it.", False
+    refused = check_paths(flat)
+    if refused:
+        return st, "  \n".join(refusal(lang, exc) for exc in refused), False
+    try:
+        spec = validate_distill(flat)
+    except DistillSpecError as exc:
+        return st, "⛔ " + "  \n⛔ ".join(f"`{k}`: {m}" for k, m in exc.errors), False
+    out = spec.resolved_output_dir()
+    job = tools.new_job_dir("distill")
+    tools.start("distill", job, yaml.safe_dump(flat, sort_keys=False, allow_unicode=True))
+    st = {"job": str(job), "out": str(out), "kind": kind, "log": None, "lines": []}
+    what = "Generating pairs" if kind == "generate" else "Scoring the student"
+    return st, f"{what}: run folder `{out}`", True
+
+
+def start_generate(st: dict, flat: dict, uploads=None, lang: str = "en") -> tuple[dict, str, bool]:
+    if uploads:
+        flat = {**flat, "documents": stage_uploads(uploads)}
+    if not flat.get("documents"):
+        return st, "⛔ `documents`: give a folder or upload files", False
+    return launch(st, {**flat, "steps": "generate"}, "generate", lang)
+
+
+def run_spec_of(out: str | None):
+    """The distill spec a run folder was made with (its distill_spec.yaml), or None."""
+    from backend.distill.spec import DistillSpecError, validate_distill
+
+    try:
+        data = yaml.safe_load((Path(out) / SPEC_FILE).read_text(encoding="utf-8"))
+        return validate_distill(data, check_files=False)
+    except (OSError, yaml.YAMLError, DistillSpecError, TypeError):
+        return None
+
+
+def start_score(st: dict, adapter: str | None, lang: str = "en") -> tuple[dict, str, bool]:
+    """Step score on the run folder of the last generation (the tuned model: the top bar's adapter, else the
+    folder's own train/ run)."""
+    out = (st or {}).get("out")
+    spec = run_spec_of(out)
+    if spec is None or not read_progress(out).get("dataset"):
+        return st, "⛔ Generate a dataset first: the scorecard compares the student with the teacher on its held-out pairs.", False
+    flat = spec.model_dump(mode="json", exclude_defaults=True)
+    flat.update(steps="score", output_dir=str(out))
+    adapter = (adapter or "").strip() or None
+    if adapter:
+        flat["adapter_name_or_path"] = adapter
+    return launch(st, flat, "score", lang)
+
+
+def finetune_spec(st: dict):
+    """(RunSpec for the Train form, message): LoRA SFT of the student on the distilled dataset, cutoff_len from
+    the longest pair (backend.distill.pipeline.train_overrides); (None, why) when there is no dataset yet."""
+    from backend.distill.pipeline import train_overrides
+    from backend.spec import SpecError, validate_spec
+
+    out = (st or {}).get("out")
+    spec, dataset = run_spec_of(out), read_progress(out).get("dataset")
+    if spec is None or not dataset:
+        return None, "⛔ Generate a dataset first."
+    flat = train_overrides(spec, dataset, Path(out) / TRAIN_DIRNAME)
+    flat.pop("overwrite_output_dir", None)
+    flat.pop("output_dir", None)
+    try:
+        run_spec = validate_spec(flat, check_files=False)
+    except SpecError as exc:
+        return None, f"⛔ {exc}"
+    return run_spec, (f"The Train form is set for LoRA SFT of `{spec.model_name_or_path}` on `{dataset['name']}` "
+                      f"(cutoff_len {flat['cutoff_len']}): check it and press Start.")
+
+
+def abort(st: dict) -> tuple[dict, str]:
+    job = (st or {}).get("job")
+    if tools.stop(job, grace_s=20.0):  # in-flight requests get their time to end; answered chunks stay cached
+        tools.mark_aborted(job)
+        return st, "Stopping… answered chunks are cached: Generate again with the same settings to continue."
+    return st, "Nothing is running."
+
+
+def counts_text(p: dict) -> str:
+    if not p:
+        return ""
+    rejected = p.get("rejected") or {}
+    why = ", ".join(f"{r} {rejected[r]}" for r in REASONS if rejected.get(r))
+    parts = [f"**{p.get('documents', 0)}** documents → **{p.get('chunks', 0)}** chunks "
+             f"({p.get('train_chunks', 0)} train, {p.get('eval_chunks', 0)} eval)",
+             f"✓ accepted **{p.get('accepted', 0)}**",
+             f"✗ rejected **{sum(rejected.values())}**" + (f" ({why})" if why else ""),
+             f"requests {p.get('requests', 0)}", f"tokens {p.get('prompt_tokens', 0) + p.get('completion_tokens', 0)}",
+             f"{p.get('elapsed_s', 0):.0f} s"]
+    if p.get("eta_s"):
+        parts.append(f"ETA {p['eta_s']:.0f} s")
+    return " · ".join(parts)
+
+
+def pairs_frame(p: dict) -> pd.DataFrame:
+    rows = [[r.get("chunk"), r.get("split"), "✓ accepted" if r.get("reason") is None else f"✗ {r['reason']}: {r.get('detail', '')}",
+             tools.short(r.get("prompt"), 300), tools.short(r.get("answer"), 300)] for r in p.get("latest") or []]
+    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+
+
+def poll(st: dict, lang: str = "en") -> tuple:
+    """One tick: (state, progress html, counts md, pairs df, scorecard df | skip, log, message | skip, timer)."""
+    job = (st or {}).get("job")
+    if not job:
+        return st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    tail = st.get("log") or FileTail(str(Path(job) / jobs.PROCESS_LOG))
+    st["log"] = tail
+    lines = deque(st.get("lines") or [], maxlen=LOG_LINES)
+    lines.extend(tools.clean_line(x) for x in tail.read_lines())
+    st["lines"] = list(lines)
+    running = tools.alive(job)
+    status = jobs.read_json(Path(st["out"]) / "status.json") if st.get("out") else {}
+    p = read_progress(st.get("out"))
+    if st.get("kind") == "score":
+        done, total = status.get("step") or 0, status.get("total_steps")
+    else:
+        done, total = (p.get("answered", 0) + p.get("failed", 0)), p.get("to_ask")
+    state = "running" if running else ("aborted" if tools.was_aborted(job) else status.get("state") or "failed")
+    bar = tools.progress_html(state, done, total, "scoring" if st.get("kind") == "score" else "generating", lang)
+    log = "\n".join(st["lines"])
+    if running:
+        return st, bar, counts_text(p), pairs_frame(p), gr.skip(), log, gr.skip(), gr.Timer(active=True)
+    if st.get("kind") == "score":
+        report = read_report(st.get("out"))
+        card = pd.DataFrame(report_rows(report), columns=SCORE_COLUMNS) if report else gr.skip()
+        message = (f"Scorecard of {report.get('rows')} held-out pairs: `{Path(st['out']) / 'distill_report.json'}`"
+                   if report and status.get("state") == "completed" else f"✗ {status.get('error') or 'scoring ended without a report: see the log'}")
+        return st, bar, counts_text(p), pairs_frame(p), card, log, message, gr.Timer(active=False)
+    dataset = p.get("dataset")
+    if status.get("state") == "completed" and dataset:
+        message = (f"✓ {p.get('message')}. Preview it in the **Data** tab, or press **Fine-tune on it**.")
+    elif state == "aborted":
+        message = p.get("message") or "■ Stopped: generate again with the same settings to continue from the cache."
+    else:
+        message = f"✗ {status.get('error') or p.get('message') or 'the job ended without a result: see the log'}"
+    return st, bar, counts_text(p), pairs_frame(p), gr.skip(), log, message, gr.Timer(active=False)
+
+
+def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> None:
+    from webui import fields as F
+    from webui.tabs import train as train_tab
+
+    def show_teacher(kind):
+        """Local teacher: its model; endpoint: URL, model, key variable, key file. Inputs: teacher. Outputs:
+        local model, URL, model, key env, key file."""
+        local = kind == "local"
+        return (gr.update(visible=local), *[gr.update(visible=not local)] * 4)
+
+    c["teacher"].change(show_teacher, [c["teacher"]], [c["teacher_local_model"], c["teacher_url"],
+                                                        c["teacher_model"], c["key_env"], c["key_file"]],
+                        show_progress="hidden")
+    form = [top["model_name_or_path"], top["template"], c["documents"], c["text_column"], c["task"], c["schema"],
+            c["answer_format"], c["examples"], c["teacher"], c["teacher_local_model"], c["teacher_url"],
+            c["teacher_model"], c["key_env"], c["key_file"], c["dataset_name"], c["dataset_dir"],
+            *c["numbers"].values()]
+    view = [c["state"], c["progress"], c["counts"], c["pairs"], c["scorecard"], c["log"], c["message"], c["timer"]]
+
+    def on_start(st, lang, uploads, *values):
+        """Inputs: state, language, uploads, the form. Outputs: message, state, progress, pairs, timer."""
+        st, message, started = start_generate(st, distill_flat(*values), uploads, lang)
+        if not started:
+            return message, st, gr.skip(), gr.skip(), gr.skip()
+        return message, st, tools.progress_html("starting", 0, None, "starting…"), empty(PAIR_COLUMNS), gr.Timer(active=True)
+
+    c["start"].click(on_start, [c["state"], top["lang"], c["upload"], *form],
+                     [c["message"], c["state"], c["progress"], c["pairs"], c["timer"]])
+
+    def on_score(st, lang, adapter):
+        """Inputs: state, language, the top bar's adapter. Outputs: message, state, scorecard, timer."""
+        st, message, started = start_score(st, adapter, lang)
+        if not started:
+            return message, st, gr.skip(), gr.skip()
+        return message, st, empty(SCORE_COLUMNS), gr.Timer(active=True)
+
+    c["score"].click(on_score, [c["state"], top["lang"], top["adapter_name_or_path"]],
+                     [c["message"], c["state"], c["scorecard"], c["timer"]])
+    c["abort"].click(lambda st: tuple(reversed(abort(st))), [c["state"]], [c["message"], c["state"]])
+    c["timer"].tick(poll, [c["state"], top["lang"]], view, show_progress="hidden")
+
+    top_names = list(F.TOPBAR_FIELDS)
+    inputs = [top[n] for n in top_names] + [top["booster"], train["extra_args"]] + \
+             [train["fields"][n] for n in train["names"]]
+
+    def on_finetune(st):
+        """Fill the Train form for LoRA SFT on the distilled dataset. Outputs: message, tabs, the form."""
+        spec, message = finetune_spec(st)
+        if spec is None:
+            return (message, gr.skip(), *([gr.skip()] * len(inputs)))
+        return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
+
+    c["finetune"].click(on_finetune, [c["state"]], [c["message"], tabs, *inputs])
+    if data is not None:
+        from webui import choices
+
+        def to_data_tab(st):
+            """Once a dataset is registered, the Data tab shows it (folder, name). Inputs: state. Outputs:
+            data folder, dataset."""
+            dataset = read_progress((st or {}).get("out")).get("dataset")
+            if not dataset:
+                return gr.skip(), gr.skip()
+            return (dataset["dataset_dir"], gr.update(choices=choices.dataset_names(dataset["dataset_dir"]),
+                                                      value=dataset["name"]))
+
+        c["message"].change(to_data_tab, [c["state"]], [data["dir"], data["dataset"]], show_progress="hidden")

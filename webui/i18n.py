@@ -1,5 +1,9 @@
 """UI strings: locales/<lang>.yaml, keys = component ids (elem_id), plus `<field-id>.<choice-id>` keys for
-the labels of dropdown choices. English is the reference; a test checks every locale has its key set."""
+the labels of dropdown choices. English is the reference; a test checks every locale has its key set.
+
+Field help (the small print under a form field): locales/fields/<lang>.yaml, key = the spec field name (or
+the elem_id of a field outside the Train form), value = the translated help. English is the spec's own
+description (backend.spec), so there is no English file and a field without a translation shows it."""
 from __future__ import annotations
 
 import functools
@@ -21,6 +25,26 @@ def strings(lang: str) -> dict[str, str]:
         return {}
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     return {str(k): str(v) for k, v in data.items()}
+
+
+FIELDS_DIR = LOCALES_DIR / "fields"
+
+
+@functools.lru_cache(maxsize=None)
+def field_strings(lang: str) -> dict[str, str]:
+    """The field help table of one language ({} for English and for a language without a file)."""
+    path = FIELDS_DIR / f"{lang}.yaml"
+    if not path.is_file():
+        return {}
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return {str(k): str(v) for k, v in data.items()}
+
+
+def field_help(lang: str | None, key: str, english: str) -> str:
+    """The help text of field `key` in `lang`; `english` (the spec's description) when it has none."""
+    if not english:
+        return ""
+    return field_strings(lang or "en").get(key) or english
 
 
 def humanize(key: str) -> str:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import gradio as gr
 
-from webui.i18n import choice_pairs, t
+from webui.i18n import choice_pairs, field_help, t
 
 
 class Registry:
     def __init__(self, lang: str = "en"):
         self.lang = lang
         self.items: dict[str, tuple] = {}  # elem_id -> (component, kind, choice ids or None)
+        self.helps: dict[str, tuple[str, str]] = {}  # elem_id -> (help key, English help): its `info` text
 
     def _add(self, comp, kind: str, ids=None):
         if comp.elem_id in self.items:
@@ -22,9 +23,18 @@ class Registry:
     def label(self, elem_id: str) -> str:
         return t(self.lang, elem_id)
 
+    def _help(self, elem_id: str, help: tuple[str, str] | None, kw: dict) -> None:
+        """`help`: (key in locales/fields/<lang>.yaml, English text): the component's info text, translated
+        here and on every language switch."""
+        if help:
+            self.helps[elem_id] = help
+            kw["info"] = field_help(self.lang, *help)
+
     # component factories -------------------------------------------------------------
-    def dropdown(self, elem_id: str, ids: list[str], value=None, fixed_labels: dict | None = None, **kw):
+    def dropdown(self, elem_id: str, ids: list[str], value=None, fixed_labels: dict | None = None,
+                 help: tuple[str, str] | None = None, **kw):
         """`fixed_labels`: choice labels that are the same in every language (e.g. language names)."""
+        self._help(elem_id, help, kw)
         pairs = ([(fixed_labels.get(i, i), i) for i in ids] if fixed_labels
                  else choice_pairs(self.lang, elem_id, ids))
         comp = gr.Dropdown(choices=pairs, value=value, label=self.label(elem_id), elem_id=elem_id, **kw)
@@ -47,8 +57,9 @@ class Registry:
     def accordion(self, elem_id: str, **kw):
         return self._add(gr.Accordion(self.label(elem_id), elem_id=elem_id, **kw), "accordion")
 
-    def comp(self, cls, elem_id: str, **kw):
+    def comp(self, cls, elem_id: str, help: tuple[str, str] | None = None, **kw):
         """Any component whose `label` is translated (Textbox, Number, Checkbox, LinePlot, ...)."""
+        self._help(elem_id, help, kw)
         return self._add(cls(label=self.label(elem_id), elem_id=elem_id, **kw), "label")
 
     # relabelling -----------------------------------------------------------------------
@@ -60,14 +71,15 @@ class Registry:
         out = []
         for elem_id, (comp, kind, ids) in self.items.items():
             text = t(lang, elem_id)
+            info = {"info": field_help(lang, *self.helps[elem_id])} if elem_id in self.helps else {}
             if kind == "dropdown" and ids is not None:
-                out.append(gr.update(label=text, choices=choice_pairs(lang, elem_id, ids)))
+                out.append(gr.update(label=text, choices=choice_pairs(lang, elem_id, ids), **info))
             elif kind == "html":
                 out.append(gr.update(value=ids(text)))
             elif kind in ("button", "markdown"):
                 out.append(gr.update(value=text))
             else:
-                out.append(gr.update(label=text))
+                out.append(gr.update(label=text, **info))
         return out
 
     def keys(self) -> set[str]:

@@ -2,7 +2,9 @@
 subprocess; show its progress (status.json: step = rows predicted), the metrics (eval_results.json) and
 the rows (generated_predictions.jsonl: prompt, reference, prediction, per-row score), worst first on
 request. "Compare base vs tuned" runs the same rows twice, with and without the adapter, one after the
-other (two processes at once would only halve the speed of each), and shows both side by side.
+other (two processes at once would only halve the speed of each), and shows both side by side. "Compare with
+adapter" runs them with a second adapter instead of the base model (an SFT adapter against the GRPO run that
+continued it): on JSON answers the metrics put JSON validity and field F1 of both side by side.
 
 A reward model (the top bar's adapter / model is stage rm's output: tools.is_reward_model) is evaluated
 with `stage: rm` on a ranking dataset: the rows become chosen / rejected pairs with both scores, the margin
@@ -57,8 +59,13 @@ def build(reg) -> dict:
         c["max_new_tokens"] = reg.comp(gr.Number, "eval-max_new_tokens", value=128, precision=0, minimum=1,
                                        scale=1)
         c["val_size"] = reg.comp(gr.Number, "eval-val_size", value=0, minimum=0, scale=1,
-                                 info="0 = the first rows of the dataset; 0.1 = the 10% training holds out")
+                                 help=("eval-val_size", "0 = the first rows of the dataset; 0.1 = the 10% training holds out"))
         c["compare"] = reg.comp(gr.Checkbox, "eval-compare", value=False, scale=1)
+    with gr.Row(equal_height=True):
+        # a second adapter on the same base: its column replaces the base model's (SFT vs the GRPO run after it)
+        c["compare_adapter"] = gr.Dropdown(choices=choices.adapter_pairs(), value="", allow_custom_value=True,
+                                           label=reg.label("eval-compare_adapter"), elem_id="eval-compare_adapter")
+        reg._add(c["compare_adapter"], "label")
     c["rm_note"] = gr.Markdown("", visible=False, elem_id="eval-rm-note")
     with gr.Row():
         c["start"] = reg.button("eval-start", variant="primary")
@@ -145,8 +152,26 @@ def rows_scored(flat: dict) -> str:
     return f"{first} of `{flat.get('eval_dataset')}` (rows a run trained on this dataset has seen)"
 
 
-def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
-    """The eval parts to run ([tuned] / [base] / [tuned, base]) or (None, why not)."""
+def part_names(adapter: str, other: str) -> tuple[str, str]:
+    """Column names of two adapters compared: their run folders' names (a checkpoint-N with its run's), kept
+    distinct, made of characters a folder name may hold."""
+    import re
+
+    def name(path: str) -> str:
+        p = Path(path.rstrip("/"))
+        text = f"{p.parent.name}-{p.name}" if p.name.startswith("checkpoint-") else p.name
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:60] or "adapter"
+
+    first, second = name(adapter), name(other)
+    if second == first:
+        second += "-2"
+    return first, second
+
+
+def plan(flat: dict, compare: bool, other_adapter: str | None = None) -> tuple[list[dict] | None, str]:
+    """The eval parts to run ([tuned] / [base] / [tuned, base] / [adapter, other adapter]) or (None, why
+    not)."""
+    other_adapter = (other_adapter or "").strip() or None
     if not (flat.get("eval_dataset") or flat.get("dataset")):
         return None, "⛔ Pick at least one dataset to evaluate on."
     if compare and is_rm(flat):
@@ -154,10 +179,26 @@ def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
                       "score head.")
     if compare and not flat.get("adapter_name_or_path"):
         return None, "⛔ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**)."
+    if other_adapter and is_rm(flat):
+        return None, "⛔ Compare with another adapter is for generated answers, not for a reward model."
+    if other_adapter and not flat.get("adapter_name_or_path"):
+        return None, ("⛔ Compare with adapter needs an adapter in the top bar too (**Adapter / checkpoint**): the "
+                      "two are evaluated on the same base model.")
+    if other_adapter and other_adapter == flat.get("adapter_name_or_path"):
+        return None, "⛔ The adapter to compare with is the one in the top bar: pick another one."
     try:
         validate_spec(flat)
     except SpecError as exc:
         return None, "⛔ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors)
+    if other_adapter:
+        try:
+            validate_spec(dict(flat, adapter_name_or_path=other_adapter))
+        except SpecError as exc:
+            return None, "⛔ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors)
+        job = tools.new_job_dir("eval")
+        first, second = part_names(flat["adapter_name_or_path"], other_adapter)
+        return [{"name": first, "dir": str(job / first), "adapter": flat["adapter_name_or_path"], "launched": False},
+                {"name": second, "dir": str(job / second), "adapter": other_adapter, "launched": False}], ""
     job = tools.new_job_dir("eval")
     adapter = flat.get("adapter_name_or_path")
     name = "tuned" if adapter or is_rm(flat) else "base"  # a reward model is always a trained one
@@ -167,15 +208,18 @@ def plan(flat: dict, compare: bool) -> tuple[list[dict] | None, str]:
     return parts, ""
 
 
-def start_eval(st: dict, flat: dict, compare: bool, lang: str = "en") -> tuple[dict, str, bool]:
+def start_eval(st: dict, flat: dict, compare: bool, lang: str = "en",
+               other_adapter: str | None = None) -> tuple[dict, str, bool]:
     """Plans the parts, writes plan.json and launches the first part. Returns (state, message, started).
     The model and adapter must be what backend.allowed lets the UI read."""
     if st and any(tools.alive(p["dir"]) for p in st.get("parts", [])):
         return st, "An eval is already running in this tab: wait for it or abort it.", False
     refused = allowed.spec_refusals(flat)
+    if not refused and (other_adapter or "").strip():
+        refused = allowed.spec_refusals(dict(flat, adapter_name_or_path=other_adapter.strip()))
     if refused:
         return st, "  \n".join(refusal(lang, exc) for exc in refused), False
-    parts, why = plan(flat, compare)
+    parts, why = plan(flat, compare, other_adapter)
     if parts is None:
         return st, why, False
     st = new_state()
@@ -308,7 +352,7 @@ def rows_frame(st: dict, worst_first: bool) -> pd.DataFrame:
     parts = st["parts"]
     cols = ["#", "question", "reference", "prediction", tools.ROW_SCORE, "bleu-4", "exact"]
     if len(parts) > 1:
-        cols += ["base prediction", f"base {tools.ROW_SCORE}"]
+        cols += [f"{parts[1]['name']} prediction", f"{parts[1]['name']} {tools.ROW_SCORE}"]
     main = st["rows"].get(parts[0]["name"], []) if parts else []
     other = {r.get("index"): r for r in st["rows"].get(parts[1]["name"], [])} if len(parts) > 1 else {}
     order = sorted(main, key=tools.row_score) if worst_first else main
@@ -463,14 +507,17 @@ def wire(c: dict, top: dict) -> None:
 
     def on_start(st, compare, lang, *values):
         """Inputs: state, compare, language, top bar (model, adapter, method, quantization, template),
-        datasets, max samples, max new tokens. Outputs: the view."""
-        st, message, started = start_eval(st, eval_flat(*values), bool(compare), lang)
+        datasets, max samples, max new tokens, val size, the adapter to compare with (last: the API's earlier
+        parameters keep their places). Outputs: the view."""
+        *values, other = values
+        st, message, started = start_eval(st, eval_flat(*values), bool(compare), lang, other_adapter=other)
         if not started:
             return st, gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return (st, tools.progress_html("starting", 0, None, f"{st['parts'][0]['name']}: loading…"),
                 message, empty_frame(["metric"]), empty_frame(["#"]), "", gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs], view, api_name="eval_start")
+    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"]], view,
+                     api_name="eval_start")
     c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
 
     def on_abort(st):

@@ -16,7 +16,7 @@ from backend import allowed, paths
 from backend.spec import SpecError, load_spec, read_spec_file, validate_spec
 from webui import fields as F
 from webui import jobs, live, preflight
-from webui.i18n import refusal, tr
+from webui.i18n import field_help, refusal, tr
 from webui.tailer import RunTail
 
 TICK_S = 1.5
@@ -47,7 +47,8 @@ def legend_update(series: list[str]):
 
 
 def _widget(reg, row: F.FieldRow, value):
-    kw = dict(info=row.description, visible=row.visible_for(F.PRESET["stage"], F.PRESET["finetuning_type"]))
+    kw = dict(help=(row.name, row.description),
+              visible=row.visible_for(F.PRESET["stage"], F.PRESET["finetuning_type"]))
     if row.kind == "checkbox":
         return reg.comp(gr.Checkbox, row.elem_id, value=value, **kw)
     if row.kind in ("dropdown", "tristate"):
@@ -182,7 +183,7 @@ def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None
         return None, list(exc.errors)
 
 
-def error_updates(errors: list[tuple[str, str]], all_names: list[str]) -> list:
+def error_updates(errors: list[tuple[str, str]], all_names: list[str], lang: str = "en") -> list:
     """One update per field: the error message as the field's info text (red), else its description. The
     top bar's fields carry no description (a few lines of small print under some of its labels pushed their
     boxes out of line), so only an error shows there."""
@@ -195,7 +196,7 @@ def error_updates(errors: list[tuple[str, str]], all_names: list[str]) -> list:
         if name in by_field:
             out.append(gr.update(info="⛔ " + "; ".join(by_field[name]), elem_classes=["tb-field-error"]))
         else:
-            out.append(gr.update(info="" if name in F.TOPBAR_FIELDS else table[name].description,
+            out.append(gr.update(info="" if name in F.TOPBAR_FIELDS else field_help(lang, name, table[name].description),
                                  elem_classes=[]))
     return out
 
@@ -432,10 +433,10 @@ def wire(c: dict, state) -> None:
         spec, errors = check(flat, pre, lang)
         pf = preflight.summary_md(flat)
         if errors:
-            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
+            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names, lang),
                     gr.skip(), gr.skip(), gr.skip(), pf)
         cmd, text = preview_of(spec)
-        return (gr.update(value="", visible=False), *error_updates([], all_names), cmd, text,
+        return (gr.update(value="", visible=False), *error_updates([], all_names, lang), cmd, text,
                 gr.update(open=True), pf)
 
     c["preview"].click(do_preview, [top["lang"], *inputs], [c["errors"], *field_comps, c["preview_cmd"], c["preview_yaml"],
@@ -456,7 +457,7 @@ def wire(c: dict, state) -> None:
         run_spec.yaml written into the new run dir. Outputs: errors, per-field errors, message, live view."""
         flat, pre = collect(names, top_names, list(values))
         spec, errors = check(flat, pre, lang)
-        refused = (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
+        refused = (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names, lang),
                    st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         if errors:
             return refused
@@ -466,7 +467,7 @@ def wire(c: dict, state) -> None:
         if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
             errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
                                      "empty for a new one)")]
-            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names),
+            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names, lang),
                     st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
         msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))
@@ -474,7 +475,7 @@ def wire(c: dict, state) -> None:
             msg += tr(lang, "msg.continues", adapter=spec.adapter_name_or_path)
         st = attach(run_dir)
         view = view_updates(st, log_scale, force_plot=True, lang=lang)
-        return (gr.update(value="", visible=False), *error_updates([], all_names), *view[:-2], msg,
+        return (gr.update(value="", visible=False), *error_updates([], all_names, lang), *view[:-2], msg,
                 gr.Timer(active=True))
 
     def do_abort(st, lang):

@@ -519,6 +519,9 @@ def wire(c: dict, top: dict) -> None:
     c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"]], view,
                      api_name="eval_start")
     c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
+    # adapters trained since the page was built are offered too
+    c["compare_adapter"].focus(lambda: gr.update(choices=choices.adapter_pairs()), None, [c["compare_adapter"]],
+                               show_progress="hidden")
 
     def on_abort(st):
         """Stops the running eval process (and any part still to come). Inputs: state. Outputs: message,

@@ -195,7 +195,8 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     overlap = min(spec.chunk_overlap, chunk_tokens // 2)
     chunks = chunk_documents(docs, tokenizer, chunk_tokens, overlap)
     dupes = near_duplicates(chunks, spec.dedup_threshold)
-    held_out = split_documents([d.id for d in docs], spec.eval_ratio, spec.seed)
+    # documents made only of near-duplicates have nothing to hold out: split the others
+    held_out = split_documents([c.doc_id for c in chunks if c.id not in dupes], spec.eval_ratio, spec.seed)
     split_of = {c.id: "eval" if c.doc_id in held_out else "train" for c in chunks}
     to_ask = [c for c in chunks if c.id not in dupes]
     run_dir.log(f"{len(docs)} documents -> {len(chunks)} chunks of at most {chunk_tokens} tokens "

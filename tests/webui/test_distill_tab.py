@@ -80,3 +80,13 @@ def test_generate_poll_finetune_and_score(tmp_path, root, tiny_qwen2, monkeypatc
         no_key_under(root, tmp_path / "data")
     finally:
         teacher.stop()
+
+
+def test_a_reloaded_page_attaches_to_the_newest_distill_job(tmp_path, root):
+    job = tools.new_job_dir("distill")
+    job.mkdir(parents=True)
+    (job / tools.TOOL_SPEC).write_text(f"documents: {tmp_path}\ntask: t\nsteps: score\ndataset_name: mine\n")
+    st, message, timer = tab.on_load(tab.new_state())
+    assert st["job"] == str(job) and st["kind"] == "score" and st["out"] == str(root / "distill" / "mine")
+    assert "picked up again" in message
+    assert tab.on_load(st) == (tab.gr.skip(), tab.gr.skip(), tab.gr.skip())

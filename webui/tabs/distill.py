@@ -248,6 +248,32 @@ def finetune_spec(st: dict):
                       f"(cutoff_len {flat['cutoff_len']}): check it and press Start.")
 
 
+def attach(job_dir: str | None) -> dict:
+    """The tab's state for an existing job folder (a page reload or a UI restart): its tool_spec.yaml says the
+    run folder and the step."""
+    from backend.distill.spec import DistillSpecError, validate_distill
+
+    flat = tools.read_tool_spec(job_dir)
+    try:
+        spec = validate_distill(flat, check_files=False)
+    except DistillSpecError:
+        return new_state()
+    return {"job": str(job_dir), "out": str(spec.resolved_output_dir()),
+            "kind": "score" if spec.steps == ["score"] else "generate", "log": None, "lines": []}
+
+
+def on_load(st):
+    """Re-attach to the newest distill job (running, or ended within the hour: tools.find_job) unless this tab
+    already holds one. Inputs: state. Outputs: state, message, timer."""
+    if (st or {}).get("job"):
+        return gr.skip(), gr.skip(), gr.skip()
+    job = tools.find_job("distill")
+    st = attach(job) if job else None
+    if not st or not st.get("job"):
+        return gr.skip(), gr.skip(), gr.skip()
+    return st, f"Distill job `{Path(job).name}` (picked up again after a reload).", gr.Timer(active=True)
+
+
 def abort(st: dict) -> tuple[dict, str]:
     job = (st or {}).get("job")
     if tools.stop(job, grace_s=20.0):  # in-flight requests get their time to end; answered chunks stay cached

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from backend.rundir import LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
 from backend.stages import stage_module
-from backend.stages.base import RunError
+from backend.stages.base import CheckpointSaveError, RunError
 
 EXIT_OK, EXIT_FAILED, EXIT_ABORTED = 0, 1, 130
 _RUN_OUTPUTS = (LOG_FILE, "adapter_model.safetensors", "model.safetensors", "trainer_state.json")
@@ -79,9 +79,11 @@ def _write_failure(exc: BaseException) -> str | None:
 
 def failure_message(exc: BaseException, out: Path) -> str:
     """The one-line reason a run failed, for status.json. A failed write names the checkpoint it was saving."""
-    plain = isinstance(exc, (RunError, ValueError, FileNotFoundError, NotImplementedError))
+    plain = isinstance(exc, (RunError, ValueError, FileNotFoundError, NotImplementedError, CheckpointSaveError))
     message = str(exc) if plain else f"{type(exc).__name__}: {exc}"
     why = _write_failure(exc)
+    if isinstance(exc, CheckpointSaveError):
+        return (why or "error") + f" while saving {exc.checkpoint} ({message})"
     if why:
         found = checkpoints(out)
         saving = found[-1].name if found and not is_complete_checkpoint(found[-1]) else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,10 +34,11 @@ HOOKS = str(Path(__file__).with_name("train_with_hooks.py"))
 
 
 def tiny_args(model: Path, out: Path, *extra: str) -> list[str]:
-    return [f"model_name_or_path={model}", f"output_dir={out}", "dataset=identity", "template=llama3",
+    args = [f"model_name_or_path={model}", f"output_dir={out}", "dataset=identity", "template=llama3",
             "cutoff_len=64", "per_device_train_batch_size=2", "gradient_accumulation_steps=1", "logging_steps=1",
             "learning_rate=0.01", "lora_rank=4", "lora_dropout=0.1", "max_steps=6", "save_steps=100",
             "plot_loss=false", *extra]
+    return list({a.split("=", 1)[0]: a for a in args}.values())  # an extra key=value replaces the default
 
 
 def train(*args: str, hooks: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
@@ -105,20 +107,74 @@ def _small_disk():
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 
 
-def test_a_checkpoint_save_that_hits_a_full_disk_fails_the_run_and_is_never_resumed(tiny_llama, tmp_path):
+def _tmpfs_works() -> bool:
+    """A private mount namespace (root, or an unprivileged user namespace) where a tmpfs can be mounted."""
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || mount -t tmpfs -o size=64k tmpfs /tmp"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+def train_on_a_small_disk(args: list[str], run: Path, size: str) -> subprocess.CompletedProcess:
+    """`tuneboard train` with output_dir on a real `size` tmpfs (ENOSPC when it fills up), mounted in a private
+    mount namespace; the run dir is copied to `run` when the process ends. Without a namespace to mount in,
+    the process's file size limit stands in for the full disk (EFBIG)."""
+    if not _tmpfs_works():
+        return train(*args, f"output_dir={run}", preexec_fn=_small_disk)
+    mount = run.parent / f"{run.name}-mnt"
+    mount.mkdir()
+    script = ('mount -t tmpfs -o size="$1" tmpfs "$2" || exit 99; dir="$2/run"; copy="$3"; shift 3; '
+              '"$@" "output_dir=$dir"; rc=$?; cp -a "$dir" "$copy"; exit $rc')
+    argv = ["unshare", "--mount", "--map-root-user", "--propagation", "private", "sh", "-c", script, "sh",
+            size, str(mount), str(run), sys.executable, "-m", "backend.cli", "train", *args]
+    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_a_checkpoint_save_that_hits_a_full_disk_fails_the_run_and_leaves_no_checkpoint(tiny_llama, tmp_path):
     run = tmp_path / "full"
-    proc = train(*tiny_args(tiny_llama, run, "max_steps=4", "save_steps=2"), preexec_fn=_small_disk)
+    args = [a for a in tiny_args(tiny_llama, run, "max_steps=4", "save_steps=2") if not a.startswith("output_dir=")]
+    proc = train_on_a_small_disk(args, run, "1m")  # the logs fit; checkpoint-2's tokenizer.json (2 MiB) does not
     assert proc.returncode == 1, output(proc)
     status = read_status(run)
     assert status["state"] == "failed" and status["step"] == 2
-    assert status["error"].startswith("file too large for this file system or process limit while saving "
-                                      "checkpoint-2"), status["error"]
-    assert not [p.name for p in run.rglob("*.tmp")]
-    assert not (run / "checkpoint-2" / "trainer_state.json").exists()  # half-written
+    why = "no space left on device" if _tmpfs_works() else "file too large for this file system or process limit"
+    assert status["error"].startswith(f"{why} while saving checkpoint-2 ("), status["error"]
+    assert "Traceback" not in status["error"]
+    # complete or absent: no checkpoint-2, no staging folder, no .tmp file
+    assert not (run / "checkpoint-2").exists()
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".saving-") or p.name.endswith(".tmp")]
+    assert f"FAILED: {why} while saving checkpoint-2" in (run / "running_log.txt").read_text()
 
     proc = train(*tiny_args(tiny_llama, run, "max_steps=4", "save_steps=2", "resume_from_checkpoint=true"))
     assert proc.returncode == 1
     status = read_status(run)
-    assert status["state"] == "failed" and "no complete checkpoint-N folder" in status["error"]
-    assert "(checkpoint-2 incomplete)" in status["error"]
-    assert "skipping incomplete checkpoint(s) checkpoint-2" in (run / "running_log.txt").read_text()
+    assert status["state"] == "failed" and status["error"] == f"resume_from_checkpoint: no complete checkpoint-N folder in {run}"
+
+
+def test_a_save_killed_midway_leaves_no_checkpoint_and_a_resume_uses_the_last_complete_one(tiny_llama, tmp_path):
+    """SIGKILL while checkpoint-4 is being written (paused inside the save, after the weights): the folder
+    is a hidden staging folder, never checkpoint-4; the resume takes checkpoint-2 and removes the leftover."""
+    run = tmp_path / "killed-saving"
+    spec = jobs.write_spec_yaml(run, "\n".join(a.replace("=", ": ", 1)
+                                                for a in tiny_args(tiny_llama, run, "save_steps=2")) + "\n")
+    pid = jobs.launch(run, [sys.executable, HOOKS, str(spec)], env={"TUNEBOARD_TEST_PAUSE_IN_SAVE": "4"})
+    wait_for(lambda: (run / "paused-saving-4").exists() or read_status(run).get("state") not in (None, "running"),
+             timeout=600, what="paused inside the save of checkpoint-4")
+    assert (run / "paused-saving-4").exists(), read_status(run)
+    staged = run / ".saving-4" / "checkpoint-4"
+    assert staged.is_dir() and any(staged.glob("adapter_model.safetensors"))
+    assert (run / "checkpoint-2" / "trainer_state.json").is_file() and not (run / "checkpoint-4").exists()
+    os.killpg(pid, signal.SIGKILL)
+    wait_for(lambda: read_status(run).get("state") != "running", timeout=60, what="the watcher's final status")
+    assert read_status(run)["state"] == "failed"
+    (run / "paused-saving-4").unlink()
+
+    proc = train(str(spec), "resume_from_checkpoint=true")
+    assert proc.returncode == 0, output(proc)
+    log = (run / "running_log.txt").read_text()
+    assert "removed .saving-4, an unfinished checkpoint save of an earlier process" in log
+    assert f"resuming from {run / 'checkpoint-2'}" in log
+    assert not (run / ".saving-4").exists() and (run / "checkpoint-4" / "trainer_state.json").is_file()
+    assert read_status(run)["state"] == "completed" and [s[0] for s in steps(run)] == [1, 2, 3, 4, 5, 6]

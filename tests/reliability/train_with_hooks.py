@@ -5,6 +5,9 @@ callback, so a test acts at an exact step instead of racing the trainer with sle
                                 stops the run at that step, with its checkpoint, as an Abort from the UI does)
     TUNEBOARD_TEST_PAUSE_AT=N   at the end of step N (status.json says step N), write <output_dir>/paused-at-N
                                 and wait there, so the test can kill the process mid-training
+    TUNEBOARD_TEST_PAUSE_IN_SAVE=N  inside the save of checkpoint-N, after the weights and optimizer are
+                                written and before the RNG and trainer state, write <output_dir>/paused-saving-N
+                                and wait there (a kill during a checkpoint save)
 
 usage: python train_with_hooks.py [SPEC.yaml] [key=value ...]    (the arguments of `tuneboard train`)
 """
@@ -34,4 +37,20 @@ def on_step_end(self, args, state, control, **kwargs):
 
 
 callbacks.RunDirCallback.on_step_end = on_step_end
+
+
+def pause_in_save(original):
+    def _save_rng_state(self, output_dir):
+        step = str(self.state.global_step)
+        if step == os.environ.get("TUNEBOARD_TEST_PAUSE_IN_SAVE"):
+            (Path(self.args.output_dir) / f"paused-saving-{step}").write_text("")
+            time.sleep(3600)
+        return original(self, output_dir)
+    return _save_rng_state
+
+
+if os.environ.get("TUNEBOARD_TEST_PAUSE_IN_SAVE"):
+    from transformers import Trainer
+
+    Trainer._save_rng_state = pause_in_save(Trainer._save_rng_state)
 sys.exit(main(["train", *sys.argv[1:]]))

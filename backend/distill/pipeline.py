@@ -201,7 +201,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     to_ask = [c for c in chunks if c.id not in dupes]
     run_dir.log(f"{len(docs)} documents -> {len(chunks)} chunks of at most {chunk_tokens} tokens "
                 f"(overlap {overlap}); {len(dupes)} near-duplicate chunks dropped; "
-                f"{len(held_out)} documents held out for eval")
+                f"{len(held_out)} of {len(docs)} documents held out for eval")
     progress.update(force=True, documents=len(docs), chunks=len(chunks), to_ask=len(to_ask), duplicates=len(dupes),
                     train_chunks=sum(split_of[c.id] == "train" for c in to_ask),
                     eval_chunks=sum(split_of[c.id] == "eval" for c in to_ask), chunk_tokens=chunk_tokens)
@@ -252,7 +252,9 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     stopped = lambda: bool(stop() or fatal)  # noqa: E731
     state = {"ok": 0, "failed": 0, "not_asked": 0}
     if pending:
+        workers = spec.concurrency
         if spec.teacher == "local":
+            workers = 1  # one loaded model answers one request at a time: more would only queue (and time out)
             local = LocalTeacher(spec.teacher_local_model or spec.model_name_or_path, spec.teacher_local_adapter,
                                  spec.template, out / TEACHER_LOG, log=run_dir.log)
             base_url, api_key = local.start(), local.key
@@ -270,7 +272,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                 served = teacher.list_models()
                 teacher.model = served[-1] if served else "default"
             run_dir.log(f"teacher {teacher.model} at {base_url if spec.teacher != 'local' else 'local'}: "
-                        f"{len(pending)} chunks, {spec.concurrency} at a time"
+                        f"{len(pending)} chunks, {workers} at a time"
                         + (f", budget {spec.max_requests} requests" if spec.max_requests else ""))
             lock = threading.Lock()
 
@@ -294,7 +296,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                     with lock:
                         state["failed"] += 1
                         records[chunk.id] = rec
-                        if not state["ok"] and state["failed"] >= max(3, spec.concurrency) and not fatal:
+                        if not state["ok"] and state["failed"] >= max(3, workers) and not fatal:
                             fatal.append(f"the teacher answered none of the first {state['failed']} requests; "
                                          f"last error: {exc}")
                     with progress.lock:
@@ -311,7 +313,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                     records[chunk.id] = rec
                 progress.count(rec, new=True, usage=answer, requests=budget.used)
 
-            with ThreadPoolExecutor(max_workers=spec.concurrency, thread_name_prefix="teacher") as pool:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="teacher") as pool:
                 futures = [pool.submit(work, c) for c in pending]
                 step = -1
                 while not all(f.done() for f in futures):

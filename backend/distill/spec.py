@@ -53,7 +53,8 @@ class DistillSpec(BaseModel):
                                                                    "teacher's API key (unset = no key)")
     teacher_api_key_file: Optional[str] = Field(None, description="a file whose first line is the teacher's API "
                                                                   "key (instead of the environment variable)")
-    concurrency: int = Field(4, ge=1, le=64, description="requests in flight at once")
+    concurrency: int = Field(4, ge=1, le=64, description="requests in flight at once (a local teacher takes one "
+                                                        "at a time)")
     request_timeout: float = Field(120.0, gt=0, description="seconds one request may take")
     max_retries: int = Field(3, ge=0, le=20, description="retries of a request after 429, 5xx, a timeout or a "
                                                         "malformed reply")

@@ -213,3 +213,16 @@ def test_a_name_registered_for_another_file_is_refused(flat, tmp_path):
     assert json.loads((data / "dataset_info.json").read_text()) == {"facts": {"file_name": "theirs.json"}}
     assert re.search(r"accepted", (Path(flat["output_dir"]) / "running_log.txt").read_text())
     assert (Path(flat["output_dir"]) / PROGRESS_FILE).exists()
+
+
+def test_the_example_recipe_validates_and_reads_its_documents(monkeypatch):
+    from backend.distill.documents import load_documents
+    from backend.distill.spec import load_distill
+    from backend.paths import REPO_ROOT
+
+    monkeypatch.chdir(REPO_ROOT)  # its paths are relative to the repository, where the README runs it
+    spec = load_distill(["examples/distill/extraction.yaml"])
+    assert spec.steps == ["generate"] and spec.schema_dict()["required"] == ["product", "price", "colors"]
+    assert spec.example_list()[0]["output"]["price"] == 45
+    docs = load_documents(spec.documents, spec.text_column)
+    assert len(docs) == 5 and any("$129" in d.text and "track" not in d.text for d in docs)

@@ -226,3 +226,34 @@ def test_the_example_recipe_validates_and_reads_its_documents(monkeypatch):
     assert spec.example_list()[0]["output"]["price"] == 45
     docs = load_documents(spec.documents, spec.text_column)
     assert len(docs) == 5 and any("$129" in d.text and "track" not in d.text for d in docs)
+
+
+def test_a_stopped_generation_keeps_its_answers_and_the_next_run_continues(flat, teacher):
+    from backend.distill.pipeline import generate as gen
+    from backend.rundir import RunDir
+
+    flat.update(concurrency=1)
+    spec = validate_distill(flat)
+    run_dir = RunDir(spec.resolved_output_dir())
+    code = gen(spec, run_dir, stop=lambda: len(teacher.requests) >= 2)  # Abort / SIGTERM after two answers
+    run_dir.close()
+    assert code == 130
+    progress = read_progress(spec.resolved_output_dir())
+    assert progress["state"] == "aborted" and "run the same spec again to continue" in progress["message"]
+    assert not (Path(flat["dataset_dir"]) / "facts.json").exists()  # no half dataset
+    code, out = generate(flat)
+    assert code == 0 and len(teacher.requests) == 6 and read_progress(out)["cached"] == 2
+
+
+def test_a_refused_connection_is_retried_then_named(flat):
+    import socket
+
+    from backend.distill.pipeline import DistillError
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flat.update(teacher=f"http://127.0.0.1:{port}/v1", max_retries=1)
+    with pytest.raises(DistillError, match=rf"cannot connect to http://127.0.0.1:{port}/v1.*\(after 2 attempts\)"):
+        generate(flat)
+    assert "retry 1/1" in (Path(flat["output_dir"]) / "running_log.txt").read_text()

@@ -71,7 +71,7 @@ def _models():
         n: int = Field(1, ge=1)
         stream: bool = False
         stream_options: Optional[StreamOptions] = None
-        seed: Optional[int] = None
+        seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.manual_seed's range
         # accepted for client compatibility, no effect here
         frequency_penalty: Optional[float] = None
         presence_penalty: Optional[float] = None

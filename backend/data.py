@@ -6,9 +6,12 @@ A normalized example is the one format the templates understand (see CONTRACT.md
 and, for pre-training (stage pt), {"text", "_row", "_source"}.
 
 Why this module is strict about some things and lenient about others:
-- Schema mistakes in dataset_info.json (an unknown key, a wrong formatting value, a missing file_name)
-  are errors naming the dataset and the key: a typo there would otherwise silently fall back to a
-  default column and train on the wrong thing.
+- Schema mistakes in dataset_info.json (an unknown key, a wrong formatting value, a missing file_name, a
+  name registered twice) are errors naming the dataset and the key when that dataset is used: a typo there
+  would otherwise silently fall back to a default column and train on the wrong thing. The other entries
+  of the file stay usable.
+- A number where text is expected refuses the row (named in the report), never a silent str(): JSON
+  numbers do not survive as written (42 next to 1e23 is read back as 42.0).
 - A bad *row* (missing column, empty response, a conversation that does not alternate) is skipped and
   counted in a DataReport, with the first few row numbers and reasons, so one broken row in ten
   thousand does not stop a run. A dataset where every row is bad is an error: never a silent empty
@@ -220,23 +223,83 @@ def entry_problems(name: str, entry: Any) -> list[str]:
     return problems
 
 
-def load_dataset_info(dataset_dir: str | os.PathLike | None = None) -> dict:
-    """Read and check `<dataset_dir>/dataset_info.json`. Returns {name: entry} in file order."""
+class _JSONObject(dict):
+    """A JSON object that remembers the keys it was given more than once (json keeps only the last)."""
+    duplicates: list
+
+
+def _object_keeping_duplicates(pairs: list) -> _JSONObject:
+    obj = _JSONObject()
+    obj.duplicates = []
+    for key, value in pairs:
+        if key in obj:
+            obj.duplicates.append((key, obj[key], value))
+        obj[key] = value
+    return obj
+
+
+def _file_name(entry: Any) -> str:
+    return repr(entry.get("file_name")) if isinstance(entry, dict) and "file_name" in entry else "no file_name"
+
+
+@dataclass
+class DatasetInfo:
+    """<dataset_dir>/dataset_info.json read entry by entry: one bad entry does not hide the others."""
+    path: Path
+    entries: dict    # name -> entry, the usable ones, in file order
+    problems: dict   # name -> [problem, ...] of an entry that cannot be used (reported when it is used)
+    raw: dict        # every name as written (the last of a duplicated name)
+
+    def entry(self, name: str) -> dict:
+        if name in self.problems:
+            raise DatasetError(f"{self.path}: " + "; ".join(self.problems[name]))
+        if name not in self.entries:
+            known = list(self.raw)
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise DatasetError(f"unknown dataset '{name}': it is not in {self.path}{hint} "
+                               f"(known: {', '.join(sorted(known)) or 'none'})")
+        return self.entries[name]
+
+
+def read_dataset_info(dataset_dir: str | os.PathLike | None = None) -> DatasetInfo:
+    """Read and check `<dataset_dir>/dataset_info.json` entry by entry. A file that is not JSON or not an
+    object is an error; a bad entry (schema problem, a name registered twice, a key given twice) is kept
+    aside with its problems, so the other datasets stay usable."""
     path = resolve_dataset_dir(dataset_dir) / "dataset_info.json"
     if not path.is_file():
         raise DatasetError(f"{path} not found: dataset_dir must contain a dataset_info.json "
                            f"(LLaMA-Factory's schema: {{\"name\": {{\"file_name\": ...}}}})")
-    text = path.read_text(encoding="utf-8")
     try:
-        info = json.loads(text)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    try:
+        info = json.loads(text, object_pairs_hook=_object_keeping_duplicates)
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     if not isinstance(info, dict):
         raise DatasetError(f"{path}: the top level must be a JSON object of dataset entries, got {type(info).__name__}")
-    problems = [p for name, entry in info.items() for p in entry_problems(name, entry)]
-    if problems:
-        raise DatasetError(f"{path}: " + "; ".join(problems))
-    return info
+    problems: dict[str, list[str]] = {}
+    for name, first, second in info.duplicates:
+        problems.setdefault(name, []).append(
+            f"dataset '{name}' is registered twice (file_name {_file_name(first)} and {_file_name(second)}): "
+            f"rename or remove one of the two entries")
+    for name, entry in info.items():
+        found = entry_problems(name, entry)
+        for owner in [entry] + ([v for v in entry.values() if isinstance(v, _JSONObject)] if isinstance(entry, dict) else []):
+            for key, a, b in getattr(owner, "duplicates", []):
+                found.append(f"dataset '{name}': key '{key}' is given twice ({a!r} and {b!r})")
+        if found:
+            problems.setdefault(name, []).extend(found)
+    entries = {name: entry for name, entry in info.items() if name not in problems}
+    return DatasetInfo(path, entries, problems, dict(info))
+
+
+def load_dataset_info(dataset_dir: str | os.PathLike | None = None) -> dict:
+    """The usable entries of `<dataset_dir>/dataset_info.json` as {name: entry} in file order (a bad entry
+    is left out here; read_dataset_info says why, and using it by name is an error that says so)."""
+    return read_dataset_info(dataset_dir).entries
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,9 +346,19 @@ def _json_location(path: Path) -> str | None:
     return None
 
 
+def _is_blank(path: Path) -> bool:
+    """A text data file with nothing in it (empty, blank lines, or an empty JSON list): no rows."""
+    if path.stat().st_size > 65536:
+        return False
+    text = path.read_bytes().strip()
+    return not text or (path.suffix.lower() == ".json" and text.replace(b" ", b"").replace(b"\n", b"") == b"[]")
+
+
 def read_rows(path: Path, split: str = "train") -> list[dict]:
     """All rows of one data file, through `datasets` (its cache under cache_dir()/datasets)."""
     builder = FILE_TYPES[path.suffix.lower()]
+    if builder in ("json", "csv", "text") and _is_blank(path):
+        return []  # `datasets` fails on these with StopIteration or "corresponds to no data"
     kwargs: dict[str, Any] = {}
     if builder == "csv":
         # Read every CSV cell as text: otherwise a column of numbers becomes int64 ("007" -> 7).
@@ -299,6 +372,11 @@ def read_rows(path: Path, split: str = "train") -> list[dict]:
         ds = datasets.load_dataset(builder, data_files=[str(path)], split=split,
                                    cache_dir=str(paths.cache_dir() / "datasets"), **kwargs)
     except Exception as exc:  # datasets wraps parser errors in several exception types
+        if builder in ("json", "csv", "text"):
+            try:
+                path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise DatasetError(f"{path}: not UTF-8 text (byte {bad.start}: {bad.reason}); save it as UTF-8") from None
         where = _json_location(path) if builder == "json" else None
         if where:
             raise DatasetError(f"{path}: not valid JSON at {where}") from None
@@ -313,17 +391,24 @@ def read_rows(path: Path, split: str = "train") -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # Row conversion
 # ---------------------------------------------------------------------------------------------
+def _not_text(where: str, value: Any) -> RowError:
+    """A number (or other non-text) where text is expected: the row is refused, not stringified. A JSON
+    number does not survive as written (a column with 42 and 1e23 is read as floats: 42 would train as
+    '42.0'), and LLaMA-Factory fails on such rows too. CSV cells are always read as text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return RowError(f"{where} must be text, got the number {value!r} (write it as a JSON string, in quotes)")
+    return RowError(f"{where} must be text, got {type(value).__name__}")
+
+
 def _text(row: dict, column: str, what: str = "", *, required: bool = True) -> str:
-    """A text cell. Numbers are accepted as text (CSV/parquet often type them); None is 'missing'."""
+    """A text cell; None is 'missing'; a number or anything else that is not text refuses the row."""
     value = row.get(column)
     if value is None:
         if required:
             raise RowError(f"column '{column}' missing")
         return ""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
     if not isinstance(value, str):
-        raise RowError(f"column '{column}' must be text, got {type(value).__name__}")
+        raise _not_text(f"column '{column}'", value)
     return value
 
 
@@ -448,10 +533,8 @@ def _conversation(items: Any, spec: _Spec, stage: str) -> tuple[list[dict], str 
             content = ""
         if content is None and kind == "call":
             content = ""
-        if isinstance(content, (int, float)) and not isinstance(content, bool):
-            content = str(content)
         if not isinstance(content, str):
-            raise RowError(f"turn {i}: '{content_key}' must be text, got {type(content).__name__}")
+            raise _not_text(f"turn {i}: '{content_key}'", content)
         if kind == "system":
             if i != 0:
                 raise RowError(f"turn {i}: a '{role}' turn is only allowed first")
@@ -519,7 +602,7 @@ def _answer(value: Any, column: str, spec: _Spec) -> dict:
             raise RowError(f"column '{column}': the answer's role must be '{spec.tags['assistant_tag']}', got {role!r}")
         value = content
     if not isinstance(value, str):
-        raise RowError(f"column '{column}' must be text, got {type(value).__name__}")
+        raise _not_text(f"column '{column}'", value)
     if not value.strip():
         raise RowError(f"empty answer in column '{column}'")
     return {"role": "assistant", "content": value}
@@ -760,16 +843,11 @@ def load_examples(names: str | list[str], dataset_dir: str | os.PathLike | None 
         raise DatasetError(f"max_samples must be a positive integer, got {max_samples!r}")
     dataset_dir = resolve_dataset_dir(dataset_dir)
     info_path = dataset_dir / "dataset_info.json"
-    info = load_dataset_info(dataset_dir)
+    info = read_dataset_info(dataset_dir)
     report = DataReport()
     parts: list[list[dict]] = []
     for name in _names(names):
-        if name not in info:
-            close = difflib.get_close_matches(name, list(info), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise DatasetError(f"unknown dataset '{name}': it is not in {info_path}{hint} "
-                               f"(known: {', '.join(sorted(info)) or 'none'})")
-        got, counts = _load_entry(name, info[name], dataset_dir, info_path, stage=stage, max_samples=max_samples,
+        got, counts = _load_entry(name, info.entry(name), dataset_dir, info_path, stage=stage, max_samples=max_samples,
                                   seed=seed, identity=(identity_name, identity_author))
         parts.append(got)
         report.datasets.append(counts)
@@ -874,7 +952,13 @@ def register_dataset(dataset_dir: str | os.PathLike | None, name: str, entry: di
     if not dataset_dir.is_dir():
         raise DatasetError(f"dataset_dir {dataset_dir} does not exist")
     info_path = dataset_dir / "dataset_info.json"
-    info = load_dataset_info(dataset_dir) if info_path.exists() else {}
+    info = {}
+    if info_path.exists():
+        current = read_dataset_info(dataset_dir)
+        twice = [n for n, found in current.problems.items() if any("registered twice" in p for p in found)]
+        if twice:  # rewriting the file would silently drop one of the two entries
+            raise DatasetError(f"{info_path}: " + "; ".join(current.problems[twice[0]]) + "; fix the file first")
+        info = current.raw  # bad entries are kept as they are: they are not this registration's business
     if name in info and not overwrite:
         raise DatasetError(f"dataset '{name}' already exists in {info_path}; choose another name or overwrite it")
     report = DataReport()

@@ -59,6 +59,8 @@ def _encode_all(examples: list[dict], encode_one: Callable[[dict], tuple[dict, b
                 stats.failed_reasons.append(str(exc))
             continue
         stats.truncated += truncated
+        if truncated and len(stats.truncated_ids) < Stats.MAX_IDS:
+            stats.truncated_ids.append(_row_name(example))
         stats.total_tokens += total
         stats.trained_tokens += trained
         rows.append(row)

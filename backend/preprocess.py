@@ -284,6 +284,7 @@ class Stats:
     truncated: int = 0
     dropped: int = 0
     dropped_ids: list[str] = field(default_factory=list)  # first few "<source> row <n>"
+    truncated_ids: list[str] = field(default_factory=list)  # first few "<source> row <n>" longer than cutoff_len
     failed: int = 0  # rows the template refused (e.g. a conversation that does not end with an answer)
     failed_reasons: list[str] = field(default_factory=list)  # first few "<source> row <n>: <error>"
     total_tokens: int = 0
@@ -298,6 +299,7 @@ class Stats:
         for name in ("rows_in", "rows", "truncated", "dropped", "failed", "total_tokens", "trained_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.dropped_ids = (self.dropped_ids + other.dropped_ids)[: self.MAX_IDS]
+        self.truncated_ids = (self.truncated_ids + other.truncated_ids)[: self.MAX_IDS]
         self.failed_reasons = (self.failed_reasons + other.failed_reasons)[: self.MAX_IDS]
 
     def __str__(self) -> str:
@@ -312,7 +314,9 @@ class Stats:
             lines.append(f"{self.failed} rows could not be rendered and were skipped: "
                          f"{'; '.join(self.failed_reasons)}{more}")
         if self.truncated:
-            lines.append(f"{self.truncated} rows truncated to cutoff_len={self.cutoff_len}")
+            more = ", ..." if self.truncated > len(self.truncated_ids) else ""
+            rows = f": {', '.join(self.truncated_ids)}{more}" if self.truncated_ids else ""
+            lines.append(f"{self.truncated} rows truncated to cutoff_len={self.cutoff_len}{rows}")
         if self.dropped:
             more = ", ..." if self.dropped > len(self.dropped_ids) else ""
             lines.append(f"{self.dropped} rows left with no trained token were dropped: "
@@ -363,6 +367,8 @@ def _sft_rows(examples: list[dict], template, tokenizer, cutoff_len: int | None,
                 stats.failed_reasons.append(str(exc))
             continue
         stats.truncated += enc.truncated
+        if enc.truncated and len(stats.truncated_ids) < Stats.MAX_IDS:
+            stats.truncated_ids.append(_row_name(example))
         if enc.num_trained == 0:
             stats.dropped += 1
             if len(stats.dropped_ids) < Stats.MAX_IDS:

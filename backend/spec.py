@@ -81,6 +81,19 @@ def training_args_fields() -> dict[str, dict]:
     return dict(doc.get("fields", {}))
 
 
+SECRET_SUFFIXES = ("_token", "_key", "_secret", "password", "_api_key")
+
+
+def is_secret_key(name: str) -> bool:
+    """A key whose value is a credential (hub_token, any *_token / *_key / *_secret / *password)."""
+    return str(name).lower().endswith(SECRET_SUFFIXES)
+
+
+SECRET_REFUSAL = ("not supported: a secret is never a spec key (run_spec.yaml, the run's logs and the web UI's job "
+                  "records keep the spec as plain text); give credentials through the environment: `hf auth login` "
+                  "or HF_TOKEN for the Hub, WANDB_API_KEY and the like for trackers")
+
+
 def _passthrough_names() -> dict[str, dict]:
     """TrainingArguments fields that are not RunSpec fields: these go into RunSpec.passthrough."""
     return {k: v for k, v in training_args_fields().items() if k not in RunSpec.model_fields}
@@ -403,6 +416,8 @@ class RunSpec(BaseModel):
         for key, raw in value.items():
             if key in cls.model_fields:
                 errors.append((key, "is a RunSpec field: set it at the top level, not in passthrough", frozenset()))
+            elif is_secret_key(key):
+                errors.append((key, SECRET_REFUSAL, frozenset()))
             elif key not in known:
                 errors.append((key, _unknown_key_message(key), frozenset()))
             else:
@@ -730,6 +745,8 @@ def _all_keys() -> list[str]:
 
 
 def _unknown_key_message(key: str) -> str:
+    if is_secret_key(key):
+        return SECRET_REFUSAL
     close = difflib.get_close_matches(key, _all_keys(), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown key {key!r}{hint}"
@@ -860,8 +877,45 @@ def _looks_like_path(name: str) -> bool:
         or (len(name) > 1 and name[1] == ":")
 
 
+def weights_file_problem(path: Path) -> str | None:
+    """What is wrong with a .safetensors or .gguf file, from its header and size alone (cut short by a full
+    disk or an interrupted download, or not that format at all); None when it looks whole."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if path.suffix.lower() == ".gguf":
+                return None if head[:4] == b"GGUF" else f"{path} is not a GGUF file (it does not start with 'GGUF')"
+            length = int.from_bytes(head, "little") if len(head) == 8 else None
+            if length is None or length > size - 8:
+                return f"{path} is truncated or not a safetensors file (file of {size} bytes)"
+            header = json.loads(f.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{path} is not a safetensors file (its header is not a tensor table)"
+    if 8 + length + end > size:
+        return f"{path} is truncated: {size} bytes, its header describes {8 + length + end}"
+    return None
+
+
+def _weights_errors(field: str, folder: Path) -> list[tuple[str, str, frozenset]]:
+    found = (weights_file_problem(p) for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.gguf")))
+    return [(field, problem, frozenset({field})) for problem in found if problem][:1]
+
+
 def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
-    """A local model path exists and holds a model (config.json, or one .gguf file), as loading will need."""
+    """A local model path exists and holds a model (config.json, or one .gguf file), as loading will need;
+    its weight files (and the adapters') are whole."""
+    errors = []
+    for adapter in (spec.adapter_name_or_path or "").split(","):
+        if adapter.strip() and Path(adapter.strip()).expanduser().is_dir():
+            errors += _weights_errors("adapter_name_or_path", Path(adapter.strip()).expanduser())
+    return errors + _model_folder_errors(spec)
+
+
+def _model_folder_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     name = str(spec.model_name_or_path).strip()
     if not name or name.lower() == DEFAULT_MODEL_ID.lower():
         return []
@@ -882,6 +936,10 @@ def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
                 problem = f"{path} holds several .gguf files ({', '.join(ggufs)}): give one file"
     elif _looks_like_path(name):
         problem = f"{path} does not exist"
+    if problem is None and path.is_file():
+        problem = weights_file_problem(path)
+    if problem is None and path.is_dir():
+        return _weights_errors("model_name_or_path", path)
     return [("model_name_or_path", problem, frozenset({"model_name_or_path"}))] if problem else []
 
 
@@ -1147,9 +1205,18 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         return [(first_field, f"cannot read {info_path}: {exc}", involved)]
     if not isinstance(info, dict):
         return [(first_field, f"malformed {info_path}: the top level must be an object of dataset entries", involved)]
+    from backend.data import DatasetError, read_dataset_info  # no torch; entries checked one by one
+
+    try:
+        bad = read_dataset_info(info_path.parent).problems  # schema problems, names registered twice
+    except DatasetError:
+        bad = {}
     errors = []
     for field, name in wanted:
         entry = info.get(name)
+        if name in bad:
+            errors.append((field, f"{info_path}: " + "; ".join(bad[name]), involved))
+            continue
         if entry is None:
             close = difflib.get_close_matches(name, list(info), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(info)) or 'none'}"

@@ -428,8 +428,9 @@ def test_malformed_dataset_info_names_file_line_and_column(tmp_path):
 ])
 def test_bad_entries_name_dataset_and_key(tmp_path, entry, expected):
     make_dir(tmp_path, {"ok": {"file_name": "ok.json"}, "x": entry}, {})
+    assert list(load_dataset_info(tmp_path)) == ["ok"]  # the bad entry does not hide the good one
     with pytest.raises(DatasetError) as err:
-        load_dataset_info(tmp_path)
+        load_examples("x", tmp_path)  # using it says why
     assert expected in str(err.value)
 
 

@@ -220,7 +220,7 @@ def test_build_sft_dataset_counts_truncated_and_skipped_rows(smol_tokenizer, cha
     assert lines == ["1 rows could not be rendered and were skipped: demo row 1: messages[0]: the conversation "
                      "ends with a user turn, so there is no assistant turn to train "
                      "(render with add_generation_prompt=True for a prompt)",
-                     "1 rows truncated to cutoff_len=48"]
+                     "1 rows truncated to cutoff_len=48: demo row 2"]
     assert all(len(r["input_ids"]) == len(r["labels"]) == len(r["attention_mask"]) <= 48 for r in rows)
     assert stats.total_tokens == sum(len(r["input_ids"]) for r in rows)
     assert stats.trained_tokens == sum(sum(1 for x in r["labels"][1:] if x != IGNORE_INDEX) for r in rows)

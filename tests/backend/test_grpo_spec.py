@@ -141,3 +141,22 @@ def test_prompts_are_rendered_by_our_template_with_their_reference(tmp_path):
     no_answer = [{"messages": [{"role": "user", "content": "Say hi"}], "tools": None}]
     rows, _ = prompt_rows(spec, run_dir, no_answer, template, tokenizer)
     assert rows[0]["reference"] is None
+
+
+def test_a_prompts_dataset_may_hold_rows_without_an_answer(tmp_path):
+    """For stage grpo a row whose conversation ends with the user (or an alpaca row without output) is a
+    prompt with no reference; for sft the same rows are bad rows."""
+    from backend.data import load_examples
+
+    (tmp_path / "chat.json").write_text(json.dumps([
+        {"messages": [{"role": "user", "content": "Give JSON"}]},
+        {"messages": [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": "{}"}]}]))
+    (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "Give JSON", "output": ""},
+                                                      {"instruction": "Give JSON", "output": "{}"}]))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "chat": {"file_name": "chat.json", "formatting": "openai", "columns": {"messages": "messages"}},
+        "alpaca": {"file_name": "alpaca.json"}}))
+    for name in ("chat", "alpaca"):
+        examples, _ = load_examples(name, tmp_path, stage="grpo")
+        assert [e["messages"][-1]["role"] for e in examples] == ["user", "assistant"], name
+        assert len(load_examples(name, tmp_path, stage="sft")[0]) == 1, name

@@ -21,7 +21,8 @@ NUMBERS = [128, 40, 8, 0.3, 2, 30, 1, 0, 0.0]  # in tab.NUMBERS order
 def form(docs, model, teacher_url, dataset_dir, **over) -> dict:
     values = dict(model=str(model), template="auto", documents=str(docs), text_column="body",
                   task="Extract the facts as JSON.", schema=json.dumps(SCHEMA), answer_format="json", examples="",
-                  teacher="endpoint", teacher_local_model="", teacher_url=teacher_url, teacher_model="fake",
+                  teacher="endpoint", teacher_local_model="", teacher_local_adapter="", teacher_url=teacher_url,
+                  teacher_model="fake",
                   key_env="UI_TEACHER_KEY", key_file="", dataset_name="ui_facts", dataset_dir=str(dataset_dir))
     values.update(over)
     return tab.distill_flat(*values.values(), *NUMBERS)
@@ -33,8 +34,9 @@ def test_the_form_becomes_a_spec_and_mistakes_are_named(tmp_path, root, monkeypa
     assert flat["teacher"] == "http://127.0.0.1:9/v1" and flat["teacher_api_key_env"] == "UI_TEACHER_KEY"
     assert flat["cutoff_len"] == 128 and flat["eval_ratio"] == 0.3 and isinstance(flat["temperature"], float)
     assert "teacher_api_key" not in flat
-    local = form(tmp_path, "m", "", tmp_path, teacher="local", teacher_local_model="")
-    assert local["teacher"] == "local" and "teacher_model" not in local
+    local = form(tmp_path, "m", "", tmp_path, teacher="local", teacher_local_model="", teacher_local_adapter="a")
+    assert local["teacher"] == "local" and "teacher_model" not in local and local["teacher_local_adapter"] == "a"
+    assert "teacher_local_model" not in local  # empty = the student
     st, message, started = tab.start_generate(tab.new_state(), {**flat, "task": ""})
     assert not started and "`task`: must not be empty" in message
     st, message, started = tab.start_generate(tab.new_state(), {**flat, "teacher_model": None})

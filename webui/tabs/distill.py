@@ -69,6 +69,8 @@ def build(reg) -> dict:
         c["teacher"] = reg.dropdown("distill-teacher", ["local", "endpoint"], value="local", scale=1)
         c["teacher_local_model"] = reg.comp(gr.Textbox, "distill-teacher_local_model", value="", scale=2,
                                             placeholder="empty = the student (the model in the top bar)")
+        c["teacher_local_adapter"] = reg.comp(gr.Textbox, "distill-teacher_local_adapter", value="", scale=2,
+                                              placeholder="optional: an adapter folder served on the teacher model")
         c["teacher_url"] = reg.comp(gr.Textbox, "distill-teacher_url", value="", scale=2, visible=False,
                                     placeholder="https://api.openai.com/v1")
         c["teacher_model"] = reg.comp(gr.Textbox, "distill-teacher_model", value="", scale=1, visible=False)
@@ -119,8 +121,8 @@ def stage_uploads(files, root: Path | None = None) -> str | None:
 
 
 def distill_flat(model, template, documents, text_column, task, schema, answer_format, examples, teacher,
-                 teacher_local_model, teacher_url, teacher_model, key_env, key_file, dataset_name, dataset_dir,
-                 *numbers) -> dict:
+                 teacher_local_model, teacher_local_adapter, teacher_url, teacher_model, key_env, key_file,
+                 dataset_name, dataset_dir, *numbers) -> dict:
     """The distill spec of the form (values of the top bar's model and template, this tab's fields; `numbers`
     in NUMBERS order). Empty fields are left out, so the spec's defaults apply."""
     flat: dict = {"documents": (documents or "").strip(), "text_column": (text_column or "").strip() or "text",
@@ -142,6 +144,8 @@ def distill_flat(model, template, documents, text_column, task, schema, answer_f
         flat["teacher"] = "local"
         if (teacher_local_model or "").strip():
             flat["teacher_local_model"] = teacher_local_model.strip()
+        if (teacher_local_adapter or "").strip():
+            flat["teacher_local_adapter"] = teacher_local_adapter.strip()
     for key, value in zip(NUMBERS, numbers):
         if value not in (None, ""):
             default = NUMBERS[key][0]
@@ -162,7 +166,7 @@ def check_paths(flat: dict) -> list:
                 check(path, field)
             except allowed.PathRefused as exc:
                 refused.append(exc)
-    for key in ("model_name_or_path", "teacher_local_model", "adapter_name_or_path"):
+    for key in ("model_name_or_path", "teacher_local_model", "teacher_local_adapter", "adapter_name_or_path"):
         if flat.get(key):
             try:
                 allowed.check_model(flat[key], key)
@@ -347,16 +351,17 @@ def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> Non
     from webui.tabs import train as train_tab
 
     def show_teacher(kind):
-        """Local teacher: its model; endpoint: URL, model, key variable, key file. Inputs: teacher. Outputs:
-        local model, URL, model, key env, key file."""
+        """Local teacher: its model and adapter; endpoint: URL, model, key variable, key file. Inputs: teacher.
+        Outputs: local model, local adapter, URL, model, key env, key file."""
         local = kind == "local"
-        return (gr.update(visible=local), *[gr.update(visible=not local)] * 4)
+        return (gr.update(visible=local), gr.update(visible=local), *[gr.update(visible=not local)] * 4)
 
-    c["teacher"].change(show_teacher, [c["teacher"]], [c["teacher_local_model"], c["teacher_url"],
-                                                        c["teacher_model"], c["key_env"], c["key_file"]],
-                        show_progress="hidden")
+    c["teacher"].change(show_teacher, [c["teacher"]], [c["teacher_local_model"], c["teacher_local_adapter"],
+                                                        c["teacher_url"], c["teacher_model"], c["key_env"],
+                                                        c["key_file"]], show_progress="hidden")
     form = [top["model_name_or_path"], top["template"], c["documents"], c["text_column"], c["task"], c["schema"],
-            c["answer_format"], c["examples"], c["teacher"], c["teacher_local_model"], c["teacher_url"],
+            c["answer_format"], c["examples"], c["teacher"], c["teacher_local_model"], c["teacher_local_adapter"],
+            c["teacher_url"],
             c["teacher_model"], c["key_env"], c["key_file"], c["dataset_name"], c["dataset_dir"],
             *c["numbers"].values()]
     view = [c["state"], c["progress"], c["counts"], c["pairs"], c["scorecard"], c["log"], c["message"], c["timer"]]

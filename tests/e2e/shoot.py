@@ -1,7 +1,8 @@
 """Screenshots of every tab at two window sizes, for looking at the layout (not a test):
 `.venv/bin/python tests/e2e/shoot.py [OUT_DIR]` serves the app on a throwaway saves folder holding two
 finished runs and a finished eval (made-up files, no training), opens it in Debian's Chromium and writes
-<tab>-<width>x<height>.png (full page) into OUT_DIR (default test-artifacts/shots)."""
+<tab>-<width>x<height>.png (full page) into OUT_DIR (default test-artifacts/shots), then the Train tab in
+Chinese with its accordions open (train-zh-*.png: the translated field help texts). `--zh-only`: only those."""
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 
 from conftest import CHROMIUM  # noqa: E402
 
-OUT = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "test-artifacts" / "shots")
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+ZH_ONLY = "--zh-only" in sys.argv
+OUT = Path(ARGS[0] if ARGS else Path(__file__).resolve().parents[2] / "test-artifacts" / "shots")
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -60,6 +63,25 @@ def fake_eval():
     (job / "plan.json").write_text(json.dumps({"parts": parts, "spec": {"eval_dataset": "identity", "max_samples": 3}}))
 
 
+def shoot_zh(browser, url, w, h):
+    """The Train tab in Chinese: the first screen, then with the Training and LoRA accordions open."""
+    page = browser.new_page(viewport={"width": w, "height": h})
+    page.goto(url)
+    page.locator("#tb-header").wait_for()
+    page.wait_for_timeout(1500)
+    page.locator("#top-lang input").click()
+    page.get_by_role("option", name="简体中文").click()
+    page.get_by_role("tab", name="训练").wait_for()
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(OUT / f"train-zh-{w}x{h}.png"))
+    for group in ("train-group-train", "train-group-lora"):
+        page.locator(f"#{group}").click(position={"x": 30, "y": 14})
+        page.wait_for_timeout(500)
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(OUT / f"train-zh-open-{w}x{h}.png"), full_page=True)
+    page.close()
+
+
 def main():
     from webui.app import create_app, launch_kwargs
 
@@ -76,6 +98,9 @@ def main():
             "--headless", "--no-sandbox", "--disable-gpu",
             "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE localhost , EXCLUDE 127.0.0.1"])
         for w, h in ((1400, 1000), (1280, 800)):
+            shoot_zh(browser, url, w, h)
+            if ZH_ONLY:
+                continue
             page = browser.new_page(viewport={"width": w, "height": h})
             page.goto(url)
             page.locator("#tb-header").wait_for()

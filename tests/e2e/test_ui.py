@@ -31,10 +31,19 @@ def test_language_switch_relabels_in_place(app_page, shot):
     # the subtitle and the progress card follow the language too
     expect(app_page.locator("#tb-header-block")).to_contain_text("在浏览器中微调")
     expect(app_page.locator("#train-progress .tb-badge")).to_have_text("空闲")
+    # the fields' help texts (locales/fields/zh.yaml), also in a closed accordion and on another tab
+    expect(app_page.locator("#train-learning_rate")).to_contain_text("峰值学习率。")
+    expect(app_page.locator("#train-cutoff_len")).to_contain_text("每条训练序列的最大 token 数")
+    app_page.locator("#train-group-lora").click(position={"x": 30, "y": 14})  # open the accordion
+    expect(app_page.locator("#train-lora_rank")).to_contain_text("LoRA 秩 r（适配器大小）。")
     shot("train-zh")
+    open_tab(app_page, "评估")
+    expect(app_page.locator("#eval-val_size")).to_contain_text("训练留出的 10%")
+    open_tab(app_page, "训练")
     lang.click()
     app_page.get_by_role("option", name="English").click()
     expect(app_page.locator("#train-start")).to_have_text("▶ Start")
+    expect(app_page.locator("#train-learning_rate")).to_contain_text("Peak learning rate.")
 
 
 def test_validation_error_shown_next_to_field(app_page):

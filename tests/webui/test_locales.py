@@ -128,3 +128,54 @@ def test_field_errors_keep_the_help_language():
                    error_updates([("cutoff_len", "must be > 0")], ["learning_rate", "cutoff_len"], "ja")))
     assert out["learning_rate"]["info"] == _fields("ja")["learning_rate"]
     assert out["cutoff_len"]["info"].startswith("⛔")
+
+
+# ------------------------------------------------------------------ handler messages (webui.i18n.tr)
+
+@pytest.mark.parametrize("lang", LANGS[1:])
+def test_messages_keep_their_fields(lang):
+    """Each translated message keeps exactly the {fields} of its English text (tr() would fall back to
+    English if one were lost, and a field a translation adds would never be filled)."""
+    import re
+
+    en, other = _load("en"), _load(lang)
+    for key, text in en.items():
+        fields = set(re.findall(r"(?<!{){(\w*)}(?!})", text))
+        if fields or "." in key:
+            assert set(re.findall(r"(?<!{){(\w*)}(?!})", other[key])) == fields, (lang, key, other[key])
+
+
+def test_tab_messages_follow_the_language(tmp_path):
+    """The status lines of the Export, Evaluate, Chat, Data and Runs tabs are in the page's language (one
+    handler of each, called as its event calls it), and English stays the English text."""
+    from webui.tabs import chat, data, evaluate, export, runs
+
+    zh = _load("zh")
+    assert export.abort({"job": None}, "zh")[1] == zh["msg.export_none"] == "没有正在运行的导出。"
+    assert export.abort({"job": None})[1] == "No export is running."
+    assert export.ended_message({"export_dir": "/x"}, "de") == "Export nach `/x` beendet: Ergebnis und Prüfungen stehen unten."
+    assert evaluate.abort({}, "ja")[1] == _load("ja")["eval.none"]
+    held = {"dataset": "identity", "val_size": 0.1, "max_samples": 20}
+    assert evaluate.rows_scored(held, "zh").startswith("`identity` 中留出的 10%")
+    assert "从其" not in evaluate.rows_scored(held, "zh") and "取自其前 20 行" in evaluate.rows_scored(held, "zh")
+    assert evaluate.rows_scored(held) == ("the held-out 10% of `identity` (the split a training run with this "
+                                          "val_size and seed never sees, from its first 20 rows)")
+    # plan()'s refusals are translated through their English text: each must still be one plan() returns
+    flat = {"model_name_or_path": "m", "eval_dataset": "", "dataset": ""}
+    assert evaluate.plan(flat, False)[1] in evaluate.PLAN_REFUSALS
+    flat.update(eval_dataset="identity", adapter_name_or_path=None)
+    assert evaluate.plan(flat, True)[1] in evaluate.PLAN_REFUSALS
+    st, message, started = evaluate.start_eval({}, dict(flat, eval_dataset=""), False, "ko")
+    assert not started and message == _load("ko")["eval.no_dataset"]
+    a, b = chat.pane_labels("/m/tiny", "/saves/run-b", True, None, "zh")
+    assert (a, b) == ("微调后：tiny + run-b", "基座：tiny（无适配器）")
+    st = {"hist_a": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
+          "hist_b": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}], "b": "base"}
+    assert chat.waiting(st["hist_b"], "fr")[-1]["content"] == _load("fr")["chat.waiting"]
+    assert chat.stopped(st, "zh")[2] == "■ 已停止 (微调模型：未回答, 基座模型：未回答)"
+    assert chat.unload(chat.empty_state(), "ru")[1] == "выгружено"
+    assert data.show_row(str(tmp_path), None, 0, "m", "auto", 128, "es")[0] == "Elija un conjunto de datos."
+    assert runs.delete_run(str(tmp_path / "r"), confirmed=False, root=tmp_path, lang="zh") == \
+        (False, "请勾选“我确定”后再删除。")
+    assert runs.diff_md(None, None, "de") == "Wählen Sie zwei Läufe zum Vergleichen."
+    assert runs.clone_spec(None, "ja")[1] == "実行を選んでください。"

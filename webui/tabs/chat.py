@@ -27,7 +27,7 @@ import httpx
 
 from backend import allowed, paths
 from webui import live
-from webui.i18n import refusal
+from webui.i18n import refusal, tr
 
 
 # ----------------------------------------------------------------------------------------- server
@@ -69,11 +69,11 @@ class ChatServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def failure(self) -> str:
+    def failure(self, lang: str = "en") -> str:
         """Why the server is gone, with its last output lines."""
         code = self.proc.poll() if self.proc else None
         tail = "\n".join(line for line in self.lines[-12:] if line.strip())
-        return f"the chat server exited (code {code}):\n{tail}"
+        return tr(lang, "chat.exited", code=code) + f"\n{tail}"
 
     def stop(self, grace: float = 10.0) -> None:
         if not self.alive():
@@ -229,50 +229,56 @@ def load(model, adapter, template, compare, compare_with, st, lang="en"):
     extra = [compare_with.strip()] if compare and compare_with and compare_with.strip() else []
     server = ChatServer(spec_args, extra).start()
     st["server"] = server
-    yield st, "… starting the chat server", gr.update(visible=bool(compare)), gr.skip()
+    yield st, tr(lang, "chat.starting"), gr.update(visible=bool(compare)), gr.skip()
     while not server.ready.wait(1.0):
         last = live.status_line(server.lines)  # third-party noise (bitsandbytes, progress bars) left out
-        yield st, f"… loading: `{last[-120:]}`" if last else "… loading the model", gr.skip(), gr.skip()
+        yield (st, tr(lang, "chat.loading", line=last[-120:]) if last else tr(lang, "chat.loading_model"),
+               gr.skip(), gr.skip())
     if not server.url:
         st["server"] = None
-        yield st, "⛔ " + server.failure().replace("\n", "  \n"), gr.skip(), gr.skip()
+        yield st, "⛔ " + server.failure(lang).replace("\n", "  \n"), gr.skip(), gr.skip()
         return
     names = server.models
     st["a"] = names[1] if adapter and len(names) > 1 else names[0]
     st["b"] = (names[-1] if extra else names[0]) if compare else None
     shown = f"**{st['a']}**" + (f" vs **{st['b']}**" if st["b"] else "")
-    label_a, label_b = pane_labels(model, adapter, compare, extra[0] if extra else None)
-    yield (st, f"✓ loaded {shown} ({server.url})", gr.update(label=label_b) if compare else gr.skip(),
+    label_a, label_b = pane_labels(model, adapter, compare, extra[0] if extra else None, lang)
+    yield (st, tr(lang, "chat.loaded", shown=shown, url=server.url), gr.update(label=label_b) if compare else gr.skip(),
            gr.update(label=label_a))
 
 
-def pane_labels(model, adapter, compare, other) -> tuple[str, str]:
+def pane_labels(model, adapter, compare, other, lang: str = "en") -> tuple[str, str]:
     """The two panes' titles: what each side answers with (tuned = the adapter, base = the model alone)."""
     short = lambda path: Path(str(path)).name or str(path)  # noqa: E731
-    a = f"tuned: {short(model)} + {short(adapter)}" if adapter else f"model: {short(model)}"
-    b = f"compared: {short(other)}" if other else f"base: {short(model)} (no adapter)"
+    a = (tr(lang, "chat.pane_tuned", model=short(model), adapter=short(adapter)) if adapter
+         else tr(lang, "chat.pane_model", model=short(model)))
+    b = (tr(lang, "chat.pane_compared", other=short(other)) if other
+         else tr(lang, "chat.pane_base", model=short(model)))
     return a, b
 
 
-def unload(st):
-    """Stop the server and free its memory. Inputs: state. Outputs: state, status."""
+def unload(st, lang: str = "en"):
+    """Stop the server and free its memory. Inputs: state, language. Outputs: state, status."""
     _stop_server(st)
-    return empty_state(), "unloaded"
+    return empty_state(), tr(lang, "chat.unloaded")
 
 
 def respond(message, role, st, system, tools_json, *sampling_values):
     """Add the message to both conversations and stream the replies (A, then B in compare mode).
-    Inputs: message, role, state, system, tools, sampling. Outputs: chat_a, chat_b, message, speed, state."""
+    Inputs: message, role, state, system, tools, sampling (N_SAMPLING values), then the language (optional).
+    Outputs: chat_a, chat_b, message, speed, state."""
+    lang = sampling_values[N_SAMPLING] if len(sampling_values) > N_SAMPLING else "en"
+    sampling_values = sampling_values[:N_SAMPLING]
     st = st or empty_state()
     server = st.get("server")
     if server is None or not server.alive():
-        why = server.failure() if server is not None else "load a model first"
+        why = server.failure(lang) if server is not None else tr(lang, "chat.load_first")
         yield gr.skip(), gr.skip(), gr.skip(), f"⛔ {why}", st
         return
     try:
         tools = json.loads(tools_json) if tools_json and tools_json.strip() else None
     except json.JSONDecodeError as exc:
-        yield gr.skip(), gr.skip(), gr.skip(), f"⛔ tools: not valid JSON ({exc})", st
+        yield gr.skip(), gr.skip(), gr.skip(), "⛔ " + tr(lang, "chat.tools_json", error=exc), st
         return
     if message and message.strip():
         turn = {"role": role or "user", "content": message}
@@ -293,8 +299,8 @@ def respond(message, role, st, system, tools_json, *sampling_values):
         st[f"hist_{side}"].append(replies[side])
     # both panes get the question at once; the base one says it waits for its turn (one model answers at a time)
     st["stopped"] = False
-    yield (display(st["hist_a"]), waiting(st["hist_b"]) if st["b"] else gr.skip(), "",
-           "… answering (tuned first, then base)" if st["b"] else "", st)
+    yield (display(st["hist_a"]), waiting(st["hist_b"], lang) if st["b"] else gr.skip(), "",
+           tr(lang, "chat.answering") if st["b"] else "", st)
     shown_speed = None
     for side in sides:
         hist, request, reply = st[f"hist_{side}"], requests[side], replies[side]
@@ -306,53 +312,56 @@ def respond(message, role, st, system, tools_json, *sampling_values):
                 if calls:
                     reply["tool_calls"] = calls
                 shown = display(hist)
-                outputs = (shown, waiting(st["hist_b"]) if st["b"] else gr.skip()) if side == "a" \
+                outputs = (shown, waiting(st["hist_b"], lang) if st["b"] else gr.skip()) if side == "a" \
                     else (gr.skip(), shown)
                 # the speed line and the textbox only when they change (a question typed meanwhile stays)
                 speed = " · ".join(speeds)
                 yield *outputs, gr.skip(), speed if speed != shown_speed else gr.skip(), st
                 shown_speed = speed
-            speeds.append(f"{st[side]}: {stats['completion_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s")
+            speeds.append(tr(lang, "chat.speed", name=st[side], n=stats["completion_tokens"],
+                             tps=f"{stats['tokens_per_s']:.1f}"))
         except (httpx.HTTPError, RuntimeError) as exc:
             for other in sides:
                 if not replies[other]["content"] and st[f"hist_{other}"][-1] is replies[other]:
                     st[f"hist_{other}"].pop()
-            why = server.failure() if not server.alive() else str(exc)
+            why = server.failure(lang) if not server.alive() else str(exc)
             yield gr.skip(), gr.skip(), "", "⛔ " + why.replace("\n", "  \n"), st
             return
     yield display(st["hist_a"]), display(st["hist_b"]), "", " · ".join(speeds), st
 
 
-WAITING = "⏳ waiting: the other pane answers first"
+WAITING = "⏳ waiting: the other pane answers first"  # locale key chat.waiting
+N_SAMPLING = 6  # respond()'s sampling values: max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed
 
 
-def waiting(history: list[dict]) -> list[dict]:
+def waiting(history: list[dict], lang: str = "en") -> list[dict]:
     """display() of a pane whose reply has not started: its empty last answer reads as waiting."""
     shown = display(history)
     if history and history[-1]["role"] == "assistant" and not history[-1].get("content") \
             and not history[-1].get("tool_calls"):
-        shown[-1] = {"role": "assistant", "content": WAITING}
+        shown[-1] = {"role": "assistant", "content": tr(lang, "chat.waiting")}
     return shown
 
 
-def stopped(st):
+def stopped(st, lang: str = "en"):
     """After Stop: partial answers stay; an answer that had not started is taken out of its history (the
     question stays, so both panes still hold the same questions), and the speed line says what happened.
-    Inputs: state. Outputs: chat_a, chat_b, speed, state."""
+    Inputs: state, language. Outputs: chat_a, chat_b, speed, state."""
     st = st or empty_state()
     st["stopped"] = True  # the reply being streamed yields nothing more
     notes = []
-    for side, name in (("a", "tuned" if st.get("b") else "the reply"), ("b", "base")):
+    for side, name in (("a", tr(lang, "chat.tuned" if st.get("b") else "chat.the_reply")),
+                       ("b", tr(lang, "chat.base"))):
         hist = st.get(f"hist_{side}") or []
         if side == "b" and not st.get("b"):
             continue
         if hist and hist[-1]["role"] == "assistant" and not hist[-1].get("content") and not hist[-1].get("tool_calls"):
             hist.pop()
-            notes.append(f"{name}: not answered")
+            notes.append(tr(lang, "chat.not_answered", name=name))
         elif hist and hist[-1]["role"] == "assistant":
-            notes.append(f"{name}: cut short")
+            notes.append(tr(lang, "chat.cut_short", name=name))
     return (display(st["hist_a"]), display(st["hist_b"]) if st.get("b") else gr.skip(),
-            "■ Stopped" + (f" ({', '.join(notes)})" if notes else ""), st)
+            tr(lang, "chat.stopped") + (f" ({', '.join(notes)})" if notes else ""), st)
 
 
 def drop_last_reply(st):
@@ -389,15 +398,16 @@ def wire(ui: dict) -> None:
     load_evt = ui["load"].click(
         load, [top["model_name_or_path"], top["adapter_name_or_path"], top["template"], ui["compare"],
                ui["compare_with"], st, top["lang"]], [st, ui["status"], ui["chat_b"], ui["chat_a"]])
-    ui["unload"].click(unload, [st], [st, ui["status"]], cancels=[load_evt])
+    ui["unload"].click(unload, [st, top["lang"]], [st, ui["status"]], cancels=[load_evt])
     sampling = [ui[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")]
     outputs = [ui["chat_a"], ui["chat_b"], ui["message"], ui["speed"], st]
-    inputs = [ui["message"], ui["role"], st, ui["system"], ui["tools"], *sampling]
+    inputs = [ui["message"], ui["role"], st, ui["system"], ui["tools"], *sampling, top["lang"]]
     send = ui["send"].click(respond, inputs, outputs)
     submit = ui["message"].submit(respond, inputs, outputs)
     regen = ui["regenerate"].click(drop_last_reply, [st], [st]).then(
-        respond, [gr.State(""), ui["role"], st, ui["system"], ui["tools"], *sampling], outputs)
-    ui["stop"].click(stopped, [st], [ui["chat_a"], ui["chat_b"], ui["speed"], st], cancels=[send, submit, regen])
+        respond, [gr.State(""), ui["role"], st, ui["system"], ui["tools"], *sampling, top["lang"]], outputs)
+    ui["stop"].click(stopped, [st, top["lang"]], [ui["chat_a"], ui["chat_b"], ui["speed"], st],
+                     cancels=[send, submit, regen])
     ui["edit"].click(edit_last, [st], [st, ui["message"], ui["chat_a"], ui["chat_b"]])
 
     def clear(s):

@@ -11,7 +11,7 @@ import pandas as pd
 from backend import allowed, paths
 from webui import choices
 from webui import datasets as D
-from webui.i18n import refusal
+from webui.i18n import refusal, tr
 
 LEGEND = ('<div class="tb-legend"><span class="tb-trained">trained (the model learns these tokens)</span>'
           '<span class="tb-masked">masked (context only)</span></div>')
@@ -84,7 +84,7 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
     """Inputs: dataset folder, dataset, row, model, template, cutoff_len, language. Outputs: summary,
     rendered row."""
     if not dataset:
-        return "Pick a dataset.", ""
+        return tr(lang, "data.pick"), ""
     refused = dir_refusal(dataset_dir, lang, model=model)
     if refused:
         return refused, ""
@@ -94,9 +94,8 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
     warn = "".join(f"\n\n⚠ {w}" for w in res.get("warnings") or [])
     system = D.template_system_prompt(res)
     if system:
-        warn += (f"\n\nℹ The template adds the system prompt “{system}” to rows that have none (the model is "
-                 "trained and chats with it); set `default_system` (Train tab, Data) or a system column to change it.")
-    return D.row_summary(res) + f" · template `{res.get('template', template)}`" + warn, \
+        warn += "\n\nℹ " + tr(lang, "data.system_prompt", system=system)
+    return D.row_summary(res) + tr(lang, "data.template", template=res.get("template", template)) + warn, \
         D.render_row(res)
 
 
@@ -110,10 +109,9 @@ def stats(dataset_dir, dataset, model, template, cutoff, lang="en"):
     if "error" in res:
         return f"⛔ {res['error']}", gr.update(visible=False)
     lengths = res.get("lengths") or []
-    lines = [f"**{res.get('num_rows', 0)} rows** · mean {res.get('mean_length')} tokens · "
-             f"max {res.get('max_length')} tokens",
-             f"truncated at cutoff_len: {len(res.get('truncated_rows') or [])} rows",
-             f"rows with no trained token: {len(res.get('rows_without_trained_tokens') or [])}"]
+    lines = [tr(lang, "data.stats", n=res.get("num_rows", 0), mean=res.get("mean_length"), max=res.get("max_length")),
+             tr(lang, "data.truncated", n=len(res.get("truncated_rows") or [])),
+             tr(lang, "data.untrained", n=len(res.get("rows_without_trained_tokens") or []))]
     lines += [f"- {line}" for line in res.get("report") or []]
     hist, order = histogram(lengths)
     return "\n\n".join(lines), gr.update(value=hist, visible=True, sort=order)
@@ -206,7 +204,7 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
             return f"⛔ {res['error']}", ""
         rows = res.get("rows") or [res]
         body = "".join(f"<p>{D.row_summary(r)}</p>{D.render_row(r)}" for r in rows)
-        return f"✓ {res.get('num_rows', len(rows))} rows read; the first {len(rows)} rendered below.", body
+        return tr(lang, "data.reg_read", n=res.get("num_rows", len(rows)), shown=len(rows)), body
 
     c["reg_preview"].click(reg_preview, reg_in, [c["reg_message"], c["reg_rows"]])
 
@@ -220,7 +218,7 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
             return refusal(lang, exc), gr.skip()
         except (D.RegisterError, OSError, ValueError) as exc:
             return f"⛔ {exc}", gr.skip()
-        return (f"✓ Registered `{name.strip()}` in `{data_dir / 'dataset_info.json'}`",
+        return (tr(lang, "data.registered", name=name.strip(), path=data_dir / "dataset_info.json"),
                 gr.update(choices=choices.dataset_names(data_dir), value=name.strip()))
 
     c["reg_save"].click(reg_save, reg_in, [c["reg_message"], c["dataset"]])

@@ -30,7 +30,7 @@ import pandas as pd
 from backend import allowed
 from backend.spec import SpecError, validate_spec
 from webui import choices, jobs, tools
-from webui.i18n import headers, refusal
+from webui.i18n import headers, refusal, tr
 from webui.tailer import FileTail
 
 TICK_S = 1.0
@@ -138,18 +138,17 @@ def reward_mode_update(model, adapter, datasets):
             gr.skip() if picked else gr.update(value=ranking[:1]))
 
 
-def rows_scored(flat: dict) -> str:
+def rows_scored(flat: dict, lang: str = "en") -> str:
     """Which rows an eval scores, in words (the intro cannot know: it depends on val_size)."""
     n = flat.get("max_samples")
     if is_rm(flat) and not flat.get("val_size"):
-        return f"the {f'first {n} pairs' if n else 'pairs'} of `{flat.get('eval_dataset')}`"
+        return tr(lang, "eval.rows_rm_first" if n else "eval.rows_rm_all", n=n, dataset=flat.get("eval_dataset"))
     if flat.get("val_size"):
         v = flat["val_size"]
-        share = f"{v:g} rows" if v >= 1 else f"{100 * v:g}%"
-        return (f"the held-out {share} of `{flat.get('dataset')}` (the split a training run with this val_size "
-                f"and seed never sees{f', from its first {n} rows' if n else ''})")
-    first = f"the first {n} rows" if n else "all rows"
-    return f"{first} of `{flat.get('eval_dataset')}` (rows a run trained on this dataset has seen)"
+        share = tr(lang, "eval.share_rows", n=f"{v:g}") if v >= 1 else f"{100 * v:g}%"
+        return tr(lang, "eval.rows_held", share=share, dataset=flat.get("dataset"),
+                  first=tr(lang, "eval.from_first", n=n) if n else "")
+    return tr(lang, "eval.rows_first" if n else "eval.rows_all", n=n, dataset=flat.get("eval_dataset"))
 
 
 def part_names(adapter: str, other: str) -> tuple[str, str]:
@@ -166,6 +165,15 @@ def part_names(adapter: str, other: str) -> tuple[str, str]:
     if second == first:
         second += "-2"
     return first, second
+
+
+# plan()'s refusals that the locales translate (English text -> key)
+PLAN_REFUSALS = {
+    "⛔ Pick at least one dataset to evaluate on.": "eval.no_dataset",
+    "⛔ Compare with base is not available for a reward model: the base model has no trained score head.":
+        "eval.rm_compare",
+    "⛔ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**).": "eval.need_adapter",
+}
 
 
 def plan(flat: dict, compare: bool, other_adapter: str | None = None) -> tuple[list[dict] | None, str]:
@@ -213,7 +221,7 @@ def start_eval(st: dict, flat: dict, compare: bool, lang: str = "en",
     """Plans the parts, writes plan.json and launches the first part. Returns (state, message, started).
     The model and adapter must be what backend.allowed lets the UI read."""
     if st and any(tools.alive(p["dir"]) for p in st.get("parts", [])):
-        return st, "An eval is already running in this tab: wait for it or abort it.", False
+        return st, tr(lang, "eval.running"), False
     refused = allowed.spec_refusals(flat)
     if not refused and (other_adapter or "").strip():
         refused = allowed.spec_refusals(dict(flat, adapter_name_or_path=other_adapter.strip()))
@@ -221,15 +229,15 @@ def start_eval(st: dict, flat: dict, compare: bool, lang: str = "en",
         return st, "  \n".join(refusal(lang, exc) for exc in refused), False
     parts, why = plan(flat, compare, other_adapter)
     if parts is None:
-        return st, why, False
+        return st, tr(lang, PLAN_REFUSALS[why]) if why in PLAN_REFUSALS else why, False
     st = new_state()
     st["parts"], st["spec"] = parts, flat
     save_plan(st)
     launch_part(st, parts[0])
     if is_rm(flat):
-        return st, f"Scoring chosen / rejected pairs with the reward model: {rows_scored(flat)}…", True
-    what = " and ".join(p["name"] for p in parts)
-    return st, f"Evaluating {what} on {rows_scored(flat)}…", True
+        return st, tr(lang, "eval.rm_started", rows=rows_scored(flat, lang)), True
+    what = tr(lang, "eval.and").join(p["name"] for p in parts)
+    return st, tr(lang, "eval.started", what=what, rows=rows_scored(flat, lang)), True
 
 
 def job_dir(st: dict) -> str | None:
@@ -285,15 +293,15 @@ def attached_message(st: dict) -> str:
     return f"Eval of {what} on {rows_scored(st['spec'])} (picked up again after a reload)."
 
 
-def abort(st: dict) -> tuple[dict, str]:
+def abort(st: dict, lang: str = "en") -> tuple[dict, str]:
     """Stops the running eval process and any part still to come; leaves the ABORTED marker in the job
     folder. Returns (state, message)."""
     if not st or not st.get("parts") or not _pending(st):
-        return st, "No eval is running."
+        return st, tr(lang, "eval.none")
     st["aborted"] = True
     tools.mark_aborted(job_dir(st))
     stopped = any([tools.stop(p["dir"]) for p in st["parts"]])
-    return st, ("Stopping the eval…" if stopped else "Stopped: the next part will not start.")
+    return st, tr(lang, "eval.stopping" if stopped else "eval.stopped_next")
 
 
 def _pending(st: dict) -> bool:
@@ -455,8 +463,9 @@ def poll(st: dict, worst_first: bool, lang: str = "en") -> tuple:
     total, done = s.get("total_steps"), s.get("step") or 0
     n = len(st["parts"])
     idx = st["parts"].index(part) + 1
-    doing = "scoring pair" if is_rm(st.get("spec")) else "predicting row"
-    label = f"{part['name']} ({idx}/{n}): " + (f"{doing} {done} of {total}" if total else "loading…")
+    doing = "eval.progress_pair" if is_rm(st.get("spec")) else "eval.progress_row"
+    label = tr(lang, doing if total else "eval.progress_loading", name=part["name"], idx=idx, n=n, done=done,
+               total=total)
     return (st, tools.progress_html("running", int(done), total, label, lang), gr.skip(), gr.skip(), gr.skip(), log,
             gr.Timer(active=True))
 
@@ -478,19 +487,19 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str =
     shown = failed or next((p for p in reversed(st["parts"]) if p["launched"]), st["parts"][0])
     log = _read_log(st, shown)
     if failed is not None:
-        err = part_status(failed).get("error") or "the eval process ended without a result (see the log)"
-        state, message = "failed", f"✗ **{failed['name']} eval failed**: {err}"
+        err = part_status(failed).get("error") or tr(lang, "eval.no_result")
+        state, message = "failed", tr(lang, "eval.failed", name=failed["name"], error=err)
     elif st["aborted"]:
-        state, message = "aborted", "■ **Eval aborted.**"
+        state, message = "aborted", tr(lang, "eval.aborted")
     else:
         state = "completed"
         n_rows = len(st["rows"].get(st["parts"][0]["name"], []))
-        message = f"✓ **Eval done**: {n_rows} rows, results in `{Path(st['parts'][0]['dir']).parent}`"
+        where = Path(st["parts"][0]["dir"]).parent
+        message = tr(lang, "eval.done", n=n_rows, dir=where)
         if is_rm(st.get("spec")):
             acc = st["results"].get(st["parts"][0]["name"], {}).get("eval_accuracy")
-            message = (f"✓ **Reward model eval done**: {n_rows} pairs"
-                       + (f", pairwise accuracy {acc:.3f}" if isinstance(acc, (int, float)) else "")
-                       + f", results in `{Path(st['parts'][0]['dir']).parent}`")
+            acc = tr(lang, "eval.rm_accuracy", acc=f"{acc:.3f}") if isinstance(acc, (int, float)) else ""
+            message = tr(lang, "eval.rm_done", n=n_rows, acc=acc, dir=where)
     total = max((len(v) for v in st["rows"].values()), default=0)
     bar = tools.progress_html(state, total if state == "completed" else 0, total or None,
                               " + ".join(p["name"] for p in st["parts"]), lang)
@@ -523,13 +532,13 @@ def wire(c: dict, top: dict) -> None:
     c["compare_adapter"].focus(lambda: gr.update(choices=choices.adapter_pairs()), None, [c["compare_adapter"]],
                                show_progress="hidden")
 
-    def on_abort(st):
-        """Stops the running eval process (and any part still to come). Inputs: state. Outputs: message,
-        state."""
-        st, message = abort(st)
+    def on_abort(st, lang):
+        """Stops the running eval process (and any part still to come). Inputs: state, language. Outputs:
+        message, state."""
+        st, message = abort(st, lang)
         return message, st
 
-    c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
+    c["abort"].click(on_abort, [c["state"], top["lang"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], c["worst_first"], top["lang"]], view, show_progress="hidden")
 
     def pick_row(st, evt: gr.SelectData):

@@ -18,7 +18,7 @@ import pandas as pd
 from backend import allowed, paths
 from backend.spec import SpecError, validate_spec
 from webui import jobs, tools
-from webui.i18n import headers, refusal
+from webui.i18n import headers, refusal, tr
 from webui.tailer import FileTail
 
 TICK_S = 1.0
@@ -82,13 +82,12 @@ def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, boo
     """Validate (export_dir under the allowed roots, model / adapter as backend.allowed says), then launch
     `tuneboard export`. Returns (state, message, started)."""
     if tools.alive((st or {}).get("job")):
-        return st, "An export is already running in this tab: wait for it or abort it.", False
+        return st, tr(lang, "msg.export_running"), False
     refused = allowed.spec_refusals(flat)
     if refused:
         return st, "  \n".join(refusal(lang, exc) for exc in refused), False
     if flat.get("finetuning_type") in ("lora", "oft") and not flat.get("adapter_name_or_path"):
-        return st, ("⛔ Pick the adapter to merge in the top bar (**Adapter / checkpoint**); "
-                    "or set the method to *full* to re-export a model as it is."), False
+        return st, tr(lang, "msg.export_no_adapter"), False
     try:
         spec = validate_spec(flat)
     except SpecError as exc:
@@ -96,7 +95,7 @@ def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, boo
     job = tools.new_job_dir("export")
     tools.start("export", job, spec.to_yaml(include_defaults=False))
     st = {"job": str(job), "export_dir": str(spec.export_dir), "log": None, "lines": []}
-    return st, f"Exporting to `{spec.export_dir}`…", True
+    return st, tr(lang, "msg.exporting", dir=spec.export_dir), True
 
 
 def attach(job_dir: str | None) -> dict:
@@ -108,19 +107,19 @@ def attach(job_dir: str | None) -> dict:
     return {"job": str(job_dir), "export_dir": str(spec.get("export_dir") or ""), "log": None, "lines": []}
 
 
-def attached_message(st: dict) -> str:
-    return f"Export to `{st.get('export_dir')}` (picked up again after a reload)."
+def attached_message(st: dict, lang: str = "en") -> str:
+    return tr(lang, "msg.export_attached", dir=st.get("export_dir"))
 
 
-def abort(st: dict) -> tuple[dict, str]:
+def abort(st: dict, lang: str = "en") -> tuple[dict, str]:
     """Kills the export's process group (SIGTERM, then SIGKILL) and leaves the ABORTED marker in the job
     folder. Returns (state, message)."""
     job = (st or {}).get("job")
     if tools.stop(job):
         tools.mark_aborted(job)
         st["aborted"] = True
-        return st, "Stopping the export…"
-    return st, "No export is running."
+        return st, tr(lang, "msg.export_stopping")
+    return st, tr(lang, "msg.export_none")
 
 
 def poll(st: dict, lang: str = "en") -> tuple:
@@ -144,7 +143,8 @@ def poll(st: dict, lang: str = "en") -> tuple:
     else:
         state = outcome or ("aborted" if aborted else "failed")
         k = n if outcome == "passed" else k
-    bar = tools.progress_html(state, k, n, f"step {k}/{n}: {step}" if step else "starting…", lang)
+    bar = tools.progress_html(state, k, n, tr(lang, "msg.export_step", k=k, n=n, step=step) if step
+                              else tr(lang, "msg.export_starting"), lang)
     log = "\n".join(st["lines"])
     if running:
         return st, bar, "", gr.skip(), log, gr.Timer(active=True)
@@ -155,17 +155,17 @@ def poll(st: dict, lang: str = "en") -> tuple:
     elif outcome == "failed":
         result = f"✗ **{line}**"
     elif aborted:
-        result = "■ **Export aborted.**"
+        result = tr(lang, "msg.export_aborted")
     else:
-        result = "✗ **The export process ended without a result**: see the log."
+        result = tr(lang, "msg.export_no_result")
     for w in report.get("warnings") or []:
         result += f"\n\n⚠ {w}"
     return st, bar, result, headers(lang, pd.DataFrame(rows, columns=CHECK_COLUMNS)), log, gr.Timer(active=False)
 
 
-def ended_message(st: dict) -> str:
+def ended_message(st: dict, lang: str = "en") -> str:
     """The message line once the export has ended (the result line below says how)."""
-    return f"Export to `{st.get('export_dir')}` ended: the result and its checks are below."
+    return tr(lang, "msg.export_ended", dir=st.get("export_dir"))
 
 
 def wire(c: dict, top: dict) -> None:
@@ -181,23 +181,24 @@ def wire(c: dict, top: dict) -> None:
         st, message, started = start_export(st, export_flat(*values), lang)
         if not started:
             return message, st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return (message, st, tools.progress_html("starting", 0, 6, "starting…"), "", empty_checks(), "",
+        return (message, st, tools.progress_html("starting", 0, 6, tr(lang, "msg.export_starting"), lang), "",
+                headers(lang, empty_checks()), "",
                 gr.Timer(active=True))
 
     c["start"].click(on_start, [c["state"], top["lang"], *inputs], [c["message"], *view], api_name="export_start")
 
-    def on_abort(st):
-        """Kills the export's process group (SIGTERM, then SIGKILL). Inputs: state. Outputs: message,
-        state."""
-        st, message = abort(st)
+    def on_abort(st, lang):
+        """Kills the export's process group (SIGTERM, then SIGKILL). Inputs: state, language. Outputs:
+        message, state."""
+        st, message = abort(st, lang)
         return message, st
 
-    c["abort"].click(on_abort, [c["state"]], [c["message"], c["state"]])
+    c["abort"].click(on_abort, [c["state"], top["lang"]], [c["message"], c["state"]])
     def tick(st, lang):
         """poll(), and the message line cleared once the export has ended ("Exporting to ..." / "Stopping
         ..." are not left on screen next to the result). Inputs: state. Outputs: the view, message."""
         out = poll(st, lang)
         ended = bool((st or {}).get("job")) and not tools.alive(st["job"])
-        return (*out, ended_message(st) if ended else gr.skip())
+        return (*out, ended_message(st, lang) if ended else gr.skip())
 
     c["timer"].tick(tick, [c["state"], top["lang"]], [*view, c["message"]], show_progress="hidden")

@@ -15,7 +15,7 @@ from backend.rundir import LOG_FILE
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live
-from webui.i18n import headers
+from webui.i18n import headers, tr
 from webui.tabs import train as train_tab
 from webui.tailer import JsonlTail, last_value
 
@@ -143,14 +143,14 @@ def overlay_metrics(run_dirs: list[str]) -> list[str]:
     return list(keys)
 
 
-def diff_md(a: str | None, b: str | None) -> str:
+def diff_md(a: str | None, b: str | None, lang: str = "en") -> str:
     """Keys whose values differ between two runs' run_spec.yaml (everything else is equal)."""
     if not a or not b:
-        return "Pick two runs to compare."
+        return tr(lang, "runs.pick_two")
     sa, sb = jobs.read_spec_dict(Path(a)), jobs.read_spec_dict(Path(b))
     keys = [k for k in dict.fromkeys(list(sa) + list(sb)) if sa.get(k) != sb.get(k)]
     if not keys:
-        return "The two specs are identical."
+        return tr(lang, "runs.identical")
     lines = ["| key | A | B |", "|---|---|---|"]
     lines += [f"| `{k}` | {sa.get(k, '–')} | {sb.get(k, '–')} |" for k in keys]
     return "\n".join(lines)
@@ -159,63 +159,65 @@ def diff_md(a: str | None, b: str | None) -> str:
 # ------------------------------------------------------------------ actions (pure of Gradio, tested directly)
 
 def relaunch_run(run_dir: str | None, extra_steps: int | None = None, root: Path | None = None,
-                 command=jobs.train_argv) -> tuple[bool, str]:
+                 command=jobs.train_argv, lang: str = "en") -> tuple[bool, str]:
     """Resume a run from its newest checkpoint-N, optionally for `extra_steps` more steps, through the
     queue (it waits there like any Start while another run holds the slot). Returns (accepted, message)."""
     if not run_dir:
-        return False, "Pick a run."
+        return False, tr(lang, "runs.pick")
     rs = jobs.run_state(run_dir)
     if rs.active:
-        return False, "That run is still running."
+        return False, tr(lang, "runs.still_running")
     q = jobs.JobQueue(root, command=command)
     if any(e.run_dir == str(run_dir) for e in q.entries()):
-        return False, "That run is already waiting in the queue."
+        return False, tr(lang, "runs.already_queued")
     if not any(Path(run_dir).glob("checkpoint-*")):
-        return False, "No checkpoint-N in that run to resume from."
+        return False, tr(lang, "runs.no_checkpoint")
     overrides: dict = {"resume_from_checkpoint": True}
     if extra_steps:
         done = int(rs.status.get("step") or 0)
         overrides["max_steps"] = done + int(extra_steps)
     spec_text = (Path(run_dir) / jobs.SPEC_FILE).read_text(encoding="utf-8")
     how, _ = jobs.start_or_queue(spec_text, run_dir, root=root, command=command, overrides=overrides)
-    what = f"for {int(extra_steps)} more steps (to step {overrides['max_steps']})" if extra_steps else \
-        "from its last checkpoint"
+    what = tr(lang, "runs.more_steps", n=int(extra_steps), to=overrides["max_steps"]) if extra_steps else \
+        tr(lang, "runs.from_last")
     if how == "started":
-        return True, f"Resumed `{Path(run_dir).name}` {what}."
-    return True, f"Queued the resume of `{Path(run_dir).name}` {what}: it starts when a running job finishes."
+        return True, tr(lang, "runs.resumed", name=Path(run_dir).name, what=what)
+    return True, tr(lang, "runs.resume_queued", name=Path(run_dir).name, what=what)
 
 
-def delete_run(run_dir: str | None, confirmed: bool, root: Path | None = None) -> tuple[bool, str]:
+def delete_run(run_dir: str | None, confirmed: bool, root: Path | None = None,
+               lang: str = "en") -> tuple[bool, str]:
     """Delete a run dir: only with the confirmation ticked, never a live or queued run, never outside
     the saves folder. Returns (deleted, message)."""
     if not run_dir:
-        return False, "Pick a run."
+        return False, tr(lang, "runs.pick")
     if not confirmed:
-        return False, "Tick “I am sure” to delete."
+        return False, tr(lang, "runs.tick_sure")
     if jobs.run_state(run_dir).active:
-        return False, "Abort the run before deleting it."
+        return False, tr(lang, "runs.abort_first")
     root = Path(root or paths.saves_dir()).resolve()
     target = Path(run_dir).resolve()
     if root not in target.parents:
-        return False, "Only run dirs under the saves folder can be deleted here."
+        return False, tr(lang, "runs.only_saves")
     q = jobs.JobQueue(root)
     for e in q.entries():
         if Path(e.run_dir).resolve() == target:
             q.remove(e.id)
     shutil.rmtree(target, ignore_errors=False)
-    return True, f"Deleted `{_rel(run_dir, root)}`."
+    return True, tr(lang, "runs.deleted", name=_rel(run_dir, root))
 
 
-def clone_spec(run_dir: str | None):
+def clone_spec(run_dir: str | None, lang: str = "en"):
     """A run's spec for the Train form: same settings, fresh output_dir, no resume. Returns (spec, message);
     spec is None when the run cannot be cloned."""
     if not run_dir:
-        return None, "Pick a run."
+        return None, tr(lang, "runs.pick")
     try:
         spec = load_spec(Path(run_dir) / jobs.SPEC_FILE, check_files=False)
     except (SpecError, OSError) as exc:
-        return None, f"Cannot clone: {exc}"
-    return spec.model_copy(update={"output_dir": None, "resume_from_checkpoint": None}), "Cloned into the Train form."
+        return None, tr(lang, "runs.cannot_clone", error=exc)
+    return (spec.model_copy(update={"output_dir": None, "resume_from_checkpoint": None}),
+            tr(lang, "runs.cloned"))
 
 
 # The SFT -> DPO chain: the bundled ranking dataset a "Continue with DPO" starts from (any other ranking
@@ -223,26 +225,25 @@ def clone_spec(run_dir: str | None):
 DPO_DATASET = "dpo_en_demo"
 
 
-def continue_dpo_spec(run_dir: str | None):
+def continue_dpo_spec(run_dir: str | None, lang: str = "en"):
     """The Train form's spec for DPO on top of a finished SFT LoRA run: the run's settings, stage dpo, a
     ranking dataset, adapter_name_or_path = the run (its adapter is trained further), a fresh output_dir.
     Returns (spec, message); spec is None when the run cannot be continued this way."""
     if not run_dir:
-        return None, "Pick a run."
+        return None, tr(lang, "runs.pick")
     try:
         spec = load_spec(Path(run_dir) / jobs.SPEC_FILE, check_files=False)
     except (SpecError, OSError) as exc:
-        return None, f"Cannot continue: {exc}"
+        return None, tr(lang, "runs.cannot_continue", error=exc)
     if spec.stage != "sft":
-        return None, f"Continue with DPO starts from an SFT run; this one is stage {spec.stage}."
+        return None, tr(lang, "runs.dpo_needs_sft", stage=spec.stage)
     if spec.finetuning_type != "lora":
-        return None, (f"Continue with DPO needs a LoRA run (its adapter is trained further); this one is "
-                      f"{spec.finetuning_type}.")
+        return None, tr(lang, "runs.dpo_needs_lora", method=spec.finetuning_type)
     state = jobs.run_state(run_dir).state
     if state != "completed":
-        return None, f"The run has not completed (it is {state}): continue from a finished run."
+        return None, tr(lang, "runs.not_completed", state=state)
     if not (Path(run_dir) / "adapter_config.json").exists():
-        return None, "The run folder holds no adapter (adapter_config.json)."
+        return None, tr(lang, "runs.no_adapter")
     flat = spec.flat_dict(include_defaults=False)
     flat.update(stage="dpo", dataset=DPO_DATASET, adapter_name_or_path=str(run_dir))
     # eval_dataset: an SFT evaluation set is no ranking data, DPO cannot score it
@@ -251,9 +252,8 @@ def continue_dpo_spec(run_dir: str | None):
     try:
         spec = validate_spec(flat, check_files=False)
     except SpecError as exc:
-        return None, f"Cannot continue: {exc}"
-    return spec, (f"DPO on top of `{Path(run_dir).name}` is in the Train form (dataset {DPO_DATASET}): "
-                  "check it and press Start.")
+        return None, tr(lang, "runs.cannot_continue", error=exc)
+    return spec, tr(lang, "runs.dpo_ready", name=Path(run_dir).name, dataset=DPO_DATASET)
 
 
 def build(reg) -> dict:
@@ -334,19 +334,19 @@ def wire(c: dict, state, train: dict, tabs) -> None:
     c["metric"].input(draw_overlay, [c["select"], c["metric"]], [c["overlay"]]).then(
         overlay_legend, [c["select"], c["metric"]], [c["overlay"]], show_progress="hidden")
     for dd in (c["diff_a"], c["diff_b"]):
-        dd.change(diff_md, [c["diff_a"], c["diff_b"]], [c["diff"]])
+        dd.change(diff_md, [c["diff_a"], c["diff_b"], lang], [c["diff"]])
     c["max_concurrent"].change(lambda n: jobs.JobQueue().set_max_concurrent(int(n or 1)), [c["max_concurrent"]],
                                None)
 
-    def open_run(run_dir):
+    def open_run(run_dir, lang):
         """Attach the Train tab's live view to a run. Outputs: state, timer, tabs, message."""
         if not run_dir:
-            return gr.skip(), gr.skip(), gr.skip(), "Pick a run."
+            return gr.skip(), gr.skip(), gr.skip(), tr(lang, "runs.pick")
         return train_tab.attach(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), ""
 
-    c["open"].click(open_run, [c["target"]], [state, train["timer"], tabs, c["message"]])
+    c["open"].click(open_run, [c["target"], lang], [state, train["timer"], tabs, c["message"]])
 
-    def pick_row(status, model, evt: gr.SelectData):
+    def pick_row(status, model, lang, evt: gr.SelectData):
         """A click on a table row picks that run for the actions. Inputs: filters (+ the click).
         Outputs: run picker, message."""
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else None
@@ -354,20 +354,21 @@ def wire(c: dict, state, train: dict, tabs) -> None:
         run_dir = run_at(name, row, status, model)
         if run_dir is None:
             return gr.skip(), gr.skip()
-        return run_dir, f"Picked `{_rel(run_dir, paths.saves_dir())}`: open, resume, clone or delete it below."
+        return run_dir, tr(lang, "runs.picked", name=_rel(run_dir, paths.saves_dir()))
 
-    c["table"].select(pick_row, [c["status"], c["model"]], [c["target"], c["message"]])
+    c["table"].select(pick_row, [c["status"], c["model"], lang], [c["target"], c["message"]])
 
-    def relaunch(run_dir, extra_steps=None):
+    def relaunch(run_dir, extra_steps=None, lang="en"):
         """Resume (from the newest checkpoint-N), optionally for N more steps, via the queue.
         Outputs: state, timer, tabs, message."""
-        ok, message = relaunch_run(run_dir, extra_steps)
+        ok, message = relaunch_run(run_dir, extra_steps, lang=lang)
         if not ok:
             return gr.skip(), gr.skip(), gr.skip(), message
         return train_tab.attach(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), message
 
-    c["resume"].click(lambda d: relaunch(d), [c["target"]], [state, train["timer"], tabs, c["message"]])
-    c["continue"].click(lambda d, n: relaunch(d, n or 1), [c["target"], c["continue_n"]],
+    c["resume"].click(lambda d, lg: relaunch(d, lang=lg), [c["target"], lang],
+                      [state, train["timer"], tabs, c["message"]])
+    c["continue"].click(lambda d, n, lg: relaunch(d, n or 1, lg), [c["target"], c["continue_n"], lang],
                         [state, train["timer"], tabs, c["message"]])
 
     top = train["top"]
@@ -375,30 +376,30 @@ def wire(c: dict, state, train: dict, tabs) -> None:
     inputs = [top[n] for n in top_names] + [top["booster"], train["extra_args"]] + \
              [train["fields"][n] for n in train["names"]]
 
-    def clone(run_dir):
+    def clone(run_dir, lang):
         """Load a run's spec into the Train form (with a fresh output_dir). Outputs: message, tabs, inputs."""
-        spec, message = clone_spec(run_dir)
+        spec, message = clone_spec(run_dir, lang)
         if spec is None:
             return (message, gr.skip(), *([gr.skip()] * len(inputs)))
         return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
 
-    c["clone"].click(clone, [c["target"]], [c["message"], tabs, *inputs])
+    c["clone"].click(clone, [c["target"], lang], [c["message"], tabs, *inputs])
 
-    def continue_dpo(run_dir):
+    def continue_dpo(run_dir, lang):
         """Put DPO on top of a finished SFT LoRA run into the Train form (stage dpo, a ranking dataset, the
         run as adapter_name_or_path). Outputs: message, tabs, inputs."""
-        spec, message = continue_dpo_spec(run_dir)
+        spec, message = continue_dpo_spec(run_dir, lang)
         if spec is None:
             return (message, gr.skip(), *([gr.skip()] * len(inputs)))
         return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
 
-    c["continue_dpo"].click(continue_dpo, [c["target"]], [c["message"], tabs, *inputs])
+    c["continue_dpo"].click(continue_dpo, [c["target"], lang], [c["message"], tabs, *inputs])
 
-    def delete(run_dir, confirmed, status, model):
+    def delete(run_dir, confirmed, status, model, lang):
         """Delete a run dir (only with the confirmation box ticked, never a live run). Outputs: message,
         confirm box, table, pickers."""
-        deleted, message = delete_run(run_dir, confirmed)
-        return (message, False if deleted or confirmed else gr.skip(), *refresh(status, model))
+        deleted, message = delete_run(run_dir, confirmed, lang=lang)
+        return (message, False if deleted or confirmed else gr.skip(), *refresh(status, model, lang))
 
-    c["delete"].click(delete, [c["target"], c["delete_confirm"], c["status"], c["model"]],
+    c["delete"].click(delete, [c["target"], c["delete_confirm"], c["status"], c["model"], lang],
                       [c["message"], c["delete_confirm"], c["table"], *pickers])

@@ -201,8 +201,8 @@ def error_updates(errors: list[tuple[str, str]], all_names: list[str], lang: str
     return out
 
 
-def errors_md(errors: list[tuple[str, str]]) -> str:
-    return "**Fix these before starting:**\n\n" + "\n".join(f"- `{f}`: {m}" for f, m in errors)
+def errors_md(errors: list[tuple[str, str]], lang: str = "en") -> str:
+    return f"**{tr(lang, 'msg.fix_these')}**\n\n" + "\n".join(f"- `{f}`: {m}" for f, m in errors)
 
 
 def preview_of(spec) -> tuple[str, str]:
@@ -262,7 +262,7 @@ def ended_message(run_dir: str, state: str, status: dict, lang: str = "en") -> s
         return tr(lang, "msg.aborted", name=name, at=at, kept=kept)
     if state.startswith("failed"):
         return tr(lang, "msg.failed", name=name, state=live.state_word(state, lang),
-                  error=status.get("error") or "see the log")
+                  error=status.get("error") or tr(lang, "msg.see_log"))
     return ""
 
 
@@ -433,7 +433,7 @@ def wire(c: dict, state) -> None:
         spec, errors = check(flat, pre, lang)
         pf = preflight.summary_md(flat)
         if errors:
-            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names, lang),
+            return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
                     gr.skip(), gr.skip(), gr.skip(), pf)
         cmd, text = preview_of(spec)
         return (gr.update(value="", visible=False), *error_updates([], all_names, lang), cmd, text,
@@ -457,7 +457,7 @@ def wire(c: dict, state) -> None:
         run_spec.yaml written into the new run dir. Outputs: errors, per-field errors, message, live view."""
         flat, pre = collect(names, top_names, list(values))
         spec, errors = check(flat, pre, lang)
-        refused = (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names, lang),
+        refused = (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
                    st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         if errors:
             return refused
@@ -467,7 +467,7 @@ def wire(c: dict, state) -> None:
         if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
             errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
                                      "empty for a new one)")]
-            return (gr.update(value=errors_md(errors), visible=True), *error_updates(errors, all_names, lang),
+            return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
                     st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
         msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))

@@ -257,3 +257,15 @@ def test_a_refused_connection_is_retried_then_named(flat):
     with pytest.raises(DistillError, match=rf"cannot connect to http://127.0.0.1:{port}/v1.*\(after 2 attempts\)"):
         generate(flat)
     assert "retry 1/1" in (Path(flat["output_dir"]) / "running_log.txt").read_text()
+
+
+def test_the_key_can_come_from_a_file(flat, teacher, tmp_path, monkeypatch):
+    monkeypatch.delenv("FAKE_TEACHER_KEY")
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "teacher.key").write_text(KEY + "\n")
+    flat.update(teacher_api_key_file=str(tmp_path / "secrets" / "teacher.key"), eval_ratio=0.0)
+    code, out = generate(flat)
+    assert code == 0 and teacher.requests[0]["headers"]["Authorization"] == f"Bearer {KEY}"
+    written = validate_distill(flat).to_yaml()  # what `tuneboard distill` writes as distill_spec.yaml
+    assert "teacher.key" in written and KEY not in written  # the path, never the key
+    no_key_under(out, tmp_path / "data")

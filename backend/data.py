@@ -520,7 +520,7 @@ def _conversation(items: Any, spec: _Spec, stage: str) -> tuple[list[dict], str 
         if not isinstance(item, dict):
             raise RowError(f"turn {i} is not an object with '{role_key}' and '{content_key}'")
         role = item.get(role_key)
-        if role not in kinds:
+        if not isinstance(role, str) or role not in kinds:
             raise RowError(f"turn {i}: unknown role {role!r} in '{role_key}' (expected one of {', '.join(map(repr, kinds))})")
         kind = kinds[role]
         content = item.get(content_key)

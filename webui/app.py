@@ -20,7 +20,7 @@ import gradio as gr  # noqa: E402
 from backend import allowed, paths  # noqa: E402
 from webui import choices, jobs, tools  # noqa: E402
 from webui import fields as F  # noqa: E402
-from webui.i18n import LANG_NAMES, LANGS  # noqa: E402
+from webui.i18n import LANG_NAMES, LANGS, tr  # noqa: E402
 from webui.tabs import chat as chat_tab  # noqa: E402
 from webui.tabs import data as data_tab  # noqa: E402
 from webui.tabs import distill as distill_tab  # noqa: E402
@@ -75,30 +75,31 @@ def build_topbar(reg: Registry) -> dict:
 
 
 def wire_topbar(top: dict) -> None:
-    def on_model(model):
+    def on_model(model, lang="en"):
         """Picking a known model sets its template and warns about a chat template on a base model.
-        Inputs: model. Outputs: template, note."""
+        Inputs: model, language. Outputs: template, note."""
         info = choices.model_info(model)
         if info is None:
             return gr.skip(), ""
         if not info["instruct"]:
-            return "default", (f"`{model}` is a base model: its template is set to `default`; a chat template "
-                               "on a base model teaches it a format it has never seen.")
+            return "default", tr(lang, "top.base_model", model=model)
         return "auto", ""
 
     # .input, not .change: a spec loaded into the form (clone, reload) keeps its own template
-    top["model_name_or_path"].input(on_model, [top["model_name_or_path"]], [top["template"], top["note"]])
+    top["model_name_or_path"].input(on_model, [top["model_name_or_path"], top["lang"]],
+                                    [top["template"], top["note"]])
 
-    def on_template(model, template):
-        """Warns when a chat template is put on a base model. Inputs: model, template. Outputs: note."""
+    def on_template(model, template, lang="en"):
+        """Warns when a chat template is put on a base model. Inputs: model, template, language. Outputs:
+        note."""
         info = choices.model_info(model)
         if info and not info["instruct"] and template not in ("default", "empty", "auto"):
-            return f"⚠ `{template}` is a chat template and `{model}` is a base model."
+            return tr(lang, "top.chat_on_base", template=template, model=model)
         return ""
 
-    top["template"].change(on_template, [top["model_name_or_path"], top["template"]], [top["note"]])
+    top["template"].change(on_template, [top["model_name_or_path"], top["template"], top["lang"]], [top["note"]])
     # The adapter list changes as runs finish: re-list on the button (and on every tab switch, in create_app).
-    top["adapter_refresh"].click(train_tab.adapter_picker_update, None, [top["adapter_name_or_path"]],
+    top["adapter_refresh"].click(train_tab.adapter_picker_update, [top["lang"]], [top["adapter_name_or_path"]],
                                  show_progress="hidden")
 
 
@@ -136,7 +137,11 @@ def create_app() -> gr.Blocks:
         comps = reg.components()
         top["lang"].change(lambda lang: reg.relabel(lang), [top["lang"]], comps, show_progress="hidden")
 
-        tabs.select(train_tab.adapter_picker_update, None, [top["adapter_name_or_path"]], show_progress="hidden")
+        tabs.select(train_tab.adapter_picker_update, [top["lang"]], [top["adapter_name_or_path"]],
+                    show_progress="hidden")
+        # after the relabel (which leaves the picker's run names alone): its "none" choice in the new language
+        top["lang"].change(train_tab.adapter_picker_update, [top["lang"]], [top["adapter_name_or_path"]],
+                           show_progress="hidden")
 
         def on_load(st, export_st, eval_st):
             """Re-attach to the newest live run (page reload or UI restart), and the Export and Evaluate tabs

@@ -58,7 +58,7 @@ def adapter_choices(root: Path | None = None) -> list[str]:
     return out
 
 
-NO_ADAPTER = "— none: the base model —"
+NO_ADAPTER = "— none: the base model —"  # locale key choice.no_adapter
 
 
 def adapter_label(run_dir: Path, checkpoint: str | None = None) -> str:
@@ -85,9 +85,12 @@ def adapter_label(run_dir: Path, checkpoint: str | None = None) -> str:
     return " · ".join(parts)
 
 
-def adapter_pairs(root: Path | None = None) -> list[tuple[str, str]]:
-    """(label, path) of every adapter and checkpoint-N folder (newest run first), after a "none" choice."""
-    pairs, seen = [(NO_ADAPTER, "")], set()
+def adapter_pairs(root: Path | None = None, lang: str = "en") -> list[tuple[str, str]]:
+    """(label, path) of every adapter and checkpoint-N folder (newest run first), after a "none" choice (in
+    `lang`)."""
+    from webui.i18n import tr
+
+    pairs, seen = [(tr(lang, "choice.no_adapter"), "")], set()
     for path in adapter_choices(root):
         p = Path(path)
         run = p.parent if p.name.startswith(CHECKPOINT_PREFIX) else p

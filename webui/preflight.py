@@ -12,6 +12,7 @@ import psutil
 from backend import launch
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import get_stage, uses_reference
+from webui.i18n import tr
 
 KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
 # The spec fields the estimate reads: the Train tab refreshes it when one of them changes.
@@ -119,24 +120,23 @@ def estimate(flat: dict) -> dict:
             "available": psutil.virtual_memory().available, "machine": psutil.virtual_memory().total}
 
 
-def summary_md(flat: dict) -> str:
+def summary_md(flat: dict, lang: str = "en") -> str:
     e = estimate(flat)
     if not e["known"]:
-        return "Memory estimate: unknown model size (name has no size such as 7B or 135M)."
+        return tr(lang, "pf.unknown")
     gib = 1024 ** 3
     fits = e["total"] < e["available"]
     cls = "tb-mem-ok" if fits else "tb-mem-warn"
-    verdict = "fits" if fits else "⚠ will likely NOT fit in free memory"
-    extra = f', reference model copy {e["reference"] / gib:.1f}' if e["reference"] else ""
-    pairs = " for chosen + rejected" if e["pairs"] else ""
+    verdict = tr(lang, "pf.fits" if fits else "pf.not_fit")
+    extra = tr(lang, "pf.reference", gib=f'{e["reference"] / gib:.1f}') if e["reference"] else ""
+    pairs = tr(lang, "pf.pairs") if e["pairs"] else ""
     split = ""
     if e["world"] > 1:
-        what = {None: "DDP: every process holds a full copy", 0: "ZeRO-0: every process holds a full copy",
-                1: "ZeRO-1 shards the optimizer state", 2: "ZeRO-2 shards gradients and optimizer state",
-                3: "ZeRO-3 shards weights, gradients and optimizer state"}.get(e["zero_stage"], "")
-        split = (f'; {e["per_process"] / gib:.1f} GiB per process x {e["processes"]} here, {e["world"]} processes '
-                 f'in all ({what})')
-    return (f'<span class="{cls}">Memory estimate: <b>{e["total"] / gib:.1f} GiB</b> '
-            f'({e["params"] / 1e6:.0f}M params: weights {e["weights"] / gib:.1f}, trainable state '
-            f'{e["state"] / gib:.1f}, activations {e["activations"] / gib:.1f}{pairs}{extra}{split}) — '
-            f'{e["available"] / gib:.1f} GiB free of {e["machine"] / gib:.1f}: {verdict}</span>')
+        what = {None: "pf.ddp", 0: "pf.zero0", 1: "pf.zero1", 2: "pf.zero2", 3: "pf.zero3"}.get(e["zero_stage"])
+        split = tr(lang, "pf.split", gib=f'{e["per_process"] / gib:.1f}', here=e["processes"], world=e["world"],
+                   what=tr(lang, what) if what else "")
+    text = tr(lang, "pf.estimate", total=f'{e["total"] / gib:.1f}', params=f'{e["params"] / 1e6:.0f}',
+              weights=f'{e["weights"] / gib:.1f}', state=f'{e["state"] / gib:.1f}',
+              acts=f'{e["activations"] / gib:.1f}', more=pairs + extra + split,
+              free=f'{e["available"] / gib:.1f}', machine=f'{e["machine"] / gib:.1f}', verdict=verdict)
+    return f'<span class="{cls}">{text}</span>'

@@ -179,3 +179,20 @@ def test_tab_messages_follow_the_language(tmp_path):
         (False, "请勾选“我确定”后再删除。")
     assert runs.diff_md(None, None, "de") == "Wählen Sie zwei Läufe zum Vergleichen."
     assert runs.clone_spec(None, "ja")[1] == "実行を選んでください。"
+
+
+def test_preflight_and_adapter_picker_follow_the_language(tmp_path):
+    """The Train tab's memory pre-flight and the adapter picker's 'none' choice are in the page's language."""
+    from webui import choices, preflight
+    from webui.tabs import train
+
+    base = {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "finetuning_type": "lora",
+            "cutoff_len": 128, "per_device_train_batch_size": 1}
+    zh = preflight.summary_md(dict(base, nproc_per_node=2, deepspeed="examples/deepspeed/ds_z3_config.json"), "zh")
+    assert zh.startswith('<span class="tb-mem-') and "内存估算：<b>" in zh and "ZeRO-3 切分权重" in zh
+    assert "Memory" not in zh
+    assert preflight.summary_md(dict(base, model_name_or_path="/x/no-size"), "de").startswith("Speicherschätzung")
+    assert choices.adapter_pairs(tmp_path, lang="ja")[0] == ("— なし：ベースモデル —", "")
+    assert choices.adapter_pairs(tmp_path)[0] == (choices.NO_ADAPTER, "")
+    assert train.adapter_picker_update("ko")["choices"][0][0] == "— 없음: 기본 모델 —"
+    assert train.errors_md([("cutoff_len", "x")], "fr").startswith("**À corriger avant de démarrer :**")

@@ -338,7 +338,7 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
         final += f"\n\n_{tail.malformed} malformed log line(s) skipped_"
     png = Path(run_dir) / "training_loss.png"
     image = gr.update(value=str(png), visible=True) if done and png.exists() else gr.update(visible=False)
-    adapters = adapter_picker_update() if done else gr.skip()
+    adapters = adapter_picker_update(lang) if done else gr.skip()
     message = gr.skip()
     if done and st.get("announced") != state:  # once per end: the message says how the run ended
         st["announced"] = state
@@ -368,11 +368,12 @@ def legend_updates(st: dict, plot_keys: list[str]) -> list:
     return out
 
 
-def adapter_picker_update():
-    """Fresh choices for the top bar's adapter / checkpoint picker (the value is kept)."""
+def adapter_picker_update(lang: str = "en"):
+    """Fresh choices for the top bar's adapter / checkpoint picker (the value is kept), its "none" choice in
+    `lang`."""
     from webui import choices
 
-    return gr.update(choices=choices.adapter_pairs())
+    return gr.update(choices=choices.adapter_pairs(lang=lang))
 
 
 def _run_name(run_dir: str) -> str:
@@ -431,7 +432,7 @@ def wire(c: dict, state) -> None:
         command, YAML, preview accordion, pre-flight."""
         flat, pre = collect(names, top_names, list(values))
         spec, errors = check(flat, pre, lang)
-        pf = preflight.summary_md(flat)
+        pf = preflight.summary_md(flat, lang)
         if errors:
             return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
                     gr.skip(), gr.skip(), gr.skip(), pf)
@@ -442,15 +443,16 @@ def wire(c: dict, state) -> None:
     c["preview"].click(do_preview, [top["lang"], *inputs], [c["errors"], *field_comps, c["preview_cmd"], c["preview_yaml"],
                                             c["preview_acc"], c["preflight"]])
 
-    def refresh_preflight(*values):
-        """Inputs: top bar, booster, extra args, form. Outputs: the pre-flight memory estimate."""
+    def refresh_preflight(lang, *values):
+        """Inputs: language, top bar, booster, extra args, form. Outputs: the pre-flight memory estimate."""
         flat, _ = collect(names, top_names, list(values))
-        return preflight.summary_md(flat)
+        return preflight.summary_md(flat, lang)
 
     for name in preflight.FIELDS:
         comp = top.get(name) if name in top_names else c["fields"].get(name)
         if comp is not None:
-            comp.change(refresh_preflight, inputs, [c["preflight"]], show_progress="hidden")
+            comp.change(refresh_preflight, [top["lang"], *inputs], [c["preflight"]], show_progress="hidden")
+    top["lang"].change(refresh_preflight, [top["lang"], *inputs], [c["preflight"]], show_progress="hidden")
 
     def do_start(st, log_scale, lang, *values):
         """Inputs: state, log-scale, form. Validates first; launches (or queues) `tuneboard train` with

@@ -196,3 +196,19 @@ def test_preflight_and_adapter_picker_follow_the_language(tmp_path):
     assert choices.adapter_pairs(tmp_path)[0] == (choices.NO_ADAPTER, "")
     assert train.adapter_picker_update("ko")["choices"][0][0] == "— 없음: 기본 모델 —"
     assert train.errors_md([("cutoff_len", "x")], "fr").startswith("**À corriger avant de démarrer :**")
+
+
+def test_eval_row_detail_follows_the_language():
+    """A clicked Evaluate row in full: its headings in the page's language, the texts themselves as they are."""
+    from webui.tabs import evaluate
+
+    prompt = "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n"
+    st = evaluate.new_state()
+    st["parts"] = [{"name": "tuned", "dir": "t"}]
+    st["rows"] = {"tuned": [{"index": 0, "prompt": prompt, "label": "TuneBoard", "predict": "I am TuneBoard",
+                             "rouge-l": 50.0, "exact_match": True, "source": "identity", "row": 3}]}
+    zh = evaluate.row_detail(st, 0, "zh")
+    for text in ("第 0 行 · identity 第 3 行", "<b>问题</b>", "完整提示词（按模板渲染）", "<b>参考答案</b>", "完全匹配 ✓",
+                 "Who are you?", "I am TuneBoard"):
+        assert text in zh, text
+    assert "Question" not in zh and "exact match ✓" in evaluate.row_detail(st, 0)

@@ -391,7 +391,7 @@ def pair_frame(st: dict, worst_first: bool) -> pd.DataFrame:
     return pd.DataFrame(out, columns=PAIR_COLUMNS)
 
 
-def pair_detail(st: dict, index) -> str:
+def pair_detail(st: dict, index, lang: str = "en") -> str:
     """One scored pair in full: the question, each answer with its score, the margin."""
     parts = (st or {}).get("parts") or []
     rows = {r.get("index"): r for r in (st.get("rows") or {}).get(parts[0]["name"], [])} if parts else {}
@@ -399,40 +399,41 @@ def pair_detail(st: dict, index) -> str:
     if r is None:
         return ""
     esc = html.escape
-    where = f" · {r['source']} row {r.get('row')}" if r.get("source") else ""
-    verdict = ("the chosen answer scored higher ✓" if r.get("correct")
-               else "the rejected answer scored higher or equal ✗")
-    return (f'<div class="tb-row-detail" data-index="{esc(str(index))}"><h4>Pair {esc(str(index))}{esc(where)}</h4>'
-            f"<b>Question</b><pre>{esc(str(r.get('question') or ''))}</pre>"
-            f"<b>Chosen</b> <small>score {esc(_fmt(r.get('chosen_score')))}</small>"
+    w = lambda key, **kw: esc(tr(lang, key, **kw))  # noqa: E731
+    where = " · " + tr(lang, "eval.source_row", source=r["source"], row=r.get("row")) if r.get("source") else ""
+    verdict = w("eval.chosen_higher" if r.get("correct") else "eval.rejected_higher")
+    return (f'<div class="tb-row-detail" data-index="{esc(str(index))}"><h4>{w("eval.pair", n=index)}{esc(where)}</h4>'
+            f"<b>{w('eval.question')}</b><pre>{esc(str(r.get('question') or ''))}</pre>"
+            f"<b>{w('eval.chosen')}</b> <small>{w('eval.score', score=_fmt(r.get('chosen_score')))}</small>"
             f"<pre>{esc(str(r.get('chosen') or ''))}</pre>"
-            f"<b>Rejected</b> <small>score {esc(_fmt(r.get('rejected_score')))}</small>"
+            f"<b>{w('eval.rejected')}</b> <small>{w('eval.score', score=_fmt(r.get('rejected_score')))}</small>"
             f"<pre>{esc(str(r.get('rejected') or ''))}</pre>"
-            f"<p>margin {esc(_fmt(r.get('margin')))}: {verdict}</p></div>")
+            f"<p>{w('eval.margin', margin=_fmt(r.get('margin')))}: {verdict}</p></div>")
 
 
-def row_detail(st: dict, index) -> str:
+def row_detail(st: dict, index, lang: str = "en") -> str:
     """One scored row in full (a click on the table): the whole prompt as the model saw it, the reference,
     each part's answer and its per-row scores. A reward model: pair_detail."""
     if is_rm((st or {}).get("spec")):
-        return pair_detail(st, index)
+        return pair_detail(st, index, lang)
     parts = (st or {}).get("parts") or []
     rows = {p["name"]: {r.get("index"): r for r in (st.get("rows") or {}).get(p["name"], [])} for p in parts}
     main = rows.get(parts[0]["name"], {}).get(index) if parts else None
     if main is None:
         return ""
     esc = html.escape
-    where = f" · {main['source']} row {main.get('row')}" if main.get("source") else ""
-    out = [f'<div class="tb-row-detail" data-index="{esc(str(index))}"><h4>Row {esc(str(index))}{esc(where)}</h4>',
-           f"<b>Question</b><pre>{esc(tools.last_user_turn(main.get('prompt')))}</pre>",
-           f"<details><summary>Full prompt (as rendered by the template)</summary><pre>{esc(str(main.get('prompt') or ''))}"
+    w = lambda key, **kw: esc(tr(lang, key, **kw))  # noqa: E731
+    where = " · " + tr(lang, "eval.source_row", source=main["source"], row=main.get("row")) if main.get("source") else ""
+    out = [f'<div class="tb-row-detail" data-index="{esc(str(index))}"><h4>{w("eval.row", n=index)}{esc(where)}</h4>',
+           f"<b>{w('eval.question')}</b><pre>{esc(tools.last_user_turn(main.get('prompt')))}</pre>",
+           f"<details><summary>{w('eval.full_prompt')}</summary><pre>{esc(str(main.get('prompt') or ''))}"
            "</pre></details>",
-           f"<b>Reference</b><pre>{esc(str(main.get('label') or ''))}</pre>"]
+           f"<b>{w('eval.reference')}</b><pre>{esc(str(main.get('label') or ''))}</pre>"]
     for p in parts:
         r = rows[p["name"]].get(index) or {}
         scores = " · ".join(f"{k} {_fmt(r.get(k))}" for k in ("rouge-1", "rouge-2", "rouge-l", "bleu-4")
                             if r.get(k) is not None)
-        exact = "exact match ✓" if r.get("exact_match") else "exact match ✗"
+        exact = w("eval.exact") + (" ✓" if r.get("exact_match") else " ✗")
         out.append(f"<b>{esc(p['name'])}</b> <small>{esc(scores)} · {exact}</small><pre>{esc(str(r.get('predict') or ''))}</pre>")
     return "".join(out) + "</div>"
 
@@ -541,12 +542,13 @@ def wire(c: dict, top: dict) -> None:
     c["abort"].click(on_abort, [c["state"], top["lang"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], c["worst_first"], top["lang"]], view, show_progress="hidden")
 
-    def pick_row(st, evt: gr.SelectData):
-        """A click on a row shows it in full below the table. Inputs: state (+ the click). Outputs: detail."""
+    def pick_row(st, lang, evt: gr.SelectData):
+        """A click on a row shows it in full below the table. Inputs: state, language (+ the click). Outputs:
+        detail."""
         index = evt.row_value[0] if getattr(evt, "row_value", None) else None
-        return row_detail(st, index) if index is not None else gr.skip()
+        return row_detail(st, index, lang) if index is not None else gr.skip()
 
-    c["rows"].select(pick_row, [c["state"]], [c["detail"]])
+    c["rows"].select(pick_row, [c["state"], top["lang"]], [c["detail"]])
     c["worst_first"].change(lambda st, w, lang: rows_update(st, w, lang) if st and st.get("parts") else gr.skip(),
                             [c["state"], c["worst_first"], top["lang"]], [c["rows"]], show_progress="hidden")
 

@@ -58,21 +58,27 @@ _TAG_STYLE = {"desirable": "background:rgba(22,163,74,.15);color:#15803d",
               "undesirable": "background:rgba(220,38,38,.12);color:#b91c1c"}
 
 
-def _part(part: dict, name: str, label: str) -> str:
+def _part(part: dict, name: str, label: str, lang: str = "en") -> str:
+    from webui.i18n import tr
+
+    tokens = tr(lang, "data.n_tokens", n=part.get("num_tokens", "?"))
     return (f'<div class="tb-pref-part" data-part="{name}"><div class="tb-pref-label" {_PART_LABEL}>'
-            f'{html.escape(label)} · {part.get("num_tokens", "?")} tokens</div>'
+            f'{html.escape(label)} · {html.escape(tokens)}</div>'
             f'{render_segments(part.get("segments") or [], elem_id=None)}</div>')
 
 
-def render_row(row: dict) -> str:
+def render_row(row: dict, lang: str = "en") -> str:
     """One previewed row as HTML, by its kind: a conversation (trained spans in colour); a ranking pair as
-    its prompt once, then the chosen and the rejected answer side by side; a KTO row with its tag."""
+    its prompt once, then the chosen and the rejected answer side by side; a KTO row with its tag. Labels
+    in `lang`."""
+    from webui.i18n import tr
+
     kind = row.get("kind")
     if kind == "ranking":
-        answers = (_part(row["chosen"], "chosen", "✓ chosen (preferred answer)")
-                   + _part(row["rejected"], "rejected", "✗ rejected"))
+        answers = (_part(row["chosen"], "chosen", tr(lang, "data.chosen"), lang)
+                   + _part(row["rejected"], "rejected", tr(lang, "data.rejected"), lang))
         return ('<div class="tb-pref" data-kind="ranking" style="display:flex;flex-direction:column;gap:8px">'
-                + _part(row["prompt"], "prompt", "prompt (the same for both answers)")
+                + _part(row["prompt"], "prompt", tr(lang, "data.prompt_once"), lang)
                 + '<div style="display:grid;grid-template-columns:repeat(auto-fit,minmax(240px,1fr));gap:8px">'
                 + answers + "</div></div>")
     body = render_segments(row.get("segments") or [])
@@ -81,7 +87,8 @@ def render_row(row: dict) -> str:
         badge = (f'<span class="tb-kto-tag" data-tag="{tag}" style="{_TAG_STYLE.get(tag, "")};padding:1px 8px;'
                  f'border-radius:10px;font-size:0.85rem;font-weight:600">{"👍" if tag == "desirable" else "👎"} '
                  f'{tag}</span>')
-        return f'<div class="tb-pref" data-kind="kto"><div {_PART_LABEL}>KTO label: {badge}</div>{body}</div>'
+        return (f'<div class="tb-pref" data-kind="kto"><div {_PART_LABEL}>{html.escape(tr(lang, "data.kto_label"))} '
+                f'{badge}</div>{body}</div>')
     return body
 
 
@@ -105,19 +112,21 @@ def template_system_prompt(row: dict) -> str | None:
     return None
 
 
-def row_summary(row: dict) -> str:
-    parts = [f"**{row.get('source', '')} row {row.get('row', '')}**"]
+def row_summary(row: dict, lang: str = "en") -> str:
+    from webui.i18n import tr
+
+    parts = ["**" + tr(lang, "data.row_title", source=row.get("source", ""), row=row.get("row", "")) + "**"]
     if row.get("kind") == "ranking":
-        parts.append(f"prompt {row['prompt']['num_tokens']} + chosen {row['chosen']['num_tokens']} / rejected "
-                     f"{row['rejected']['num_tokens']} tokens, {row.get('num_trained', 0)} trained")
+        parts.append(tr(lang, "data.pair_tokens", prompt=row["prompt"]["num_tokens"], chosen=row["chosen"]["num_tokens"],
+                        rejected=row["rejected"]["num_tokens"], trained=row.get("num_trained", 0)))
     elif row.get("num_tokens") is not None:
-        parts.append(f"{row['num_tokens']} tokens, {row.get('num_trained', 0)} trained")
+        parts.append(tr(lang, "data.row_tokens", n=row["num_tokens"], trained=row.get("num_trained", 0)))
     if row.get("kind") == "kto":
         parts.append(row.get("tag", ""))
     if row.get("truncated"):
-        parts.append("⚠ truncated at cutoff_len")
+        parts.append("⚠ " + tr(lang, "data.row_truncated"))
     if row.get("num_trained") == 0:
-        parts.append("⚠ no trained token")
+        parts.append("⚠ " + tr(lang, "data.row_untrained"))
     return " · ".join(parts)
 
 

@@ -212,3 +212,23 @@ def test_eval_row_detail_follows_the_language():
                  "Who are you?", "I am TuneBoard"):
         assert text in zh, text
     assert "Question" not in zh and "exact match ✓" in evaluate.row_detail(st, 0)
+
+
+def test_data_row_preview_follows_the_language():
+    """A previewed row's summary, part labels and the colour legend in the page's language."""
+    from webui import datasets as D
+    from webui.app import create_app
+
+    seg = [{"text": "q", "trained": False}, {"text": "a", "trained": True}]
+    row = {"kind": "ranking", "source": "pairs", "row": 3, "num_trained": 9, "truncated": True,
+           "prompt": {"segments": seg, "num_tokens": 8}, "chosen": {"segments": seg, "num_tokens": 3},
+           "rejected": {"segments": seg, "num_tokens": 6}}
+    assert D.row_summary(row, "zh") == ("**pairs 第 3 行** · 提示词 8 + chosen 3 / rejected 6 个 token，其中 9 个"
+                                        "参与训练 · ⚠ 被 cutoff_len 截断")
+    assert "prompt 8 + chosen 3 / rejected 6 tokens, 9 trained" in D.row_summary(row)
+    html = D.render_row(row, "de")
+    assert "Prompt (für beide Antworten gleich) · 8 Tokens" in html and "✓ chosen (bevorzugte Antwort)" in html
+    reg = create_app().tb_registry
+    legend = dict(zip(reg.items, reg.relabel("ja")))["data-legend"]["value"]
+    assert '<span class="tb-trained">学習対象（モデルはこのトークンを学習）</span>' in legend
+    assert '<span class="tb-masked">マスク（文脈のみ）</span>' in legend

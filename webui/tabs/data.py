@@ -13,8 +13,13 @@ from webui import choices
 from webui import datasets as D
 from webui.i18n import refusal, tr
 
-LEGEND = ('<div class="tb-legend"><span class="tb-trained">trained (the model learns these tokens)</span>'
-          '<span class="tb-masked">masked (context only)</span></div>')
+def legend_html(text: str) -> str:
+    """The colour legend above a row; `text`: the locale's "trained ...|masked ..." (key data-legend)."""
+    import html
+
+    trained, _, masked = text.partition("|")
+    return (f'<div class="tb-legend"><span class="tb-trained">{html.escape(trained.strip())}</span>'
+            f'<span class="tb-masked">{html.escape(masked.strip())}</span></div>')
 
 
 # Row previews run one at a time, in the order they were asked for: the first look on opening the tab
@@ -34,7 +39,7 @@ def build(reg) -> dict:
         c["next"] = reg.button("data-next", size="sm")
         c["stats"] = reg.button("data-stats", size="sm")
     c["summary"] = gr.Markdown("", elem_id="data-summary")
-    c["legend"] = gr.HTML(LEGEND, elem_id="data-legend")
+    c["legend"] = reg.html("data-legend", legend_html)
     c["rendered"] = gr.HTML("", elem_id="data-preview")
     c["stats_md"] = gr.Markdown("", elem_id="data-stats_md")
     c["hist"] = reg.comp(gr.BarPlot, "data-hist", value=pd.DataFrame({"tokens": [], "rows": []}), x="tokens",
@@ -95,8 +100,8 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
     system = D.template_system_prompt(res)
     if system:
         warn += "\n\nℹ " + tr(lang, "data.system_prompt", system=system)
-    return D.row_summary(res) + tr(lang, "data.template", template=res.get("template", template)) + warn, \
-        D.render_row(res)
+    return D.row_summary(res, lang) + tr(lang, "data.template", template=res.get("template", template)) + warn, \
+        D.render_row(res, lang)
 
 
 def stats(dataset_dir, dataset, model, template, cutoff, lang="en"):
@@ -203,7 +208,7 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
         if "error" in res:
             return f"⛔ {res['error']}", ""
         rows = res.get("rows") or [res]
-        body = "".join(f"<p>{D.row_summary(r)}</p>{D.render_row(r)}" for r in rows)
+        body = "".join(f"<p>{D.row_summary(r, lang)}</p>{D.render_row(r, lang)}" for r in rows)
         return tr(lang, "data.reg_read", n=res.get("num_rows", len(rows)), shown=len(rows)), body
 
     c["reg_preview"].click(reg_preview, reg_in, [c["reg_message"], c["reg_rows"]])

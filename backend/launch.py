@@ -405,8 +405,8 @@ def run_launcher(spec, args: list[str], run_dir) -> int:
         start_method="spawn", shutdown_timeout=60,
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())
-    if "OMP_NUM_THREADS" not in os.environ and not visible_accelerators():
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))  # CPU workers share the cores
+    # OMP_NUM_THREADS is left as it is: for CPU workers accelerate sets 1 thread each when it sets up the process
+    # group (after the data is tokenized).
     worker_args = ["-u", "-m", "backend.cli", "train", *args, f"output_dir={spec.output_dir}"]
     say = run_dir.log if run_dir is not None else (lambda line: print(line, flush=True))
     say(f"launching {n} worker process(es) on node {spec.node_rank} of {spec.nnodes} (torch elastic agent, "

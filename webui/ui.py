@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from webui.i18n import choice_pairs, field_help, t
+from webui.i18n import choice_pairs, field_help, has, t, tr
 
 
 class Registry:
@@ -13,6 +13,7 @@ class Registry:
         self.lang = lang
         self.items: dict[str, tuple] = {}  # elem_id -> (component, kind, choice ids or None)
         self.helps: dict[str, tuple[str, str]] = {}  # elem_id -> (help key, English help): its `info` text
+        self.placeholders: dict[str, dict] = {}  # elem_id -> the {fields} of its `<elem_id>.placeholder` text
 
     def _add(self, comp, kind: str, ids=None):
         if comp.elem_id in self.items:
@@ -57,9 +58,15 @@ class Registry:
     def accordion(self, elem_id: str, **kw):
         return self._add(gr.Accordion(self.label(elem_id), elem_id=elem_id, **kw), "accordion")
 
-    def comp(self, cls, elem_id: str, help: tuple[str, str] | None = None, **kw):
-        """Any component whose `label` is translated (Textbox, Number, Checkbox, LinePlot, ...)."""
+    def comp(self, cls, elem_id: str, help: tuple[str, str] | None = None, placeholder_fields: dict | None = None,
+             **kw):
+        """Any component whose `label` is translated (Textbox, Number, Checkbox, LinePlot, ...). A textbox
+        whose locale has `<elem_id>.placeholder` gets that placeholder (its {fields} from
+        `placeholder_fields`), translated here and on every language switch."""
         self._help(elem_id, help, kw)
+        if has(f"{elem_id}.placeholder"):
+            self.placeholders[elem_id] = dict(placeholder_fields or {})
+            kw["placeholder"] = tr(self.lang, f"{elem_id}.placeholder", **self.placeholders[elem_id])
         return self._add(cls(label=self.label(elem_id), elem_id=elem_id, **kw), "label")
 
     # relabelling -----------------------------------------------------------------------
@@ -72,6 +79,8 @@ class Registry:
         for elem_id, (comp, kind, ids) in self.items.items():
             text = t(lang, elem_id)
             info = {"info": field_help(lang, *self.helps[elem_id])} if elem_id in self.helps else {}
+            if elem_id in self.placeholders:
+                info["placeholder"] = tr(lang, f"{elem_id}.placeholder", **self.placeholders[elem_id])
             if kind == "dropdown" and ids is not None:
                 out.append(gr.update(label=text, choices=choice_pairs(lang, elem_id, ids), **info))
             elif kind == "html":

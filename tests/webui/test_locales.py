@@ -232,3 +232,18 @@ def test_data_row_preview_follows_the_language():
     legend = dict(zip(reg.items, reg.relabel("ja")))["data-legend"]["value"]
     assert '<span class="tb-trained">学習対象（モデルはこのトークンを学習）</span>' in legend
     assert '<span class="tb-masked">マスク（文脈のみ）</span>' in legend
+
+
+def test_placeholders_and_idle_tables_follow_the_language():
+    """A text box with a `<elem_id>.placeholder` locale key shows it in the page's language (its {fields}
+    filled), from the first render and on every switch."""
+    from webui.app import create_app
+
+    reg = create_app().tb_registry
+    built = {k: reg.items[k][0] for k in ("export-dir", "chat-compare_with", "train-resume_from_checkpoint")}
+    assert built["chat-compare_with"].placeholder.startswith("empty = the base model")
+    assert built["export-dir"].placeholder.endswith("exports/<model>-<time>")
+    zh = dict(zip(reg.items, reg.relabel("zh")))
+    assert zh["chat-compare_with"]["placeholder"] == "留空 = 基座模型；或另一个适配器 / checkpoint-N 文件夹"
+    assert zh["export-dir"]["placeholder"].startswith("留空 = ") and "{path}" not in zh["export-dir"]["placeholder"]
+    assert zh["train-resume_from_checkpoint"]["placeholder"] == "true，或检查点文件夹"

@@ -162,8 +162,8 @@ def build(reg, top: dict) -> dict:
     ui: dict = {"top": top}
     with gr.Row(equal_height=True, elem_id="chat-loadbar"):
         ui["compare"] = reg.comp(gr.Checkbox, "chat-compare", value=False, scale=1, min_width=220)
-        ui["compare_with"] = reg.comp(gr.Textbox, "chat-compare_with", value="", scale=3,
-                                      placeholder="empty = the base model; or another adapter / checkpoint-N folder")
+        # its placeholder: locale key chat-compare_with.placeholder
+        ui["compare_with"] = reg.comp(gr.Textbox, "chat-compare_with", value="", scale=3)
         with gr.Column(scale=1, min_width=160, elem_classes=["tb-button-stack"]):
             ui["load"] = reg.button("chat-load", variant="primary", size="sm")
             ui["unload"] = reg.button("chat-unload", size="sm")

@@ -542,6 +542,16 @@ def wire(c: dict, top: dict) -> None:
     c["abort"].click(on_abort, [c["state"], top["lang"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], c["worst_first"], top["lang"]], view, show_progress="hidden")
 
+    def relabel_idle(st, lang):
+        """Before any eval: the idle card and the empty metrics table in the new language. Inputs: state,
+        language. Outputs: progress, metrics."""
+        if (st or {}).get("parts"):
+            return gr.skip(), gr.skip()
+        return tools.progress_html("idle", 0, None, lang=lang), headers(lang, empty_frame(["metric"]))
+
+    top["lang"].change(relabel_idle, [c["state"], top["lang"]], [c["progress"], c["metrics"]],
+                       show_progress="hidden")
+
     def pick_row(st, lang, evt: gr.SelectData):
         """A click on a row shows it in full below the table. Inputs: state, language (+ the click). Outputs:
         detail."""

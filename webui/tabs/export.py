@@ -39,7 +39,7 @@ def build(reg) -> dict:
     c["intro"] = reg.markdown("export-intro", elem_classes=["tb-section-note"])
     with gr.Row(equal_height=True):
         c["dir"] = reg.comp(gr.Textbox, "export-dir", value="", scale=4,
-                            placeholder=f"empty = {paths.saves_dir() / 'exports'}/<model>-<time>")
+                            placeholder_fields={"path": paths.saves_dir() / "exports"})
         c["format"] = reg.dropdown("export-format", ["safetensors", "gguf"], value="safetensors", scale=1)
         c["gguf_type"] = reg.dropdown("export-gguf_type", ["f16", "q8_0", "bf16", "f32"], value="f16", scale=1,
                                       visible=False)
@@ -202,3 +202,12 @@ def wire(c: dict, top: dict) -> None:
         return (*out, ended_message(st, lang) if ended else gr.skip())
 
     c["timer"].tick(tick, [c["state"], top["lang"]], [*view, c["message"]], show_progress="hidden")
+
+    def relabel_idle(st, lang):
+        """Before any export: the idle card and the empty checks table in the new language. Inputs: state,
+        language. Outputs: progress, checks."""
+        if (st or {}).get("job"):
+            return gr.skip(), gr.skip()
+        return tools.progress_html("idle", 0, 6, lang=lang), headers(lang, empty_checks())
+
+    top["lang"].change(relabel_idle, [c["state"], top["lang"]], [c["progress"], c["checks"]], show_progress="hidden")

@@ -1205,7 +1205,7 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         return [(first_field, f"cannot read {info_path}: {exc}", involved)]
     if not isinstance(info, dict):
         return [(first_field, f"malformed {info_path}: the top level must be an object of dataset entries", involved)]
-    from backend.data import DatasetError, read_dataset_info  # no torch; entries checked one by one
+    from backend.dataset_info import DatasetError, read_dataset_info  # light: json only
 
     try:
         bad = read_dataset_info(info_path.parent).problems  # schema problems, names registered twice

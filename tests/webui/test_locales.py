@@ -247,3 +247,13 @@ def test_placeholders_and_idle_tables_follow_the_language():
     assert zh["chat-compare_with"]["placeholder"] == "留空 = 基座模型；或另一个适配器 / checkpoint-N 文件夹"
     assert zh["export-dir"]["placeholder"].startswith("留空 = ") and "{path}" not in zh["export-dir"]["placeholder"]
     assert zh["train-resume_from_checkpoint"]["placeholder"] == "true，或检查点文件夹"
+
+
+def test_runs_table_states_follow_the_language():
+    from webui.tabs import runs
+
+    rows = [{c: "" for c in runs.COLUMNS} | {"name": "a", "model": "m", "status": "completed"},
+            {c: "" for c in runs.COLUMNS} | {"name": "b", "model": "m", "status": "queued (resume)"}]
+    zh = runs.table(rows, "all", "", "zh")
+    assert zh[_load("zh")["col.status"]].tolist() == ["已完成", "排队中 (resume)"]
+    assert runs.table(rows, "all", "")["status"].tolist() == ["completed", "queued (resume)"]

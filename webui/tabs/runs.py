@@ -96,7 +96,9 @@ def shown_rows(rows: list[dict], status: str, model: str) -> list[dict]:
 
 
 def table(rows: list[dict], status: str, model: str, lang: str = "en") -> pd.DataFrame:
-    frame = pd.DataFrame([[r[c] for c in COLUMNS] for r in shown_rows(rows, status, model)], columns=COLUMNS)
+    """The shown rows, headers and each run's state in `lang`."""
+    frame = pd.DataFrame([[live.state_word(r[c], lang) if c == "status" else r[c] for c in COLUMNS]
+                          for r in shown_rows(rows, status, model)], columns=COLUMNS)
     return headers(lang, frame)
 
 

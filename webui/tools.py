@@ -77,9 +77,12 @@ def alive(job_dir: str | Path | None) -> bool:
 
 def stop(job_dir: str | Path | None, grace_s: float = 5.0, wait: bool = False) -> bool:
     """SIGTERM to the job's process group now, SIGKILL after `grace_s` if it is still there (an export
-    or eval has nothing worth saving, so there is no STOP-file step). Returns False if nothing ran."""
+    or eval has nothing worth saving, so there is no wait for the STOP file). Returns False if nothing ran.
+    The STOP file is still written first: it tells the launcher's watcher this end was asked for, so a job
+    that ends without a final status of its own (an export keeps none) is marked aborted, not failed."""
     if not alive(job_dir):
         return False
+    jobs.request_stop(job_dir)
     rec = jobs.read_json(Path(job_dir) / jobs.LAUNCH_FILE)
     args = (rec["pid"], rec.get("launched_at"), 0.0, grace_s)
     if wait:

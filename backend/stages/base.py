@@ -218,13 +218,20 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     from transformers import EarlyStoppingCallback, Trainer
     from transformers.trainer_callback import PrinterCallback
 
-    from backend.callbacks import RunDirCallback
+    from backend.callbacks import RunDirCallback, agreed_stop
     from backend.models import install_optimizer
     from backend.stages import get_stage
 
     out = run_dir.path
     checkpoint = resume_checkpoint(spec, out, log=run_dir.log)
     args = training_arguments(spec, out, has_eval=eval_dataset is not None, args_class=args_class, extra=config)
+    reason = agreed_stop(stop.reason)  # (after the arguments: they set up the process group the ranks agree over)
+    if reason:  # Abort came while the rows were tokenized or the model loaded: no step, no save after it
+        run_dir.log(f"stop requested ({reason}) before training: nothing trained, nothing saved"
+                    + (f", {Path(checkpoint).name} kept as it was" if checkpoint else ""))
+        if checkpoint and checkpoint_step(Path(checkpoint)) is not None:
+            run_dir.update_status(step=checkpoint_step(Path(checkpoint)))  # where the run stands: its checkpoint
+        return StageResult(stopped=True)
     callback = RunDirCallback(run_dir, stop, metric_keys=get_stage(spec.stage).logged_keys())
     callbacks = [callback]
     early = None

@@ -155,7 +155,8 @@ def test_a_checkpoint_save_that_hits_a_full_disk_fails_the_run_and_leaves_no_che
 
 def test_a_save_killed_midway_leaves_no_checkpoint_and_a_resume_uses_the_last_complete_one(tiny_llama, tmp_path):
     """SIGKILL while checkpoint-4 is being written (paused inside the save, after the weights): the folder
-    is a hidden staging folder, never checkpoint-4; the resume takes checkpoint-2 and removes the leftover."""
+    is a hidden staging folder, never checkpoint-4; the resume takes checkpoint-2 and removes the leftover;
+    save_total_limit rotates the renamed checkpoints."""
     run = tmp_path / "killed-saving"
     spec = jobs.write_spec_yaml(run, "\n".join(a.replace("=", ": ", 1)
                                                 for a in tiny_args(tiny_llama, run, "save_steps=2")) + "\n")
@@ -171,10 +172,12 @@ def test_a_save_killed_midway_leaves_no_checkpoint_and_a_resume_uses_the_last_co
     assert read_status(run)["state"] == "failed"
     (run / "paused-saving-4").unlink()
 
-    proc = train(str(spec), "resume_from_checkpoint=true")
+    proc = train(str(spec), "resume_from_checkpoint=true", "save_total_limit=2")
     assert proc.returncode == 0, output(proc)
     log = (run / "running_log.txt").read_text()
     assert "removed .saving-4, an unfinished checkpoint save of an earlier process" in log
     assert f"resuming from {run / 'checkpoint-2'}" in log
     assert not (run / ".saving-4").exists() and (run / "checkpoint-4" / "trainer_state.json").is_file()
+    # save_total_limit still rotates the renamed folders: checkpoint-2 went when checkpoint-6 came
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
     assert read_status(run)["state"] == "completed" and [s[0] for s in steps(run)] == [1, 2, 3, 4, 5, 6]

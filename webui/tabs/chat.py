@@ -69,6 +69,19 @@ class ChatServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def ended(self, wait_s: float) -> bool:
+        """Whether the server process has exited, waiting up to `wait_s` for it: the connection a crash cuts
+        reaches the client a moment before the exit can be seen, so a broken stream asked at once still
+        looks like a live server (the user then got only 'peer closed connection ... incomplete chunked
+        read')."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def failure(self, lang: str = "en") -> str:
         """Why the server is gone, with its last output lines."""
         code = self.proc.poll() if self.proc else None
@@ -324,7 +337,8 @@ def respond(message, role, st, system, tools_json, *sampling_values):
             for other in sides:
                 if not replies[other]["content"] and st[f"hist_{other}"][-1] is replies[other]:
                     st[f"hist_{other}"].pop()
-            why = server.failure(lang) if not server.alive() else str(exc)
+            cut = isinstance(exc, httpx.TransportError)  # the connection broke (not an error the server answered)
+            why = server.failure(lang) if server.ended(3.0 if cut else 0.0) else str(exc)
             yield gr.skip(), gr.skip(), "", "⛔ " + why.replace("\n", "  \n"), st
             return
     yield display(st["hist_a"]), display(st["hist_b"]), "", " · ".join(speeds), st

@@ -214,10 +214,15 @@ LOGIN_NOTE = ("After {n} wrong logins from one address, that address has to wait
               "before it can try again.")
 
 
-def launch_kwargs(login: dict | None = None) -> dict:
+DEFAULT_MAX_UPLOAD = "2gb"
+
+
+def launch_kwargs(login: dict | None = None, max_upload: str | int = DEFAULT_MAX_UPLOAD) -> dict:
     """What `launch()` needs besides host/port (Gradio 6 takes theme/css/head at launch time). The login
     guard (webui/login.py: back-off, lockout, API names kept behind the login) acts only when `auth` is set;
-    `login`: its settings (LoginGuard's keyword arguments)."""
+    `login`: its settings (LoginGuard's keyword arguments). `max_upload`: the largest file an upload may be
+    (Gradio's max_file_size: "2gb", "500mb", or bytes); a bigger one is refused with HTTP 413 naming the
+    limit, before it fills the disk, and the page shows Gradio's "exceeded the maximum file size" note."""
     from starlette.middleware import Middleware
 
     from webui.login import LoginGuard
@@ -226,7 +231,7 @@ def launch_kwargs(login: dict | None = None) -> dict:
     note = LOGIN_NOTE.format(n=login.get("max_failures", 5), minutes=round(login.get("lockout_s", 300) / 60, 1))
     return {"css_paths": [CSS_FILE], "allowed_paths": [str(paths.ASSETS_DIR)], "favicon_path": str(LOGO),
             "theme": gr.themes.Soft(primary_hue="indigo", secondary_hue="sky"),
-            "footer_links": [], "head": FOLLOW_LOGS_JS, "auth_message": note,
+            "footer_links": [], "head": FOLLOW_LOGS_JS, "auth_message": note, "max_file_size": max_upload,
             "app_kwargs": {"middleware": [Middleware(LoginGuard, **login)]}}
 
 
@@ -252,7 +257,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --auth: wrong logins from one address before it is locked out (default 5)")
     p.add_argument("--login-lockout", type=float, default=300.0, metavar="SECONDS",
                    help="with --auth: how long a locked-out address waits (default 300 s)")
+    p.add_argument("--max-upload", type=upload_size, default=DEFAULT_MAX_UPLOAD, metavar="SIZE",
+                   help="largest file the page accepts as an upload, e.g. 500mb, 2gb (default 2gb)")
     return p.parse_args(argv)
+
+
+def upload_size(text: str) -> str:
+    """`--max-upload`'s value: a positive number with a unit of b, kb, mb, gb or tb (case and spaces ignored)."""
+    size = text.replace(" ", "").lower()
+    digits = size.rstrip("bkmgt")
+    if not digits.isdigit() or int(digits) <= 0 or size[len(digits):] not in ("b", "kb", "mb", "gb", "tb"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 500mb or 2gb (units b, kb, mb, gb, tb)")
+    return size
 
 
 def read_auth(opts) -> list[tuple[str, str]]:
@@ -310,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         demo.launch(server_name=opts.host, server_port=port, auth=auth or None, root_path=opts.root_path,
                     show_error=True, **launch_kwargs({"max_failures": opts.login_max_failures,
-                                                      "lockout_s": opts.login_lockout}))
+                                                      "lockout_s": opts.login_lockout}, opts.max_upload))
     finally:
         worker.stop()
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from backend import paths
+from backend.dataset_info import DatasetError, read_dataset_info
 from backend.rundir import CHECKPOINT_PREFIX, LOG_FILE
 from webui import jobs
 
@@ -112,4 +113,18 @@ def dataset_info(dataset_dir: str | Path | None = None) -> dict:
 
 
 def dataset_names(dataset_dir: str | Path | None = None) -> list[str]:
-    return list(dataset_info(dataset_dir))
+    """The usable datasets of a folder's dataset_info.json, in file order: an entry with a schema problem or
+    a name registered twice is left out (dataset_problems says why; the Data tab shows it)."""
+    try:
+        return list(read_dataset_info(dataset_dir).entries)
+    except DatasetError:
+        return []
+
+
+def dataset_problems(dataset_dir: str | Path | None = None) -> tuple[dict[str, list[str]], str]:
+    """({bad entry name: [problem, ...]}, "") of a folder's dataset_info.json, or ({}, the error) when the
+    file itself cannot be read (missing, not JSON, not an object)."""
+    try:
+        return read_dataset_info(dataset_dir).problems, ""
+    except DatasetError as exc:
+        return {}, str(exc)

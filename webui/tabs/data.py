@@ -38,6 +38,7 @@ def build(reg) -> dict:
         c["show"] = reg.button("data-show", size="sm", variant="primary")
         c["next"] = reg.button("data-next", size="sm")
         c["stats"] = reg.button("data-stats", size="sm")
+    c["info_warning"] = gr.Markdown("", elem_id="data-info_warning")
     c["summary"] = gr.Markdown("", elem_id="data-summary")
     c["legend"] = reg.html("data-legend", legend_html)
     c["rendered"] = gr.HTML("", elem_id="data-preview")
@@ -83,6 +84,23 @@ def dir_refusal(dataset_dir, lang: str = "en", write: bool = False, model: str |
     except allowed.PathRefused as exc:
         return refusal(lang, exc)
     return ""
+
+
+def info_warning(dataset_dir, lang: str = "en") -> str:
+    """The folder's dataset_info.json entries that cannot be used (a schema problem, a name registered
+    twice), each with why; they are left out of the dataset lists, the good ones stay usable. "" when all
+    entries are good or the folder is refused (the summary says so). Inputs: folder, language. Outputs:
+    warning."""
+    if dir_refusal(dataset_dir, lang):
+        return ""
+    problems, error = choices.dataset_problems((dataset_dir or "").strip() or None)
+    if error:
+        return tr(lang, "data.info_unreadable") + f"\n\n- {error}"
+    if not problems:
+        return ""
+    lines = [f"- **{name}**: " + "; ".join(w.removeprefix(f"dataset '{name}': ") for w in why)
+             for name, why in problems.items()]
+    return "\n".join([tr(lang, "data.bad_entries", n=len(problems)), "", *lines])
 
 
 def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
@@ -154,6 +172,8 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
             return (gr.skip(), gr.skip()) if rendered else show_row(*values)
 
         tab.select(first_look, [c["rendered"], *ins], [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
+        tab.select(info_warning, [c["dir"], top["lang"]], [c["info_warning"]], show_progress="hidden")
+    top["lang"].change(info_warning, [c["dir"], top["lang"]], [c["info_warning"]], show_progress="hidden")
     c["show"].click(show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     # a dataset picked: its statistics are not the last one's, and its row 0 is shown at once
     c["dataset"].change(lambda: (0, *cleared_stats()), None, [c["index"], c["stats_md"], c["hist"]],
@@ -173,7 +193,8 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
             return gr.update(choices=[]), refused
         return gr.update(choices=choices.dataset_names(dataset_dir)), gr.skip()
 
-    c["dir"].submit(list_datasets, [c["dir"], top["lang"]], [c["dataset"], c["summary"]])
+    c["dir"].submit(list_datasets, [c["dir"], top["lang"]], [c["dataset"], c["summary"]]).then(
+        info_warning, [c["dir"], top["lang"]], [c["info_warning"]], show_progress="hidden")
 
     col_keys = list(D.COLUMN_KEYS)
     reg_in = [top["lang"], c["dir"], c["reg_file"], c["reg_path"], c["reg_name"], c["reg_format"],

@@ -90,3 +90,31 @@ def test_collator_keeps_the_rows_of_the_batch():
     starts = [sum(lengths[:k]) for k in range(len(rows))]
     assert all(batch["labels"][0, s].item() == IGNORE_INDEX for s in starts)
     assert batch["use_cache"] is False
+
+
+def test_varlen_sdpa_equals_padded(family_model):
+    """The varlen SDPA (one causal attention per row, rows from the collator's cu_seq_lens) gives the padded
+    batch's loss and gradients; a padded batch through the switched model is unchanged; the model goes back."""
+    from backend.attention import NAME, use_varlen_attention
+
+    family, model = family_model
+    before = model.config._attn_implementation
+    rows = make_rows(6, model.config.vocab_size, seed=7)
+    padded = PaddingCollator(0)(rows)
+    loss_padded, grads_padded = loss_and_grads(model, padded)
+    problem = use_varlen_attention(model)
+    try:
+        if before != "sdpa":
+            assert problem and before in problem and model.config._attn_implementation == before
+            return
+        assert problem is None and model.config._attn_implementation == NAME, family
+        free = PaddingFreeCollator(flash_attn_kwargs=True)(rows)
+        assert free["cu_seq_lens_q"].tolist() == [0, *torch.tensor([len(r["input_ids"]) for r in rows]).cumsum(0).tolist()]
+        loss_free, grads_free = loss_and_grads(model, free)
+        assert loss_free == pytest.approx(loss_padded, rel=1e-5), family
+        for name, grad in grads_padded.items():
+            torch.testing.assert_close(grads_free[name], grad, rtol=1e-5, atol=1e-5, msg=f"{family}: {name}")
+        assert loss_and_grads(model, padded)[0] == pytest.approx(loss_padded, rel=1e-6)  # no cu_seq_lens: plain SDPA
+        assert model.training
+    finally:
+        model.set_attn_implementation(before)

@@ -22,6 +22,7 @@ STOP_FILE = "STOP"
 COMPLETIONS_FILE = "completions.jsonl"  # stage grpo: a sample of the completions with their rewards, per logging step
 LAUNCH_FILE = "launch.json"  # written by the web UI's job launcher: the launched pid, its argv and launch time
 PROCESS_LOG = "process_output.log"  # the launched process's stdout and stderr (the UI's launcher writes it)
+DISTILL_REPORT_FILE = "distill_report.json"  # a distill run folder's scorecard (`tuneboard distill`, step score)
 CHECKPOINT_PREFIX = "checkpoint-"
 # What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
 # a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.

@@ -21,12 +21,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from backend.rundir import DISTILL_REPORT_FILE
+
 SPEC_FILE = "distill_spec.yaml"
 PROGRESS_FILE = "progress.json"
 REJECTED_FILE = "rejected.jsonl"
 PAIRS_FILE = "pairs.jsonl"
 CACHE_DIRNAME = "cache"
-REPORT_FILE = "distill_report.json"
+REPORT_FILE = DISTILL_REPORT_FILE  # the scorecard; the Evaluate tab finds it by this name too
 TEACHER_LOG = "teacher_server.log"
 TRAIN_DIRNAME = "train"
 

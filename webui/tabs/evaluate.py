@@ -27,7 +27,9 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import allowed
+from backend import allowed, paths
+from backend.distill import read_report, report_rows
+from backend.rundir import DISTILL_REPORT_FILE
 from backend.spec import SpecError, validate_spec
 from webui import choices, jobs, tools
 from webui.i18n import headers, refusal, tr
@@ -80,9 +82,66 @@ def build(reg) -> dict:
     with reg.accordion("eval-group-log", open=False):
         c["log"] = reg.comp(gr.Textbox, "eval-log", lines=10, max_lines=10, autoscroll=True, interactive=False,
                             elem_classes=["tb-log"])
+    with reg.accordion("eval-group-distill", open=False) as c["distill_group"]:
+        c["distill_report"] = gr.Dropdown(choices=[], value=None, label=reg.label("eval-distill_report"),
+                                          elem_id="eval-distill_report")
+        reg._add(c["distill_report"], "label")
+        c["distill_summary"] = gr.Markdown("", elem_id="eval-distill_summary")
+        c["distill_card"] = reg.comp(gr.Dataframe, "eval-distill_card", value=empty_frame(DISTILL_COLUMNS),
+                                     interactive=False)
     c["state"] = gr.State(new_state())
     c["timer"] = gr.Timer(TICK_S, active=False)
     return c
+
+
+# ------------------------------------------------------------------ distillation scorecards (distill_report.json)
+
+DISTILL_COLUMNS = ["metric", "base", "tuned"]
+
+
+def distill_reports() -> list[tuple[str, str]]:
+    """(label, folder) of each distill run folder under the saves folder that holds a scorecard
+    (saves/distill/<dataset> by default; any folder one or two levels down), newest first."""
+    root = paths.saves_dir()
+    found = []
+    for pattern in (f"*/{DISTILL_REPORT_FILE}", f"*/*/{DISTILL_REPORT_FILE}"):
+        for report in root.glob(pattern):
+            try:
+                found.append((report.stat().st_mtime, report.parent))
+            except OSError:  # removed while listed
+                continue
+    found.sort(key=lambda x: x[0], reverse=True)
+    return [(str(folder.relative_to(root)), str(folder)) for _, folder in found]
+
+
+def list_distill_reports(current, lang: str = "en"):
+    """The scorecards found under the saves folder; the one shown stays picked, else the newest is.
+    Inputs: picked folder, language. Outputs: report picker, summary."""
+    pairs = distill_reports()
+    folders = [f for _, f in pairs]
+    value = current if current in folders else (folders[0] if folders else None)
+    return (gr.update(choices=pairs, value=value),
+            gr.skip() if folders else tr(lang, "eval.distill_none", saves=paths.saves_dir()))
+
+
+def distill_card(folder, lang: str = "en") -> tuple[str, pd.DataFrame]:
+    """A distill run's scorecard: who was scored (student, adapter, teacher, dataset, held-out rows) and the
+    table metric | base | tuned, the student's answers scored against the teacher's (JSON validity, schema
+    validity, field F1, exact match, tokens/s). Inputs: folder, language. Outputs: summary, table."""
+    empty = headers(lang, empty_frame(DISTILL_COLUMNS))
+    if not folder:
+        return "", empty
+    try:
+        allowed.check_read(folder, "distill report")
+    except allowed.PathRefused as exc:
+        return refusal(lang, exc), empty
+    report = read_report(folder)
+    if not report:
+        return tr(lang, "eval.distill_missing", path=Path(folder) / DISTILL_REPORT_FILE), empty
+    summary = tr(lang, "eval.distill_summary", student=report.get("student", "?"),
+                 adapter=report.get("adapter") or "—", teacher=report.get("teacher", "?"),
+                 dataset=report.get("dataset", "?"), rows=report.get("rows", "?"))
+    return summary, headers(lang, pd.DataFrame(report_rows(report), columns=DISTILL_COLUMNS))
 
 
 # ------------------------------------------------------------------ handlers (plain functions)
@@ -561,6 +620,14 @@ def wire(c: dict, top: dict) -> None:
     c["rows"].select(pick_row, [c["state"], top["lang"]], [c["detail"]])
     c["worst_first"].change(lambda st, w, lang: rows_update(st, w, lang) if st and st.get("parts") else gr.skip(),
                             [c["state"], c["worst_first"], top["lang"]], [c["rows"]], show_progress="hidden")
+
+    # distillation scorecards: listed when the section is opened, shown when picked, relabelled on a language switch
+    c["distill_group"].expand(list_distill_reports, [c["distill_report"], top["lang"]],
+                              [c["distill_report"], c["distill_summary"]], show_progress="hidden")
+    c["distill_report"].change(distill_card, [c["distill_report"], top["lang"]],
+                               [c["distill_summary"], c["distill_card"]], show_progress="hidden")
+    top["lang"].change(distill_card, [c["distill_report"], top["lang"]], [c["distill_summary"], c["distill_card"]],
+                       show_progress="hidden")
 
     # a reward model (top bar) switches the tab to scoring pairs: reward_mode_update says how
     for source in (top["model_name_or_path"], top["adapter_name_or_path"]):

@@ -89,6 +89,7 @@ def recipe_facts(model_dir: Path) -> dict:
 # TuneBoard with one lever changed: name -> (extra argv, extra env)
 LEVERS = {
     "padded": ([], {"TUNEBOARD_PADDING_FREE": "0"}),
+    "no-varlen": ([], {"TUNEBOARD_VARLEN": "0"}),
     "plain-loss": ([], {"TUNEBOARD_CHUNKED_LOSS": "0"}),
     "padded+plain-loss": ([], {"TUNEBOARD_PADDING_FREE": "0", "TUNEBOARD_CHUNKED_LOSS": "0"}),
     "no-ckpt": (["gradient_checkpointing=false"], {}),
@@ -142,7 +143,7 @@ def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict
     out_dir.mkdir(parents=True)
     argv = argv[:3] + [str(out_dir)] + argv[3:] if argv[1].endswith("trl_sft.py") else argv + [f"output_dir={out_dir}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env_extra)
-    for switch in ("TUNEBOARD_PADDING_FREE", "TUNEBOARD_CHUNKED_LOSS"):
+    for switch in ("TUNEBOARD_PADDING_FREE", "TUNEBOARD_CHUNKED_LOSS", "TUNEBOARD_VARLEN"):
         if switch not in env_extra:
             env.pop(switch, None)
     log = out_dir / "trainer_log.jsonl"

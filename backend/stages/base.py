@@ -356,9 +356,14 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
 
         problem = padding_free_problem(model)
         if problem is None:
-            run_dir.log("padding-free batches: each batch's rows concatenated, no attention across rows")
+            from backend.attention import use_varlen_attention
+
+            # SDPA over the whole concatenation would compute every row against every other (masked): per row
+            varlen = os.environ.get("TUNEBOARD_VARLEN", "1") != "0" and use_varlen_attention(model) is None
+            run_dir.log("padding-free batches: each batch's rows concatenated, no attention across rows"
+                        + (" (varlen SDPA: one causal attention per row)" if varlen else ""))
             flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
-            return rows, PaddingFreeCollator(flash_attn_kwargs=flash)
+            return rows, PaddingFreeCollator(flash_attn_kwargs=flash or varlen)
         run_dir.log(f"padded batches: padding-free is not exact for this model ({problem})")
     return rows, PaddingCollator(tokenizer)
 

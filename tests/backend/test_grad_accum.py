@@ -4,6 +4,7 @@ gradient norm, and that loss is the mean over every trained token of the 8 rows 
 per-micro-batch means)."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -38,11 +39,11 @@ def initial_state():
     return config, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def train_one_step(initial_state, tmp_path, rows, collator, batch_size, grad_accum, lora=False) -> dict:
+def train_one_step(initial_state, tmp_path, rows, collator, batch_size, grad_accum, lora=False, varlen=False) -> dict:
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     config, state = initial_state
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(copy.deepcopy(config))  # the varlen run switches its config's attention
     model.load_state_dict(state)
     if lora:  # the default fine-tuning method: the Trainer looks through the peft wrapper
         from peft import LoraConfig, get_peft_model
@@ -50,6 +51,10 @@ def train_one_step(initial_state, tmp_path, rows, collator, batch_size, grad_acc
         torch.manual_seed(1)  # same LoRA init in every run
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                  init_lora_weights="gaussian"))
+    if varlen:  # one causal SDPA per row, rows from the collator's cu_seq_lens (backend.attention)
+        from backend.attention import use_varlen_attention
+
+        assert use_varlen_attention(model) is None
     args = TrainingArguments(
         output_dir=str(tmp_path / f"bs{batch_size}_ga{grad_accum}_{len(rows)}"), per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=grad_accum, max_steps=1, learning_rate=1e-6, logging_steps=1,
@@ -96,7 +101,9 @@ def test_ga_is_token_weighted(initial_state, tmp_path, lora):
     packed_rows = pack_rows(rows, 64)
     packed = train_one_step(initial_state, tmp_path, packed_rows, PackedCollator(), 1, len(packed_rows), lora)
     padding_free = train_one_step(initial_state, tmp_path, rows, PaddingFreeCollator(), 2, 4, lora)
+    varlen = train_one_step(initial_state, tmp_path, rows, PaddingFreeCollator(flash_attn_kwargs=True), 2, 4, lora,
+                            varlen=True)
 
-    for run in (one_batch, accumulated, two_by_four, packed, padding_free):
+    for run in (one_batch, accumulated, two_by_four, packed, padding_free, varlen):
         assert run["loss"] == pytest.approx(token_mean, rel=1e-4)
         assert run["grad_norm"] == pytest.approx(one_batch["grad_norm"], rel=1e-4)

@@ -58,6 +58,18 @@ def _nvidia_gpus() -> int:
     return 0
 
 
+def list_gpus() -> list[str]:
+    """The machine's NVIDIA GPUs as `nvidia-smi -L` lists them ("GPU 0: <name> (UUID: ...)"), whatever
+    CUDA_VISIBLE_DEVICES says (it is what the UI's device picker offers); [] without nvidia-smi. No torch."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.startswith("GPU ")]
+
+
 def visible_accelerators() -> int:
     """GPUs this process may use, without importing torch: CUDA_VISIBLE_DEVICES when it is set (an empty
     value or -1 hides them all), else the GPUs the NVIDIA driver lists."""

@@ -381,15 +381,19 @@ class JobQueue:
         _atomic_write(self.dir / "settings.json", json.dumps({"max_concurrent": max(1, int(n))}))
 
     # entries
-    def enqueue(self, spec_yaml: str, run_dir: str | Path, overrides: dict | None = None) -> QueueEntry:
+    def enqueue(self, spec_yaml: str, run_dir: str | Path, overrides: dict | None = None,
+                env: dict | None = None) -> QueueEntry:
         """`overrides`: key=value arguments for the command (a resume: the run dir's run_spec.yaml is
-        kept as it is, never rewritten)."""
+        kept as it is, never rewritten). `env`: this run's own environment variables (CUDA_VISIBLE_DEVICES
+        from the device picker), kept with the entry so whichever process launches it sets them."""
         self.dir.mkdir(parents=True, exist_ok=True)
         entry_id = f"{time.time_ns():020d}"
         path = self.dir / f"{entry_id}.yaml"
         payload = {"run_dir": str(run_dir), "spec_yaml": spec_yaml}
         if overrides:
             payload["overrides"] = dict(overrides)
+        if env:
+            payload["env"] = {str(k): str(v) for k, v in env.items()}
         _atomic_write(path, yaml.safe_dump(payload, sort_keys=False, allow_unicode=True))
         return self._entry(path)
 
@@ -446,7 +450,7 @@ class JobQueue:
                 else:
                     spec_path = write_spec_yaml(run_dir, data["spec_yaml"])
                 argv = self.command(spec_path, overrides) if overrides else self.command(spec_path)
-                launch(run_dir, argv, env=env)
+                launch(run_dir, argv, env={**(env or {}), **(data.get("env") or {})})
                 launched.append(str(run_dir))
             except (OSError, KeyError, TypeError, yaml.YAMLError) as exc:
                 # The entry is consumed either way; the reason goes where the Runs tab shows it.
@@ -466,8 +470,8 @@ def start_or_queue(spec_yaml: str, run_dir: str | Path, root: Path | None = None
     The queue goes first so an earlier queued spec is never overtaken. `overrides`: a resume of an
     existing run dir (see JobQueue.enqueue)."""
     q = JobQueue(root, command=command)
-    entry = q.enqueue(spec_yaml, run_dir, overrides)
-    launched = q.pump(env=env)
+    entry = q.enqueue(spec_yaml, run_dir, overrides, env=env)  # the entry's own: not for the others pumped here
+    launched = q.pump()
     # The UI's QueueWorker may pump between the enqueue and our pump and launch this very entry: then it
     # is gone from the queue and our pump launches nothing, but the run has started all the same.
     taken = not Path(entry.path).exists()

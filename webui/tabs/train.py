@@ -95,6 +95,10 @@ def build(reg, top: dict) -> dict:
                         with gr.Row():
                             for row, value in group_rows[i:i + 3]:
                                 c["fields"][row.name] = _widget(reg, row, value)
+                    if group == "distributed":  # the GPUs nvidia-smi lists; hidden on a machine without
+                        gpus = device_choices()
+                        c["devices"] = reg.comp(gr.CheckboxGroup, "train-devices", choices=gpus, value=[],
+                                                visible=bool(gpus))
             with reg.accordion("train-group-passthrough", open=False):
                 c["extra_args"] = reg.comp(gr.Code, F.EXTRA_ARGS_ID, language="yaml", value="", lines=4)
         with gr.Column(scale=4, min_width=420):
@@ -376,6 +380,21 @@ def adapter_picker_update(lang: str = "en"):
     return gr.update(choices=choices.adapter_pairs(lang=lang))
 
 
+def device_choices() -> list[tuple[str, str]]:
+    """The device picker's choices: (label, index) for each GPU `nvidia-smi -L` lists (no torch in the UI);
+    [] where there is none, and the picker stays hidden."""
+    from backend import launch
+
+    return [(line.split(" (UUID")[0], line.split(":", 1)[0].removeprefix("GPU ").strip())
+            for line in launch.list_gpus()]
+
+
+def devices_env(devices) -> dict | None:
+    """The launched run's environment for the picked GPU indices; None (inherit) when none is picked."""
+    picked = [str(d) for d in devices or []]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(picked)} if picked else None
+
+
 def _run_name(run_dir: str) -> str:
     try:
         return str(Path(run_dir).relative_to(paths.saves_dir()))
@@ -454,9 +473,10 @@ def wire(c: dict, state) -> None:
             comp.change(refresh_preflight, [top["lang"], *inputs], [c["preflight"]], show_progress="hidden")
     top["lang"].change(refresh_preflight, [top["lang"], *inputs], [c["preflight"]], show_progress="hidden")
 
-    def do_start(st, log_scale, lang, *values):
-        """Inputs: state, log-scale, form. Validates first; launches (or queues) `tuneboard train` with
-        run_spec.yaml written into the new run dir. Outputs: errors, per-field errors, message, live view."""
+    def do_start(st, log_scale, lang, devices, *values):
+        """Inputs: state, log-scale, language, picked GPUs (the run's CUDA_VISIBLE_DEVICES), form. Validates
+        first; launches (or queues) `tuneboard train` with run_spec.yaml written into the new run dir.
+        Outputs: errors, per-field errors, message, live view."""
         flat, pre = collect(names, top_names, list(values))
         spec, errors = check(flat, pre, lang)
         refused = (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
@@ -471,7 +491,7 @@ def wire(c: dict, state) -> None:
                                      "empty for a new one)")]
             return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
                     st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
-        how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir)
+        how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir, env=devices_env(devices))
         msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))
         if spec.adapter_name_or_path:
             msg += tr(lang, "msg.continues", adapter=spec.adapter_name_or_path)
@@ -505,7 +525,7 @@ def wire(c: dict, state) -> None:
     def then_legend(event):
         event.then(refresh_legend, [state], [state, c["loss_plot"], *plot_comps], show_progress="hidden")
 
-    then_legend(c["start"].click(do_start, [state, c["log_scale"], top["lang"], *inputs],
+    then_legend(c["start"].click(do_start, [state, c["log_scale"], top["lang"], c["devices"], *inputs],
                                  [c["errors"], *field_comps, *live_outputs]))
     # Ticks update the state dict in place (Gradio hands handlers the stored object) and never write the
     # state back: a tick that read the state just before Start would otherwise put the old run back over

@@ -99,7 +99,7 @@ def test_unimplemented_stage_is_refused_before_launch(tiny_llama, tmp_path):
     out = tmp_path / "ppo"
     proc = train(*tiny_args(tiny_llama, out, "stage=ppo"))
     assert proc.returncode == 1
-    assert "stage: stage 'ppo' is not implemented yet" in proc.stderr
+    assert "stage: stage 'ppo': TRL" in proc.stderr and "has no PPOTrainer" in proc.stderr
     assert not out.exists()  # refused by validation: no run directory, nothing launched
 
 

@@ -172,11 +172,16 @@ def read_deepspeed_config(value) -> dict:
 
 def zero_stage(spec) -> int | None:
     """The ZeRO stage of the spec's DeepSpeed config (None without one, or when it cannot be read)."""
-    if not spec.deepspeed:
+    return config_zero_stage(spec.deepspeed)
+
+
+def config_zero_stage(value) -> int | None:
+    """The ZeRO stage of a `deepspeed:` value as typed in a spec or the form (None when empty or unreadable)."""
+    if not value:
         return None
     try:
-        return int(read_deepspeed_config(spec.deepspeed).get("zero_optimization", {}).get("stage", 0))
-    except ValueError:
+        return int(read_deepspeed_config(value).get("zero_optimization", {}).get("stage", 0))
+    except (ValueError, TypeError):
         return None
 
 

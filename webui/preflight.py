@@ -65,13 +65,7 @@ def layout(flat: dict) -> tuple[int, int, int | None]:
     except (TypeError, ValueError):
         local = 1
     nodes = flat.get("nnodes") if isinstance(flat.get("nnodes"), int) and flat.get("nnodes") > 0 else 1
-    stage = None
-    if flat.get("deepspeed"):
-        try:
-            stage = int(launch.read_deepspeed_config(flat["deepspeed"]).get("zero_optimization", {}).get("stage", 0))
-        except (ValueError, TypeError):
-            stage = None
-    return local, local * nodes, stage
+    return local, local * nodes, launch.config_zero_stage(flat.get("deepspeed"))
 
 
 def shard(weights: float, state: float, world: int, stage: int | None) -> tuple[float, float]:

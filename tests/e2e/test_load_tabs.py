@@ -8,15 +8,13 @@ PRINTED for the report; the test asserts only that every tab answered and kept u
 (the machine is shared and loaded). The run is aborted at the end and must leave no process behind."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
-import psutil
 import pytest
 from playwright.sync_api import expect
 
-from waiting import wait_for
+from waiting import in_group, wait_for
 from webui import jobs
 
 TABS = 5
@@ -49,18 +47,7 @@ plot_loss: false
     pid = jobs.launch(run, jobs.train_argv(spec))
     yield run
     jobs.abort(run, term_after_s=30, kill_after_s=10, wait=True)
-    wait_for(lambda: not _group(pid), timeout=60, what="the run's processes to end")
-
-
-def _group(pgid: int) -> list:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (OSError, psutil.Error):
-            continue
-    return found
+    wait_for(lambda: not in_group(pid), timeout=60, what="the run's processes to end")
 
 
 def test_five_tabs_watching_one_run_stay_responsive(browser, browser_context_args, app_url, long_run):

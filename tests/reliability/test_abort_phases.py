@@ -13,16 +13,14 @@ exported (aborted while writing, over an earlier export) and evaluated (aborted 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 
 from backend.rundir import read_status
-from waiting import wait_for
+from waiting import in_group, wait_for
 from webui import jobs, tools
 
 pytestmark = pytest.mark.slow
@@ -47,18 +45,6 @@ plot_loss: false
 def hooked_cli(monkeypatch):
     """`tuneboard` is the hook script for every job the UI functions launch in these tests."""
     monkeypatch.setattr(jobs, "tuneboard_argv", lambda: [sys.executable, HOOKS])
-
-
-def in_group(pgid: int) -> list[psutil.Process]:
-    """Live processes of the process group `pgid` (the job's session: the CLI and anything it started)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (OSError, psutil.Error):
-            continue
-    return found
 
 
 def launched_pid(job_dir: Path) -> int:

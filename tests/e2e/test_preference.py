@@ -146,7 +146,7 @@ def test_data_tab_shows_a_ranking_row_as_prompt_chosen_rejected(app_page, shot):
 
     raw = json.loads((DATA_DIR / "dpo_en_demo.json").read_text())[0]
     open_tab(app_page, "Data")
-    set_dropdown(app_page, "data-dataset", "dpo_en_demo")
+    pick_option(app_page, "data-dataset", "dpo_en_demo")
     preview = app_page.locator("#data-preview")
     expect(preview.locator('[data-part="rejected"] .tb-trained').first).to_be_visible(timeout=120_000)
     expect(preview.locator('[data-part="prompt"]')).to_contain_text(raw["instruction"])

@@ -212,7 +212,8 @@ def test_output_dir_and_passthrough_paths_outside_are_refused(client, where):
     errors = client.predict(**{_form_param("extra_args", 1): "deepspeed: /etc/passwd\n"}, api_name="/do_preview")[0]
     errors = errors["value"]
     assert "deepspeed" in errors and "/etc/passwd" in errors and "root:" not in errors, errors
-    started = client.predict(**{_form_param("output_dir", 3): str(out)}, api_name="/do_start")
+    # /do_start: state, log scale, language and the picked GPUs come before the form
+    started = client.predict(**{_form_param("output_dir", 4): str(out)}, api_name="/do_start")
     assert "not allowed" in started[0]["value"] and not out.exists()
 
 

@@ -65,6 +65,10 @@ def test_generate_poll_finetune_and_score(tmp_path, root, tiny_qwen2, monkeypatc
         assert "accepted **6**" in counts and "duplicate 1" in counts
         assert len(pairs) == 7 and set(pairs["result"]) == {"✓ accepted", "✗ duplicate: near-duplicate of a.txt#0"}
         assert json.loads((tmp_path / "data" / "dataset_info.json").read_text())["ui_facts"]["file_name"] == "ui_facts.json"
+        # the Data tab switches to it for the page that watched the job, not for a reload after its end
+        assert tab.data_tab_target(st) == (str(tmp_path / "data"), "ui_facts")
+        reloaded = tab.poll(tab.attach(st["job"]))[0]
+        assert reloaded["out"] == st["out"] and tab.data_tab_target(reloaded) is None
         # Fine-tune on it: LoRA SFT of the student on the new dataset
         spec, note = tab.finetune_spec(st)
         assert spec.dataset == "ui_facts" and spec.finetuning_type == "lora" and spec.stage == "sft"
@@ -92,3 +96,106 @@ def test_a_reloaded_page_attaches_to_the_newest_distill_job(tmp_path, root):
     assert st["job"] == str(job) and st["kind"] == "score" and st["out"] == str(root / "distill" / "mine")
     assert "picked up again" in message
     assert tab.on_load(st) == (tab.gr.skip(), tab.gr.skip(), tab.gr.skip())
+
+
+# ------------------------------------------------------------------ the page's language, "Fine-tune on it"
+
+def fake_run(folder: Path, dataset_dir: Path, train_args: dict | None = None) -> dict:
+    """A distill run folder as step generate leaves it (distill_spec.yaml + progress.json with the registered
+    dataset), without running it: the tab's state for it."""
+    import yaml
+
+    folder.mkdir(parents=True)
+    spec = {"documents": str(folder), "task": "Extract the facts as JSON.", "dataset_name": "facts",
+            "model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "dataset_dir": str(dataset_dir),
+            "train_args": train_args or {}}
+    (folder / "distill_spec.yaml").write_text(yaml.safe_dump(spec))
+    progress = {"state": "completed", "documents": 3, "chunks": 11, "train_chunks": 8, "eval_chunks": 3,
+                "accepted": 7, "rejected": {"duplicate": 2, "not JSON": 1}, "requests": 13, "prompt_tokens": 1200,
+                "completion_tokens": 345, "elapsed_s": 42.4, "eta_s": 17, "answered": 9, "to_ask": 11,
+                "latest": [{"chunk": "a.txt#0", "split": "train", "reason": None, "prompt": "p", "answer": "a"},
+                           {"chunk": "b.txt#1", "split": "eval", "reason": "duplicate", "detail": "of a.txt#0",
+                            "prompt": "q", "answer": "b"}],
+                "dataset": {"name": "facts", "eval_name": "facts_eval", "train_rows": 5, "eval_rows": 2,
+                            "dataset_dir": str(dataset_dir), "cutoff_len": 192}}
+    (folder / "progress.json").write_text(json.dumps(progress))
+    return {**tab.new_state(), "out": str(folder), "kind": "generate"}
+
+
+def test_messages_follow_the_page_language(tmp_path, root):
+    """The same handler in two languages: two different texts carrying the same numbers and names."""
+    st = fake_run(tmp_path / "run", tmp_path / "data")
+    p = read_progress(st["out"])
+    en, zh = tab.counts_text(p), tab.counts_text(p, "zh")
+    assert en.startswith("**3** documents → **11** chunks (8 train, 3 eval)") and "duplicate 2" in en
+    assert "文档" in zh and "documents" not in zh and "重复 2" in zh and "不是 JSON 1" in zh
+    for number in ("**3**", "**11**", "**7**", "**3**", "13", "1545", "42 s", "17"):
+        assert number in en and number in zh, number
+    de = tab.pairs_frame(p, "de")
+    assert list(de.columns) == ["Abschnitt", "Aufteilung", "Ergebnis", "Prompt", "Antwort"]
+    assert list(de["Ergebnis"]) == ["✓ angenommen", "✗ Duplikat: of a.txt#0"]
+    assert list(tab.pairs_frame(p).columns) == tab.PAIR_COLUMNS
+    status = {"state": "completed"}
+    done_en, done_es = (tab.ended_message(st, status, p, "completed", None, lang) for lang in ("en", "es"))
+    assert done_en.startswith("✓ dataset facts registered: 5 train rows, 2 eval rows (facts_eval)")
+    assert done_es.startswith("✓ conjunto de datos facts registrado: 5 filas de entrenamiento, 2 filas de evaluación")
+    assert f"`{tmp_path / 'data'}`" in done_en and f"`{tmp_path / 'data'}`" in done_es
+    stop_en, stop_fr = (tab.ended_message(st, {}, p, "aborted", None, lang) for lang in ("en", "fr"))
+    assert "9 of 11 chunks" in stop_en and "9 segments sur 11" in stop_fr
+    report = {"rows": 2}
+    card_ja = tab.ended_message({**st, "kind": "score"}, status, p, "completed", report, "ja")
+    assert card_ja.startswith("2 件のホールドアウトペアのスコアカード") and "distill_report.json" in card_ja
+    assert tab.abort(tab.new_state(), "fr")[1] == "Rien n'est en cours."
+    assert tab.abort(tab.new_state())[1] == "Nothing is running."
+    assert tab.start_generate(tab.new_state(), {"documents": ""}, lang="ko")[1].startswith("⛔ `documents`: 폴더를")
+    assert tab.start_score(tab.new_state(), None, "ru")[1].startswith("⛔ Сначала сгенерируйте")
+    job = tools.new_job_dir("distill")
+    job.mkdir(parents=True)
+    (job / tools.TOOL_SPEC).write_text(f"documents: {tmp_path}\ntask: t\ndataset_name: mine\n")
+    loaded = {lang: tab.on_load(tab.new_state(), lang)[1] for lang in ("en", "de")}
+    assert loaded["en"] != loaded["de"] and all(f"`{job.name}`" in m for m in loaded.values())
+    assert "Neuladen" in loaded["de"]
+
+
+@pytest.fixture(scope="module")
+def finetune_handler():
+    """The wired "Fine-tune on it" handler of a real page, and the names of its outputs (message, tabs, the
+    Train form: top bar fields, booster, extra args, form fields)."""
+    from webui.app import create_app
+
+    demo = create_app()
+    dep = next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_finetune")
+    assert [c.elem_id for c in dep.inputs[1:]] == ["top-finetuning_type", "top-quantization_bit", "top-lang"]
+    return dep.fn, [getattr(c, "elem_id", None) for c in dep.outputs]
+
+
+def test_finetune_on_it_keeps_the_top_bar_method_and_quantization(tmp_path, finetune_handler):
+    handler, names = finetune_handler
+    st = fake_run(tmp_path / "run", tmp_path / "data")
+
+    def form(method, quant, lang="en"):
+        out = handler(st, method, quant, lang)
+        return out[0], dict(zip(names[2:], out[2:]))
+
+    message, values = form("lora", "4")
+    assert values["top-finetuning_type"] == "lora" and values["top-quantization_bit"] == "4"
+    assert values["top-model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the student
+    assert values["train-dataset"] in ("facts", ["facts"]) and values["train-cutoff_len"] == 192
+    assert "QLoRA (4-bit) SFT of `HuggingFaceTB/SmolLM2-135M-Instruct` on `facts`" in message
+    message, values = form("full", "none")
+    assert values["top-finetuning_type"] == "full" and values["top-quantization_bit"] == "none"
+    assert "full-parameter SFT" in message and "quantization" not in message
+    # 4-bit makes no sense with freeze: left out, and the message says why
+    message, values = form("freeze", "4")
+    assert values["top-finetuning_type"] == "freeze" and values["top-quantization_bit"] == "none"
+    assert "freeze (last layers) SFT" in message and "4-bit quantization is left out" in message
+    zh_message, _ = form("freeze", "4", "zh")
+    assert "冻结" in zh_message and "4 位量化" in zh_message and "`facts`" in zh_message
+    # nothing picked: LoRA
+    message, values = form(None, None)
+    assert values["top-finetuning_type"] == "lora" and values["top-quantization_bit"] == "none"
+    assert "LoRA SFT" in message
+    # the distill spec's own train_args win over the top bar
+    spec, message = tab.finetune_spec(fake_run(tmp_path / "run2", tmp_path / "data", {"finetuning_type": "full"}),
+                                      "lora", "8")
+    assert spec.finetuning_type == "full" and spec.quantization_bit is None and "8-bit" in message

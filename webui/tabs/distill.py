@@ -25,7 +25,7 @@ from backend import allowed, paths
 from backend.distill import REASONS, SPEC_FILE, TRAIN_DIRNAME, read_progress, read_report, report_rows
 from backend.distill.documents import SUFFIXES
 from webui import jobs, tools
-from webui.i18n import refusal
+from webui.i18n import headers, refusal, tr
 from webui.tailer import FileTail
 
 TICK_S = 1.0
@@ -181,7 +181,7 @@ def launch(st: dict, flat: dict, kind: str, lang: str = "en") -> tuple[dict, str
     from backend.distill.spec import DistillSpecError, validate_distill
 
     if tools.alive((st or {}).get("job")):
-        return st, "A distill job is already running in this tab: wait for it or abort it.", False
+        return st, tr(lang, "distill.busy"), False
     refused = check_paths(flat)
     if refused:
         return st, "  \n".join(refusal(lang, exc) for exc in refused), False
@@ -192,16 +192,15 @@ def launch(st: dict, flat: dict, kind: str, lang: str = "en") -> tuple[dict, str
     out = spec.resolved_output_dir()
     job = tools.new_job_dir("distill")
     tools.start("distill", job, yaml.safe_dump(flat, sort_keys=False, allow_unicode=True))
-    st = {"job": str(job), "out": str(out), "kind": kind, "log": None, "lines": []}
-    what = "Generating pairs" if kind == "generate" else "Scoring the student"
-    return st, f"{what}: run folder `{out}`", True
+    st = {"job": str(job), "out": str(out), "kind": kind, "log": None, "lines": [], "watched": True}
+    return st, tr(lang, "distill.generating" if kind == "generate" else "distill.scoring", out=out), True
 
 
 def start_generate(st: dict, flat: dict, uploads=None, lang: str = "en") -> tuple[dict, str, bool]:
     if uploads:
         flat = {**flat, "documents": stage_uploads(uploads)}
     if not flat.get("documents"):
-        return st, "⛔ `documents`: give a folder or upload files", False
+        return st, tr(lang, "distill.no_documents"), False
     return launch(st, {**flat, "steps": "generate"}, "generate", lang)
 
 
@@ -222,7 +221,7 @@ def start_score(st: dict, adapter: str | None, lang: str = "en") -> tuple[dict, 
     out = (st or {}).get("out")
     spec = run_spec_of(out)
     if spec is None or not read_progress(out).get("dataset"):
-        return st, "⛔ Generate a dataset first: the scorecard compares the student with the teacher on its held-out pairs.", False
+        return st, tr(lang, "distill.score_first"), False
     flat = spec.model_dump(mode="json", exclude_defaults=True)
     flat.update(steps="score", output_dir=str(out))
     adapter = (adapter or "").strip() or None
@@ -231,25 +230,45 @@ def start_score(st: dict, adapter: str | None, lang: str = "en") -> tuple[dict, 
     return launch(st, flat, "score", lang)
 
 
-def finetune_spec(st: dict):
-    """(RunSpec for the Train form, message): LoRA SFT of the student on the distilled dataset, cutoff_len from
-    the longest pair (backend.distill.pipeline.train_overrides); (None, why) when there is no dataset yet."""
+METHODS = ("lora", "freeze", "full")
+
+
+def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "en"):
+    """(RunSpec for the Train form, message): SFT of the student (the distill run's model) on the distilled
+    dataset, cutoff_len from the longest pair (backend.distill.pipeline.train_overrides); (None, why) when
+    there is no dataset yet. `method` and `quant` are the top bar's finetuning_type and quantization_bit
+    (widget values): LoRA when none is picked, QLoRA when a bit width is picked with LoRA; a bit width with
+    freeze or full is left out (QLoRA needs LoRA), and the message says so. The distill spec's own
+    train_args, when it has them, win over the top bar."""
     from backend.distill.pipeline import train_overrides
     from backend.spec import SpecError, validate_spec
 
     out = (st or {}).get("out")
     spec, dataset = run_spec_of(out), read_progress(out).get("dataset")
     if spec is None or not dataset:
-        return None, "⛔ Generate a dataset first."
+        return None, tr(lang, "distill.finetune_first")
     flat = train_overrides(spec, dataset, Path(out) / TRAIN_DIRNAME)
     flat.pop("overwrite_output_dir", None)
     flat.pop("output_dir", None)
+    if "finetuning_type" not in spec.train_args:
+        flat["finetuning_type"] = method if method in METHODS else "lora"
+    bits = None if quant in (None, "", "none") else int(quant)
+    note = ""
+    if "quantization_bit" not in spec.train_args and bits is not None:
+        if flat["finetuning_type"] == "lora":
+            flat["quantization_bit"] = bits
+        else:
+            note = tr(lang, "distill.quant_dropped", bits=bits)
     try:
         run_spec = validate_spec(flat, check_files=False)
     except SpecError as exc:
         return None, f"⛔ {exc}"
-    return run_spec, (f"The Train form is set for LoRA SFT of `{spec.model_name_or_path}` on `{dataset['name']}` "
-                      f"(cutoff_len {flat['cutoff_len']}): check it and press Start.")
+    if run_spec.finetuning_type == "lora" and run_spec.quantization_bit:
+        what = tr(lang, "distill.method.qlora", bits=run_spec.quantization_bit)
+    else:
+        what = tr(lang, f"distill.method.{run_spec.finetuning_type}")
+    return run_spec, tr(lang, "distill.finetune_set", method=what, model=spec.model_name_or_path,
+                        dataset=dataset["name"], cutoff_len=flat["cutoff_len"]) + note
 
 
 def attach(job_dir: str | None) -> dict:
@@ -266,46 +285,73 @@ def attach(job_dir: str | None) -> dict:
             "kind": "score" if spec.steps == ["score"] else "generate", "log": None, "lines": []}
 
 
-def on_load(st):
+def on_load(st, lang: str = "en"):
     """Re-attach to the newest distill job (running, or ended within the hour: tools.find_job) unless this tab
-    already holds one. Inputs: state. Outputs: state, message, timer."""
+    already holds one. Inputs: state, language. Outputs: state, message, timer."""
     if (st or {}).get("job"):
         return gr.skip(), gr.skip(), gr.skip()
     job = tools.find_job("distill")
     st = attach(job) if job else None
     if not st or not st.get("job"):
         return gr.skip(), gr.skip(), gr.skip()
-    return st, f"Distill job `{Path(job).name}` (picked up again after a reload).", gr.Timer(active=True)
+    return st, tr(lang, "distill.reattached", job=Path(job).name), gr.Timer(active=True)
 
 
-def abort(st: dict) -> tuple[dict, str]:
+def abort(st: dict, lang: str = "en") -> tuple[dict, str]:
     job = (st or {}).get("job")
     if tools.stop(job, grace_s=20.0):  # in-flight requests get their time to end; answered chunks stay cached
         tools.mark_aborted(job)
-        return st, "Stopping… answered chunks are cached: Generate again with the same settings to continue."
-    return st, "Nothing is running."
+        return st, tr(lang, "distill.stopping")
+    return st, tr(lang, "distill.nothing_running")
 
 
-def counts_text(p: dict) -> str:
+def reason_word(reason: str, lang: str = "en") -> str:
+    """A reject reason (backend.distill.REASONS) in `lang`."""
+    return tr(lang, f"distill.reason.{reason}") if reason in REASONS else reason
+
+
+def counts_text(p: dict, lang: str = "en") -> str:
     if not p:
         return ""
     rejected = p.get("rejected") or {}
-    why = ", ".join(f"{r} {rejected[r]}" for r in REASONS if rejected.get(r))
-    parts = [f"**{p.get('documents', 0)}** documents → **{p.get('chunks', 0)}** chunks "
-             f"({p.get('train_chunks', 0)} train, {p.get('eval_chunks', 0)} eval)",
-             f"✓ accepted **{p.get('accepted', 0)}**",
-             f"✗ rejected **{sum(rejected.values())}**" + (f" ({why})" if why else ""),
-             f"requests {p.get('requests', 0)}", f"tokens {p.get('prompt_tokens', 0) + p.get('completion_tokens', 0)}",
+    why = ", ".join(f"{reason_word(r, lang)} {rejected[r]}" for r in REASONS if rejected.get(r))
+    parts = [tr(lang, "distill.counts_chunks", documents=p.get("documents", 0), chunks=p.get("chunks", 0),
+                train=p.get("train_chunks", 0), eval=p.get("eval_chunks", 0)),
+             tr(lang, "distill.counts_accepted", n=p.get("accepted", 0)),
+             tr(lang, "distill.counts_rejected", n=sum(rejected.values())) + (f" ({why})" if why else ""),
+             tr(lang, "distill.counts_requests", n=p.get("requests", 0)),
+             tr(lang, "distill.counts_tokens", n=p.get("prompt_tokens", 0) + p.get("completion_tokens", 0)),
              f"{p.get('elapsed_s', 0):.0f} s"]
     if p.get("eta_s"):
-        parts.append(f"ETA {p['eta_s']:.0f} s")
+        parts.append(tr(lang, "distill.counts_eta", s=f"{p['eta_s']:.0f}"))
     return " · ".join(parts)
 
 
-def pairs_frame(p: dict) -> pd.DataFrame:
-    rows = [[r.get("chunk"), r.get("split"), "✓ accepted" if r.get("reason") is None else f"✗ {r['reason']}: {r.get('detail', '')}",
+def pairs_frame(p: dict, lang: str = "en") -> pd.DataFrame:
+    """The latest pairs (chunk, split, result, prompt, answer), headers and results in `lang` (a reject's
+    detail is the validator's own text)."""
+    rows = [[r.get("chunk"), r.get("split"),
+             tr(lang, "distill.accepted") if r.get("reason") is None
+             else f"✗ {reason_word(r['reason'], lang)}: {r.get('detail', '')}",
              tools.short(r.get("prompt"), 300), tools.short(r.get("answer"), 300)] for r in p.get("latest") or []]
-    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+    return headers(lang, pd.DataFrame(rows, columns=PAIR_COLUMNS))
+
+
+def ended_message(st: dict, status: dict, p: dict, state: str, report: dict | None, lang: str = "en") -> str:
+    """The message line once a job has ended: the scorecard, the registered dataset, stopped, or why it failed."""
+    if st.get("kind") == "score":
+        if report and status.get("state") == "completed":
+            return tr(lang, "distill.scorecard", rows=report.get("rows"), path=Path(st["out"]) / "distill_report.json")
+        return f"✗ {status.get('error') or tr(lang, 'distill.no_report')}"
+    dataset = p.get("dataset")
+    if status.get("state") == "completed" and dataset:
+        held = (tr(lang, "distill.held_rows", eval_rows=dataset["eval_rows"], eval_name=dataset.get("eval_name"))
+                if dataset.get("eval_rows") else "")
+        return tr(lang, "distill.completed", name=dataset.get("name"), train_rows=dataset.get("train_rows"),
+                  held=held, dir=dataset.get("dataset_dir"))
+    if state == "aborted":
+        return tr(lang, "distill.stopped", answered=p.get("answered", 0), to_ask=p.get("to_ask", 0))
+    return f"✗ {status.get('error') or p.get('message') or tr(lang, 'distill.no_result')}"
 
 
 def poll(st: dict, lang: str = "en") -> tuple:
@@ -326,24 +372,25 @@ def poll(st: dict, lang: str = "en") -> tuple:
     else:
         done, total = (p.get("answered", 0) + p.get("failed", 0)), p.get("to_ask")
     state = "running" if running else ("aborted" if tools.was_aborted(job) else status.get("state") or "failed")
-    bar = tools.progress_html(state, done, total, "scoring" if st.get("kind") == "score" else "generating", lang)
+    bar = tools.progress_html(state, done, total, tr(lang, "distill.bar_scoring" if st.get("kind") == "score"
+                                                     else "distill.bar_generating"), lang)
     log = "\n".join(st["lines"])
     if running:
-        return st, bar, counts_text(p), pairs_frame(p), gr.skip(), log, gr.skip(), gr.Timer(active=True)
-    if st.get("kind") == "score":
-        report = read_report(st.get("out"))
-        card = pd.DataFrame(report_rows(report), columns=SCORE_COLUMNS) if report else gr.skip()
-        message = (f"Scorecard of {report.get('rows')} held-out pairs: `{Path(st['out']) / 'distill_report.json'}`"
-                   if report and status.get("state") == "completed" else f"✗ {status.get('error') or 'scoring ended without a report: see the log'}")
-        return st, bar, counts_text(p), pairs_frame(p), card, log, message, gr.Timer(active=False)
-    dataset = p.get("dataset")
-    if status.get("state") == "completed" and dataset:
-        message = (f"✓ {p.get('message')}. Preview it in the **Data** tab, or press **Fine-tune on it**.")
-    elif state == "aborted":
-        message = p.get("message") or "■ Stopped: generate again with the same settings to continue from the cache."
-    else:
-        message = f"✗ {status.get('error') or p.get('message') or 'the job ended without a result: see the log'}"
-    return st, bar, counts_text(p), pairs_frame(p), gr.skip(), log, message, gr.Timer(active=False)
+        st["watched"] = True  # its end is news: the Data tab may switch to the new dataset (data_tab_target)
+        return st, bar, counts_text(p, lang), pairs_frame(p, lang), gr.skip(), log, gr.skip(), gr.Timer(active=True)
+    report = read_report(st.get("out")) if st.get("kind") == "score" else None
+    card = headers(lang, pd.DataFrame(report_rows(report), columns=SCORE_COLUMNS)) if report else gr.skip()
+    message = ended_message(st, status, p, state, report, lang)
+    return st, bar, counts_text(p, lang), pairs_frame(p, lang), card, log, message, gr.Timer(active=False)
+
+
+def data_tab_target(st: dict | None) -> tuple[str, str] | None:
+    """(dataset folder, name) the Data tab switches to once a job this page watched has registered its dataset;
+    None for a job that had already ended when a reload picked it up: that leaves the user's pick alone."""
+    dataset = read_progress((st or {}).get("out")).get("dataset")
+    if not dataset or not st.get("watched"):
+        return None
+    return dataset["dataset_dir"], dataset["name"]
 
 
 def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> None:
@@ -371,7 +418,8 @@ def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> Non
         st, message, started = start_generate(st, distill_flat(*values), uploads, lang)
         if not started:
             return message, st, gr.skip(), gr.skip(), gr.skip()
-        return message, st, tools.progress_html("starting", 0, None, "starting…"), empty(PAIR_COLUMNS), gr.Timer(active=True)
+        return (message, st, tools.progress_html("starting", 0, None, tr(lang, "distill.bar_starting"), lang),
+                headers(lang, empty(PAIR_COLUMNS)), gr.Timer(active=True))
 
     c["start"].click(on_start, [c["state"], top["lang"], c["upload"], *form],
                      [c["message"], c["state"], c["progress"], c["pairs"], c["timer"]])
@@ -381,35 +429,53 @@ def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> Non
         st, message, started = start_score(st, adapter, lang)
         if not started:
             return message, st, gr.skip(), gr.skip()
-        return message, st, empty(SCORE_COLUMNS), gr.Timer(active=True)
+        return message, st, headers(lang, empty(SCORE_COLUMNS)), gr.Timer(active=True)
 
     c["score"].click(on_score, [c["state"], top["lang"], top["adapter_name_or_path"]],
                      [c["message"], c["state"], c["scorecard"], c["timer"]])
-    c["abort"].click(lambda st: tuple(reversed(abort(st))), [c["state"]], [c["message"], c["state"]])
+    c["abort"].click(lambda st, lang: tuple(reversed(abort(st, lang))), [c["state"], top["lang"]],
+                     [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], top["lang"]], view, show_progress="hidden")
 
     top_names = list(F.TOPBAR_FIELDS)
     inputs = [top[n] for n in top_names] + [top["booster"], train["extra_args"]] + \
              [train["fields"][n] for n in train["names"]]
 
-    def on_finetune(st):
-        """Fill the Train form for LoRA SFT on the distilled dataset. Outputs: message, tabs, the form."""
-        spec, message = finetune_spec(st)
+    def on_finetune(st, method, quant, lang):
+        """Fill the Train form for SFT of the student on the distilled dataset (the top bar's method and
+        quantization, LoRA by default: finetune_spec). Inputs: state, top bar's method, quantization, language.
+        Outputs: message, tabs, the form."""
+        spec, message = finetune_spec(st, method, quant, lang)
         if spec is None:
             return (message, gr.skip(), *([gr.skip()] * len(inputs)))
         return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
 
-    c["finetune"].click(on_finetune, [c["state"]], [c["message"], tabs, *inputs])
+    c["finetune"].click(on_finetune, [c["state"], top["finetuning_type"], top["quantization_bit"], top["lang"]],
+                        [c["message"], tabs, *inputs])
+
+    def relabel(st, lang):
+        """A language switch: the tables' headers, the counts and the latest pairs in the new language (the
+        message line stays until the next one). Inputs: state, language. Outputs: progress, counts, pairs,
+        scorecard."""
+        out = (st or {}).get("out")
+        if not (st or {}).get("job"):
+            return (tools.progress_html("idle", 0, None, lang=lang), "", headers(lang, empty(PAIR_COLUMNS)),
+                    headers(lang, empty(SCORE_COLUMNS)))
+        p = read_progress(out)
+        report = read_report(out) if st.get("kind") == "score" else None
+        card = headers(lang, pd.DataFrame(report_rows(report), columns=SCORE_COLUMNS)) if report else gr.skip()
+        return gr.skip(), counts_text(p, lang), pairs_frame(p, lang), card
+
+    top["lang"].change(relabel, [c["state"], top["lang"]], [c["progress"], c["counts"], c["pairs"], c["scorecard"]],
+                       show_progress="hidden")
     if data is not None:
         from webui import choices
 
         def to_data_tab(st):
-            """Once a dataset is registered, the Data tab shows it (folder, name). Inputs: state. Outputs:
-            data folder, dataset."""
-            dataset = read_progress((st or {}).get("out")).get("dataset")
-            if not dataset:
+            """Inputs: state. Outputs: data folder, dataset (see data_tab_target)."""
+            target = data_tab_target(st)
+            if target is None:
                 return gr.skip(), gr.skip()
-            return (dataset["dataset_dir"], gr.update(choices=choices.dataset_names(dataset["dataset_dir"]),
-                                                      value=dataset["name"]))
+            return target[0], gr.update(choices=choices.dataset_names(target[0]), value=target[1])
 
         c["message"].change(to_data_tab, [c["state"]], [data["dir"], data["dataset"]], show_progress="hidden")

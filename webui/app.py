@@ -165,7 +165,8 @@ def create_app() -> gr.Blocks:
         # the form's inputs, in train_tab.spec_to_inputs order: top bar, booster, extra args, form fields
         form_inputs = [top[n] for n in F.TOPBAR_FIELDS] + [top["booster"], train["extra_args"]] + \
             [train["fields"][n] for n in train["names"]]
-        demo.load(distill_tab.on_load, [distill["state"]], [distill["state"], distill["message"], distill["timer"]])
+        demo.load(distill_tab.on_load, [distill["state"], top["lang"]],
+                  [distill["state"], distill["message"], distill["timer"]])
         demo.load(on_load, [state, export["state"], evaluate["state"]],
                   [state, train["timer"], train["message"], *form_inputs, export["state"], export["message"],
                    export["timer"], evaluate["state"], evaluate["message"], evaluate["timer"]])

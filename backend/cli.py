@@ -15,6 +15,7 @@ USAGE = """usage: tuneboard <command> [args]
 commands:
   train    [SPEC.yaml] [key=value ...]   train a model (SFT, PT, ...) into a run directory
   validate SPEC.yaml [key=value ...]     check a spec; print "ok" and the resolved spec, or the errors
+  probe    SPEC.yaml [key=value ...]     measure a run's peak memory and s/step in 2 steps (longest rows first)
   preview  --dataset NAME | --messages FILE.json [options]
                                          show how rows are templated and which tokens are trained
   chat     [SPEC.yaml] [key=value ...] [--query TEXT]
@@ -80,6 +81,12 @@ def cmd_train(args: list[str]) -> int:
     from backend.train import run
 
     return run(spec, args)
+
+
+def cmd_probe(args: list[str]) -> int:
+    from backend.probe import main as probe_main
+
+    return probe_main(args)
 
 
 def cmd_fields(args: list[str]) -> int:
@@ -154,6 +161,7 @@ def cmd_eval(args: list[str]) -> int:
 COMMANDS = {
     "train": cmd_train,
     "validate": cmd_validate,
+    "probe": cmd_probe,
     "preview": cmd_preview,
     "chat": cmd_chat,
     "api": cmd_api,

@@ -23,6 +23,8 @@ COMPLETIONS_FILE = "completions.jsonl"  # stage grpo: a sample of the completion
 LAUNCH_FILE = "launch.json"  # written by the web UI's job launcher: the launched pid, its argv and launch time
 PROCESS_LOG = "process_output.log"  # the launched process's stdout and stderr (the UI's launcher writes it)
 DISTILL_REPORT_FILE = "distill_report.json"  # a distill run folder's scorecard (`tuneboard distill`, step score)
+PROBE_RESULT_FILE = "probe.json"  # `tuneboard probe --out`: the measured peak memory, s/step, fits, suggestions
+PROBE_MEASURE_FILE = "probe_measures.json"  # a probe's child writes what its parent cannot see (rows, CUDA peak)
 CHECKPOINT_PREFIX = "checkpoint-"
 # What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
 # a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.

@@ -238,6 +238,10 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     if eval_dataset is not None and getattr(spec, "early_stopping_patience", None):
         early = EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience)
         callbacks.append(early)
+    from backend import probe
+
+    if probe.active():  # a `tuneboard probe` child: longest rows first, measured (backend/probe.py)
+        train_dataset, collator = probe.instrument(train_dataset, collator, callbacks)
     trainer = (trainer_class or Trainer)(
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=collator, processing_class=tokenizer, callbacks=callbacks, **trainer_kwargs,

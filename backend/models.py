@@ -488,6 +488,20 @@ def quantization_config(spec: Any, dtype: torch.dtype):
     raise ValueError(f"quantization_bit: {bits} is not supported (choose 4 or 8, through bitsandbytes)")
 
 
+def keep_4bit_layout_trainable(model) -> int:
+    """Switch off bitsandbytes' CPU inference repacking on every 4-bit layer of a model that will train; returns
+    how many layers. On a CPU with avx512_bf16, Linear4bit.forward in eval mode without grad (our padding-free
+    probe, an evaluation) rewrites the weight into an AVX512-BF16 layout (`_convert_weight_packed_for_cpu`),
+    and from then on matmul_4bit runs `gemv_4bit`, which has no autograd kernel: the backward stops at every
+    base layer (measured: the LoRA gradients of all but the last layer became 0), and under DeepSpeed ZeRO-3
+    the repacked weight, partitioned, breaks the checkpoint's state_dict ('packed_weight should be [N, K/2]'
+    in `_convert_weight_packed_for_cpu_inverse`). The guard is the layer's own `support_avx512bf16_for_cpu`."""
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
 def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True, warn: Warn | None = None,
                reward_head: bool = False):
     """The base model, ready for apply_finetuning(): dtype from bf16/fp16 (fp32 fallback), attention from
@@ -544,6 +558,7 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
     if quant is not None:
         from peft import prepare_model_for_kbit_training
 
+        keep_4bit_layout_trainable(model)
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=checkpointing,

@@ -6,6 +6,7 @@ chosen + rejected sequences of a pairwise stage (twice the batch through the mod
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import psutil
 
@@ -134,3 +135,118 @@ def summary_md(flat: dict, lang: str = "en") -> str:
               acts=f'{e["activations"] / gib:.1f}', more=pairs + extra + split,
               free=f'{e["available"] / gib:.1f}', machine=f'{e["machine"] / gib:.1f}', verdict=verdict)
     return f'<span class="{cls}">{text}</span>'
+
+
+# ------------------------------------------------------------------ the measured pre-flight (tuneboard probe)
+# The formula above is a guess; `tuneboard probe` (backend/probe.py) trains the exact spec for 2 steps with its
+# longest rows first in a subprocess and measures. Here it runs as a background job like Export / Evaluate
+# (saves/.tools/probe-<time>/, webui/tools.py); the tab polls the JSON it writes. No torch in this process.
+
+UNSURE_SHARE = 0.7  # above this share of the free memory, the formula is not trusted: Start offers the probe
+PROBE_TIMEOUT_S = 1800
+
+
+def unsure(flat: dict) -> dict | None:
+    """The estimate when it is too close to the free memory to trust (above UNSURE_SHARE of it), else None
+    (small runs, or a model of unknown size: Start is never held up for those)."""
+    e = estimate(flat)
+    if e["known"] and e["total"] > UNSURE_SHARE * e["available"]:
+        return e
+    return None
+
+
+def unsure_md(e: dict, lang: str = "en") -> str:
+    gib = 1024 ** 3
+    return tr(lang, "pf.unsure", total=f'{e["total"] / gib:.1f}', free=f'{e["available"] / gib:.1f}')
+
+
+def start_probe(spec_yaml: str, root=None, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """Launches `tuneboard probe --out <job>/probe.json <job>/tool_spec.yaml` in its own session; returns the job
+    folder."""
+    from backend.rundir import PROBE_RESULT_FILE
+    from webui import jobs, tools
+
+    job = tools.new_job_dir("probe", root)
+    job.mkdir(parents=True, exist_ok=True)
+    spec_path = job / tools.TOOL_SPEC
+    jobs._atomic_write(spec_path, spec_yaml)
+    argv = jobs.tuneboard_argv() + ["probe", "--timeout", str(int(timeout_s)), "--out", str(job / PROBE_RESULT_FILE),
+                                    str(spec_path)]
+    jobs.launch(job, argv)
+    return str(job)
+
+
+def stop_probe(job) -> bool:
+    """Abort: the probe's process group is stopped (it kills its child and removes its folder)."""
+    from webui import tools
+
+    if not job or not tools.alive(job):
+        return False
+    tools.mark_aborted(job)
+    return tools.stop(job)
+
+
+def probe_result(job) -> dict:
+    from backend.rundir import PROBE_RESULT_FILE
+    from webui import jobs
+
+    return jobs.read_json(Path(job) / PROBE_RESULT_FILE) if job else {}
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    minutes = seconds // 60
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
+
+
+def probe_md(job, lang: str = "en") -> tuple[str, bool]:
+    """(what the probe job says, still running?): progress while it runs; then the measured peak, the
+    verdict, s/step and the projected time, and what to change when it will not fit."""
+    import html as _html
+    import time
+
+    from webui import jobs, tools
+
+    if not job:
+        return "", False
+    result = probe_result(job)
+    running = tools.alive(job)
+    if running and not result:
+        launched = jobs.read_json(Path(job) / jobs.LAUNCH_FILE).get("launched_at") or time.time()
+        return f'<span class="tb-mem-ok">{tr(lang, "pf.measuring", elapsed=int(time.time() - launched))}</span>', True
+    if not result:
+        what = "pf.probe_aborted" if tools.was_aborted(job) else "pf.probe_failed"
+        return tr(lang, what, error=_html.escape(jobs._last_error_line(Path(job)) or "no result")), False
+    state = result.get("state")
+    if state in ("aborted", "timeout", "failed"):
+        if state == "aborted":
+            return tr(lang, "pf.probe_aborted"), False
+        return tr(lang, "pf.probe_failed", error=_html.escape(str(result.get("error") or state))), False
+    gib = 1024.0
+    fits = bool(result.get("fits"))
+    vram = ""
+    if result.get("peak_vram_mib") is not None:
+        vram = tr(lang, "pf.vram", vram=f'{result["peak_vram_mib"] / gib:.1f}',
+                  total=f'{(result.get("vram_total_mib") or 0) / gib:.1f}')
+    parts = [tr(lang, "pf.measured", peak=f'{result["peak_rss_mib"] / gib:.1f}', vram=vram,
+                free=f'{result["available_mib"] / gib:.1f}', machine=f'{result["machine_total_mib"] / gib:.1f}',
+                verdict=tr(lang, "pf.fits" if fits else "pf.not_fit"))]
+    if state == "killed":
+        parts.append(_html.escape(result.get("error") or ""))
+    if result.get("s_per_step"):
+        parts.append(tr(lang, "pf.speed", s=f'{result["s_per_step"]:.3g}',
+                        time=_duration(result["projected_total_s"]) if result.get("projected_total_s") else "?",
+                        steps=result.get("total_steps") or "?"))
+    text = " ".join(parts)
+    if not fits and result.get("suggestions"):
+        items = []
+        for s in result["suggestions"]:
+            change = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in s["change"].items())
+            mark = " ✓" if s.get("fits") else ""
+            would = tr(lang, "pf.would_be", gib=f"{s['peak_mib'] / gib:.1f}")
+            items.append(f"<li><code>{_html.escape(change)}</code> → {would}{mark}</li>")
+        text += f'<br>{tr(lang, "pf.change")}<ul>{"".join(items)}</ul>'
+    cls = "tb-mem-ok" if fits else "tb-mem-warn"
+    return f'<span class="{cls}">{text}</span>', False

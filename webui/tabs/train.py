@@ -5,6 +5,7 @@ Per-browser state (`gr.State`): {"run_dir": str | None, "tail": RunTail | None}.
 from the run directory on each timer tick through the incremental tailer."""
 from __future__ import annotations
 
+import hashlib
 import html
 import shlex
 from pathlib import Path
@@ -119,7 +120,14 @@ def build(reg, top: dict) -> dict:
                 c["preview_acc"] = acc
                 c["preview_cmd"] = reg.comp(gr.Textbox, "train-preview_cmd", lines=2, interactive=False)
                 c["preview_yaml"] = reg.comp(gr.Code, "train-preview_yaml", language="yaml", interactive=False)
-            c["preflight"] = gr.HTML(preflight.summary_md(_preset_flat()), elem_id="train-preflight")
+            with gr.Row(equal_height=False):  # the formula's estimate, and a real measurement on demand
+                c["preflight"] = gr.HTML(preflight.summary_md(_preset_flat()), elem_id="train-preflight")
+                with gr.Column(scale=0, min_width=170):
+                    c["measure"] = reg.button("train-measure", size="sm")
+                    c["measure_abort"] = reg.button("train-measure_abort", size="sm", variant="stop")
+            c["probe"] = gr.HTML("", elem_id="train-probe")
+            c["probe_state"] = gr.State({})
+            c["probe_timer"] = gr.Timer(2.0, active=False)
             c["progress"] = gr.HTML(live.progress_html(live.progress([], {}), "idle"), elem_id="train-progress")
             c["loss_plot"] = reg.comp(gr.LinePlot, "train-loss_plot", value=empty_loss(), x="step", y="value",
                                       color="series", height=340, x_title="step", y_title="loss")
@@ -483,6 +491,11 @@ def wire(c: dict, state) -> None:
                    st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
         if errors:
             return refused
+        doubt = preflight.unsure(flat)  # the estimate is close to the free memory: say so once, offer the probe
+        key = hashlib.sha1(spec.to_yaml().encode()).hexdigest()
+        if doubt and (st or {}).get("pf_warned") != key:
+            return (gr.update(value="", visible=False), *error_updates([], all_names, lang), dict(st or {}, pf_warned=key),
+                    *([gr.skip()] * (N_VIEW - 1)), preflight.unsure_md(doubt, lang), gr.skip())
         if not spec.output_dir:  # the default folder is named by the second: two Starts in one get -2, -3
             spec = spec.model_copy(update={"output_dir": str(unique_run_dir(Path(spec.with_output_dir().output_dir)))})
         run_dir = Path(spec.output_dir)
@@ -516,6 +529,33 @@ def wire(c: dict, state) -> None:
         return tr(lang, "msg.not_running", name=_run_name(run_dir))
 
     c["abort"].click(do_abort, [state, top["lang"]], [c["message"]])
+
+    def do_measure(pst, lang, *values):
+        """Inputs: probe state, language, top bar, booster, extra args, form. Launches `tuneboard probe` on the
+        form's spec as a background job (webui/preflight.py). Outputs: probe state, probe view, probe timer."""
+        flat, pre = collect(names, top_names, list(values))
+        spec, errors = check(flat, pre, lang)
+        if errors:
+            why = "; ".join(f"{f}: {m}" for f, m in errors)
+            return pst, tr(lang, "pf.probe_failed", error=html.escape(why)), gr.Timer(active=False)
+        preflight.stop_probe((pst or {}).get("job"))  # one measurement per page at a time
+        job = preflight.start_probe(spec.to_yaml())
+        return {"job": job}, preflight.probe_md(job, lang)[0], gr.Timer(active=True)
+
+    def probe_tick(pst, lang):
+        """Inputs: probe state, language. Outputs: probe view, probe timer (off once the probe has ended)."""
+        view, running = preflight.probe_md((pst or {}).get("job"), lang)
+        return view, gr.Timer(active=running)
+
+    def do_measure_abort(pst, lang):
+        """Inputs: probe state, language. Stops the probe's process group. Outputs: probe view."""
+        return tr(lang, "pf.probe_aborted") if preflight.stop_probe((pst or {}).get("job")) else gr.skip()
+
+    c["measure"].click(do_measure, [c["probe_state"], top["lang"], *inputs],
+                       [c["probe_state"], c["probe"], c["probe_timer"]])
+    c["probe_timer"].tick(probe_tick, [c["probe_state"], top["lang"]], [c["probe"], c["probe_timer"]],
+                          show_progress="hidden")
+    c["measure_abort"].click(do_measure_abort, [c["probe_state"], top["lang"]], [c["probe"]])
 
     def refresh_legend(st):
         """After a live update: rebuild a plot's colours when its set of series changed (see

@@ -1,0 +1,85 @@
+"""The Train tab's measured pre-flight (issue 10): "Measure memory" runs `tuneboard probe` on the form's spec as a
+background job and shows the measured peak, s/step and the projected time; Start holds a run whose estimate is
+close to the free memory once (saying so, offering the probe) and starts it on the second press; a small run
+starts at once."""
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from webui import jobs
+
+pytestmark = pytest.mark.slow
+
+
+def handler(demo, name):
+    return next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == name)
+
+
+def form_args(fn, **values) -> list:
+    """The handler's inputs at their defaults, with `values` by elem_id suffix (top-... or train-...)."""
+    args = [getattr(c, "value", None) for c in fn.inputs]
+    for i, comp in enumerate(fn.inputs):
+        elem = getattr(comp, "elem_id", None) or ""
+        key = elem.split("-", 1)[-1]
+        if key in values:
+            args[i] = values[key]
+    return args
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from webui.app import create_app
+
+    return create_app()
+
+
+def test_measure_runs_the_probe_and_shows_what_it_measured(demo, root, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEBOARD_CACHE", str(tmp_path / "cache"))
+    measure, tick = handler(demo, "do_measure"), handler(demo, "probe_tick")
+    args = form_args(measure, model_name_or_path=str(tiny_llama), template="llama3", dataset="identity",
+                     cutoff_len=128, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5)
+    args[0] = {}  # the page's probe state
+    pst, view, timer = measure.fn(*args)
+    assert "job" in pst, view
+    job = pst["job"]
+    assert (root / ".tools") in __import__("pathlib").Path(job).parents, job  # a tool job, not a run
+    assert "2 steps" in view and timer.active
+    deadline = time.time() + 600  # a bound for a stuck probe, not a speed assertion
+    while timer.active and time.time() < deadline:
+        time.sleep(1)
+        view, timer = tick.fn(pst, "en")
+    assert not timer.active, view
+    assert "Measured: peak memory" in view and "fits" in view and "NOT" not in view, view
+    assert "s per step" in view and "for 5 steps" in view, view  # max_steps=5: the projected run
+    result = __import__("webui.preflight", fromlist=["x"]).probe_result(job)
+    assert result["state"] == "completed" and result["peak_rss_mib"] > 0 and result["s_per_step"] > 0
+    assert not (tmp_path / "cache" / "probe").exists() or not any((tmp_path / "cache" / "probe").iterdir())
+
+
+def test_start_says_when_the_formula_is_unsure_and_starts_on_the_second_press(demo, root, tiny_llama, monkeypatch):
+    launched = []
+    real_launch = jobs.launch
+
+    def launch(run_dir, argv, env=None):  # a harmless process instead of `tuneboard train`
+        launched.append(run_dir)
+        return real_launch(run_dir, [sys.executable, "-c", "pass"], env=env)
+
+    monkeypatch.setattr(jobs, "launch", launch)
+    start = handler(demo, "do_start")
+    # the default model with a huge batch x cutoff: the formula's estimate is far above any machine's free memory
+    big = form_args(start, per_device_train_batch_size=1024, cutoff_len=8192, dataset="identity")
+    out = start.fn(*big)
+    message = next(x for x in out if isinstance(x, str) and "Measure memory" in x)
+    assert "close to the free memory" in message and launched == []
+    st = next(x for x in out if isinstance(x, dict) and "pf_warned" in x)
+    big[0] = st
+    start.fn(*big)
+    assert len(launched) == 1  # pressed again: started anyway
+    # a small run (a model of unknown size, small batch) starts at once
+    small = form_args(start, model_name_or_path=str(tiny_llama), template="llama3", dataset="identity",
+                      cutoff_len=128, per_device_train_batch_size=2)
+    start.fn(*small)
+    assert len(launched) == 2

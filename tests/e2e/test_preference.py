@@ -5,7 +5,6 @@ finished SFT LoRA run; the Data tab shows a ranking row as prompt + chosen + rej
 import json
 import re
 
-
 from playwright.sync_api import expect
 
 from ui_actions import open_tab, pick_option, set_dropdown, set_number

@@ -83,11 +83,17 @@ def _abort_on_signals() -> None:
 
 
 def _staging_dir(out: Path) -> Path:
-    """A fresh hidden sibling of export_dir for this process; partial folders of dead exports are removed."""
-    for old in out.parent.glob(f".{out.name}.partial-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not _pid_alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    """A fresh hidden sibling of export_dir for this process. What dead exports left is tidied first: their
+    partial folders are removed, and an earlier export set aside by a swap that was killed half-way (SIGKILL
+    between _put_in_place's two renames) goes back to export_dir when nothing took its place."""
+    for left in [*out.parent.glob(f".{out.name}.partial-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        pid = left.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        if ".old-" in left.name and not out.exists():
+            left.rename(out)
+        else:
+            shutil.rmtree(left, ignore_errors=True)
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
@@ -114,8 +120,15 @@ def _put_in_place(stage: Path, out: Path, ok: bool) -> Path:
         return target
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        stage.rename(out)
+        # SIGINT / SIGTERM wait until both renames are done (the export then stops as asked, in place);
+        # a SIGKILL in between is mended by the next export's _staging_dir
+        signals = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            out.rename(old)
+            stage.rename(out)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
         shutil.rmtree(old, ignore_errors=True)
     else:
         stage.rename(out)

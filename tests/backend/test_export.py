@@ -298,3 +298,23 @@ def test_a_passing_export_replaces_the_old_one_and_a_failing_one_is_set_aside(tm
     stage = _staging_dir(fresh)
     (stage / "x").write_text("x")
     assert _put_in_place(stage, fresh, ok=False) == fresh and (fresh / "x").is_file()
+
+
+def test_a_swap_killed_half_way_is_mended_by_the_next_export(tmp_path):
+    """SIGKILL between _put_in_place's two renames leaves the earlier export at .<name>.old-<pid> and no
+    export_dir: the next export's staging puts it back; what a dead export left is tidied, a live one's kept."""
+    import os
+    import subprocess
+
+    from backend.export import _staging_dir
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    out = tmp_path / "m"
+    for name in (f".m.old-{dead.pid}", f".m.partial-{dead.pid}", ".m.partial-1"):  # pid 1 is alive
+        (tmp_path / name).mkdir()
+    (tmp_path / f".m.old-{dead.pid}" / "model.safetensors").write_text("earlier export")
+    stage = _staging_dir(out)
+    assert (out / "model.safetensors").read_text() == "earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.partial-1", stage.name, "m"]
+    assert stage.name == f".m.partial-{os.getpid()}"

@@ -51,7 +51,7 @@ browser:
 		|| echo "warning: could not install Debian's chromium: browser tests will be skipped"
 
 test: setup browser
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e"

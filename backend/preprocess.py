@@ -420,6 +420,31 @@ def _pt_rows(examples: list[dict], tokenizer, cutoff_len: int | None, *, add_bos
 _FORKED: tuple | None = None  # (build, chunks, kwargs), inherited by the forked workers (nothing is pickled in)
 
 
+def _tokenizer_process_init() -> None:
+    """First thing in each forked tokenizer process: SIGTERM kills it again, and it dies with the run.
+
+    A fork inherits the run's signal handlers (backend.callbacks.StopSwitch: SIGTERM/SIGINT set a flag and
+    return). Pool.terminate() (what leaving a `with Pool` block does) takes the task queue's read lock to drain
+    it, then ends the workers still waiting on that lock with SIGTERM: a worker with the inherited handler
+    swallowed the signal and waited forever, and the run hung in the pool's join (here: a rank of every
+    2-process run). in_workers now ends the pool with close() + join() (each worker reads its end-of-work
+    sentinel), and terminate()s only after an error; this reset covers a worker started after the signal came.
+    SIGINT is ignored: Ctrl-C reaches the whole process group, and the run decides. PR_SET_PDEATHSIG: a killed
+    run leaves no tokenizer process behind (each holds the queue's write end, so none would ever see EOF)."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 def _run_chunk(k: int) -> tuple[list[dict], Stats]:
     build, chunks, kwargs = _FORKED
     return build(chunks[k], **kwargs)
@@ -444,8 +469,15 @@ def in_workers(build: Callable[..., tuple[list[dict], Stats]], examples: list[di
     chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
     _FORKED = (build, chunks, kwargs)
     try:
-        with multiprocessing.get_context("fork").Pool(len(chunks)) as pool:
+        pool = multiprocessing.get_context("fork").Pool(len(chunks), initializer=_tokenizer_process_init)
+        try:
             parts = pool.map(_run_chunk, range(len(chunks)))
+            pool.close()  # each worker reads its end-of-work sentinel and exits: no SIGTERM (terminate) to race
+        except BaseException:
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
     finally:
         _FORKED = None
     rows = [row for part_rows, _ in parts for row in part_rows]

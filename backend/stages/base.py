@@ -394,3 +394,52 @@ def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = Fal
         run_dir.log("loss: chunked linear + cross-entropy (no full logits)" if problem is None
                     else f"loss: plain, with the full logits ({problem})")
     return model
+
+
+def adapter_is_identity(model, adapter: str = "default") -> bool:
+    """True when every LoRA B matrix of the adapter is zero (a freshly initialised LoRA / DoRA adapter)."""
+    found = False
+    for name, param in model.named_parameters():
+        if f"lora_B.{adapter}." in name or f"lora_embedding_B.{adapter}" in name:
+            found = True
+            if param.detach().abs().max() > 0:
+                return False
+    return found
+
+
+def reference_model(spec, run_dir: RunDir, resolved, policy):
+    """The frozen model a DPO / KTO stage holds the policy to, or None where no second model is kept:
+    - `ref_model` given: that model, loaded by our loader (same dtype / quantization as the policy), frozen;
+      it needs an embedding for every token of the policy's vocabulary.
+    - LoRA: no second model. The reference is the policy training starts from, on the shared base weights: the
+      base model while the new adapter is still the identity, else TRL's frozen copy of the starting adapter
+      ("ref": a continued adapter_name_or_path, PiSSA). LLaMA-Factory disables the adapter instead, which makes
+      the base model the reference even after SFT (its issue #8459 reports that as a bug); we keep TRL's choice.
+    - full / freeze: a frozen copy of the base model (the training changes the weights themselves)."""
+    from backend.models import load_model, resolve_model
+
+    if spec.ref_model:
+        try:
+            ref_resolved = resolve_model(spec.ref_model)
+        except (ValueError, FileNotFoundError) as exc:
+            raise RunError(f"ref_model: {exc}") from None
+        ref = load_model(spec, ref_resolved, for_training=False, warn=run_dir.warn)
+        have, need = ref.get_input_embeddings().num_embeddings, policy.get_input_embeddings().num_embeddings
+        if have < need:
+            raise RunError(f"ref_model: {spec.ref_model} has {have} token embeddings, fewer than the {need} of "
+                           f"{spec.model_name_or_path} (its log-probabilities cannot be compared token by token)")
+        run_dir.log(f"reference model: {spec.ref_model} (a second model in memory)")
+        return ref.requires_grad_(False)
+    if spec.finetuning_type == "lora":
+        if spec.adapter_name_or_path:
+            run_dir.log(f"reference model: the adapter from {spec.adapter_name_or_path} (a frozen copy of its "
+                        "starting weights on the shared base weights; no second model in memory)")
+        elif adapter_is_identity(policy):
+            run_dir.log("reference model: the base model (the new adapter disabled; no second model in memory)")
+        else:
+            run_dir.log("reference model: the starting adapter (a frozen copy of its LoRA weights on the shared "
+                        "base weights; no second model in memory)")
+        return None
+    run_dir.log(f"reference model: a frozen copy of {spec.model_name_or_path} ({spec.finetuning_type} training "
+                "changes the weights themselves)")
+    return load_model(spec, resolved, for_training=False, warn=run_dir.warn).requires_grad_(False)

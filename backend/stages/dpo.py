@@ -6,14 +6,10 @@ model. `stage: orpo` / `stage: simpo` are aliases with the loss fixed (backend/s
 
 Reads top to bottom: tokenizer/template -> ranking rows -> model (+adapter) -> reference -> trainer -> save.
 
-The reference model (sigmoid / hinge / ipo):
-- `ref_model` given: that model, loaded by our loader (same dtype / quantization as the policy), frozen.
-- LoRA: no second model. TRL keeps a frozen copy of the starting adapter under the name "ref" and computes
-  the reference with it on the shared base weights. A fresh adapter starts as a no-op, so the reference is
-  the base model; an adapter continued from an earlier run (`adapter_name_or_path`, the SFT -> DPO chain) makes
-  the reference that SFT model, as in the DPO paper. LLaMA-Factory disables the adapter instead, which makes
-  the base model the reference even after SFT (its issue #8459 reports that as a bug); we keep TRL's choice.
-- full / freeze: a frozen second copy of the model (our loader, not TRL's, so dtype / GGUF folders match).
+The reference model (sigmoid / hinge / ipo) follows one rule with KTO's, `stages.base.reference_model`:
+`ref_model` when given; for LoRA no second model (the policy training starts from, on the shared base
+weights: the base model, or an SFT adapter continued from an earlier run, as in the DPO paper); for full /
+freeze a frozen second copy of the model (our loader, not TRL's, so dtype / GGUF folders match).
 
 ORPO is TRL's ORPOTrainer as it is: its odds ratio compares our answer spans, and its SFT term covers the
 prompt and the chosen answer (as the ORPO paper's code does; LLaMA-Factory's covers the answer only).
@@ -24,14 +20,15 @@ import shutil
 from pathlib import Path
 
 # backend.models first: it silences bitsandbytes' "kernels-community" notice, which importing trl would print
-from backend.models import load_model, load_tokenizer, resolve_model  # isort: skip
+import backend.models  # noqa: F401  # isort: skip
 from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from backend.preference import build_preference_dataset
 from backend.stages import REFERENCE_FREE_LOSSES, get_stage
-from backend.stages.base import RunError, StageResult, fit, tokenizer_and_template, train_and_eval_rows, trainable_model
+from backend.stages.base import (RunError, StageResult, fit, reference_model, tokenizer_and_template, train_and_eval_rows,
+                                 trainable_model)
 
 REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")  # DPOTrainer, with a reference model; orpo / simpo need none
 
@@ -58,7 +55,7 @@ def run(spec, run_dir, stop) -> StageResult:
 
     # 3. model (+adapter) and the reference it is held to
     model = trainable_model(spec, run_dir, resolved)
-    ref_model = reference_model(spec, run_dir, resolved, loss)
+    ref_model = preference_reference(spec, run_dir, resolved, model, loss)
 
     # 4. train, save, plot
     trainer_class, args_class, config = trainer_for(spec, loss)
@@ -74,31 +71,13 @@ def _dataset(rows: list[dict]):
     return Dataset.from_list(rows)
 
 
-def reference_model(spec, run_dir, resolved, loss: str):
-    """The frozen reference model, or None where none is kept (see the module docstring)."""
+def preference_reference(spec, run_dir, resolved, policy, loss: str):
+    """The frozen reference model (stages.base.reference_model), or None where none is kept: orpo / simpo
+    need none, and LoRA keeps no second model."""
     if loss in REFERENCE_FREE_LOSSES:
         run_dir.log(f"reference model: none ({loss} is reference-free)")
         return None
-    if spec.ref_model:
-        try:
-            ref_resolved = resolve_model(spec.ref_model)
-        except (ValueError, FileNotFoundError) as exc:
-            raise RunError(f"ref_model: {exc}") from None
-        ref = load_model(spec, ref_resolved, for_training=False, warn=run_dir.warn)
-        policy_vocab = len(load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens))
-        if ref.get_input_embeddings().num_embeddings < policy_vocab:
-            raise RunError(f"ref_model: {spec.ref_model} has {ref.get_input_embeddings().num_embeddings} token "
-                           f"embeddings, fewer than the {policy_vocab} tokens of {spec.model_name_or_path}'s tokenizer")
-        run_dir.log(f"reference model: {spec.ref_model} (a second model in memory)")
-        return ref.requires_grad_(False)
-    if spec.finetuning_type == "lora":
-        start = "the adapter from " + spec.adapter_name_or_path if spec.adapter_name_or_path else "the base model"
-        run_dir.log(f"reference model: {start} (a frozen copy of the starting adapter on the shared base "
-                    f"weights; no second model in memory)")
-        return None
-    run_dir.log(f"reference model: a frozen copy of {spec.model_name_or_path} ({spec.finetuning_type} training "
-                f"changes the weights themselves)")
-    return load_model(spec, resolved, for_training=False, warn=run_dir.warn).requires_grad_(False)
+    return reference_model(spec, run_dir, resolved, policy)
 
 
 def trainer_for(spec, loss: str) -> tuple[type, type, dict]:

@@ -33,9 +33,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from backend.rewards import RewardError, build_reward_funcs, load_schema, split_names
 from backend.rundir import COMPLETIONS_FILE
-from backend.stages.base import RunError, StageResult, fit, load_rows, tokenizer_and_template, trainable_model
+from backend.stages.base import (RunError, StageResult, adapter_is_identity, fit, load_rows, tokenizer_and_template,
+                                 trainable_model)
 from backend.stages.dpo import _without_ref_adapter_files
-from backend.stages.kto import _adapter_is_identity
 
 SAMPLES_PER_LOG = 8  # completions written to completions.jsonl per logging step
 
@@ -140,7 +140,7 @@ def _grpo_trainer_class(spec, run_dir, prompt_ids: dict[str, list[int]]):
             model = self.accelerator.unwrap_model(self.model)
             # TRL copies a PeftModel's adapter as the reference ("ref"); a fresh adapter (B = 0) changes nothing,
             # so disabling it gives the same reference without the copy.
-            if "ref" in getattr(model, "peft_config", {}) and _adapter_is_identity(model, "default"):
+            if "ref" in getattr(model, "peft_config", {}) and adapter_is_identity(model):
                 model.delete_adapter("ref")
                 model.set_adapter("default")
 

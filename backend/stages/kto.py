@@ -8,20 +8,17 @@ cutoff_len -> max_length. TRL's KTO has no SFT term, so pref_ftx > 0 is refused 
 as is per_device_train_batch_size 1: the KL estimate pairs each prompt with another row's answer of the
 same batch, and with one row per batch it would equal the reward itself.
 
-Reference model: `ref_model` when given; else for LoRA the model with its adapter disabled (no second copy in
-memory) while the adapter is still the identity, or TRL's frozen copy of the adapter weights ("ref") when
-training continues an adapter that already changes the model (adapter_name_or_path, PiSSA): the reference is
-the policy training starts from; for full / freeze a frozen copy of the base.
+Reference model: one rule with DPO's, `stages.base.reference_model` (ref_model; for LoRA the policy training
+starts from on the shared base weights, no second copy; for full / freeze a frozen copy of the base).
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from backend.models import resolve_model
 from backend.preference import build_kto_dataset
-from backend.stages.base import (RunError, StageResult, fit, predict_held_out, tokenizer_and_template,
-                                 train_and_eval_rows, trainable_model)
+from backend.stages.base import (StageResult, adapter_is_identity, fit, predict_held_out, reference_model,
+                                 tokenizer_and_template, train_and_eval_rows, trainable_model)
 
 
 def run(spec, run_dir, stop) -> StageResult:
@@ -59,30 +56,6 @@ def run(spec, run_dir, stop) -> StageResult:
     return predict_held_out(spec, run_dir, result, model, tokenizer, template, val_examples)
 
 
-def reference_model(spec, run_dir, resolved, model):
-    """`ref_model` loaded frozen; None for LoRA (the trainer uses the adapter-disabled model); a frozen
-    copy of the base for full / freeze."""
-    from backend.models import load_model
-
-    if spec.ref_model:
-        ref_resolved = resolve_model(spec.ref_model)
-        ref = load_model(spec, ref_resolved, for_training=False, warn=run_dir.warn)
-        if ref.get_input_embeddings().num_embeddings != model.get_input_embeddings().num_embeddings:
-            raise RunError(f"ref_model: {spec.ref_model} has another vocabulary than {spec.model_name_or_path} "
-                           "(its log-probabilities cannot be compared token by token)")
-        run_dir.log(f"reference model: {spec.ref_model}")
-        return ref.requires_grad_(False)
-    if spec.finetuning_type == "lora":
-        if _adapter_is_identity(model, "default"):
-            run_dir.log("reference model: the base model (the new adapter disabled; no copy in memory)")
-        else:
-            run_dir.log("reference model: the starting adapter (a frozen copy of its LoRA weights on the shared "
-                        "base weights; no second model in memory)")
-        return None
-    run_dir.log("reference model: a frozen copy of the base model")
-    return load_model(spec, resolved, for_training=False, warn=run_dir.warn).requires_grad_(False)
-
-
 def _kto_trainer_class(spec):
     from accelerate.utils import is_peft_model
     from trl import KTOTrainer
@@ -101,7 +74,7 @@ def _kto_trainer_class(spec):
             # nothing yet, so disabling it gives the same reference without the copy.
             model = self.accelerator.unwrap_model(self.model)
             if self.ref_model is None and is_peft_model(model) and "ref" in model.peft_config \
-                    and _adapter_is_identity(model, "default"):
+                    and adapter_is_identity(model):
                 model.delete_adapter("ref")
                 model.set_adapter("default")
 
@@ -128,14 +101,3 @@ def _kto_trainer_class(spec):
                 shutil.rmtree(ref)
 
     return _KTOTrainer
-
-
-def _adapter_is_identity(model, adapter: str) -> bool:
-    """True when every LoRA B matrix of the adapter is zero (a freshly initialised LoRA / DoRA adapter)."""
-    found = False
-    for name, param in model.named_parameters():
-        if f"lora_B.{adapter}." in name or f"lora_embedding_B.{adapter}" in name:
-            found = True
-            if param.detach().abs().max() > 0:
-                return False
-    return found

@@ -180,24 +180,44 @@ def test_aliases_are_dpo_with_their_loss(tiny_llama, toy_dir):
 
 
 def test_reference_model_per_setup(tiny_llama, toy_dir):
-    """LoRA: none (TRL's frozen copy of the starting adapter); full / freeze: a frozen second copy with the
-    policy's weights; ref_model: that model; orpo / simpo: none."""
+    """LoRA: none (the base model while the new adapter is the identity, TRL's frozen copy of the starting
+    adapter once it is not); full / freeze: a frozen second copy with the policy's weights; ref_model: that
+    model, refused when it lacks embeddings for the policy's tokens; orpo / simpo: none. One rule for DPO and
+    KTO (stages.base.reference_model), so the run log says which."""
+    from safetensors.torch import load_file
+
     from backend.models import resolve_model
-    from backend.stages.dpo import reference_model
+    from backend.stages.base import RunError, trainable_model
+    from backend.stages.dpo import preference_reference
 
-    resolved = resolve_model(str(tiny_llama))
-    assert reference_model(_spec(tiny_llama, toy_dir), _QuietRunDir(), resolved, "sigmoid") is None
-    assert reference_model(_spec(tiny_llama, toy_dir, stage="orpo"), _QuietRunDir(), resolved, "orpo") is None
+    class Log(_QuietRunDir):
+        def __init__(self):
+            self.lines = []
+
+        def log(self, message):
+            self.lines.append(message)
+
+    resolved, log = resolve_model(str(tiny_llama)), Log()
+    policy = trainable_model(_spec(tiny_llama, toy_dir), _QuietRunDir(), resolved)
+    assert preference_reference(_spec(tiny_llama, toy_dir), log, resolved, policy, "sigmoid") is None
+    assert log.lines[-1].startswith("reference model: the base model")
+    with torch.no_grad():
+        next(p for n, p in policy.named_parameters() if "lora_B" in n).fill_(0.5)  # as PiSSA starts
+    assert preference_reference(_spec(tiny_llama, toy_dir), log, resolved, policy, "sigmoid") is None
+    assert log.lines[-1].startswith("reference model: the starting adapter")
+    assert preference_reference(_spec(tiny_llama, toy_dir, stage="orpo"), log, resolved, policy, "orpo") is None
+    assert log.lines[-1] == "reference model: none (orpo is reference-free)"
+    saved = load_file(Path(tiny_llama) / "model.safetensors")
     for method in ("full", "freeze"):
-        ref = reference_model(_spec(tiny_llama, toy_dir, finetuning_type=method), _QuietRunDir(), resolved, "sigmoid")
+        ref = preference_reference(_spec(tiny_llama, toy_dir, finetuning_type=method), log, resolved, policy, "sigmoid")
         assert not any(p.requires_grad for p in ref.parameters())
-        from safetensors.torch import load_file
-
-        saved = load_file(Path(tiny_llama) / "model.safetensors")
         state = ref.state_dict()
         assert all(torch.equal(state[k], v) for k, v in saved.items() if k in state)
-    ref = reference_model(_spec(tiny_llama, toy_dir, ref_model=str(tiny_llama)), _QuietRunDir(), resolved, "hinge")
+    ref = preference_reference(_spec(tiny_llama, toy_dir, ref_model=str(tiny_llama)), log, resolved, policy, "hinge")
     assert ref is not None and not any(p.requires_grad for p in ref.parameters())
+    policy.resize_token_embeddings(policy.get_input_embeddings().num_embeddings + 8)
+    with pytest.raises(RunError, match="ref_model: .* fewer than"):
+        preference_reference(_spec(tiny_llama, toy_dir, ref_model=str(tiny_llama)), log, resolved, policy, "hinge")
 
 
 def test_qlora_dpo_keeps_trained_weights_in_fp32(tiny_llama, toy_dir, toy_rows, tmp_path):

@@ -35,11 +35,6 @@ ACCELERATE_DIR = paths.EXAMPLES_DIR / "accelerate"
 CPU_FSDP_REASON = ("FSDP through the transformers Trainer does not run on a CPU (FSDP1 stops with 'no available "
                    "devices'; FSDP2 silently trains as plain DDP): it needs GPUs. On this machine use deepspeed "
                    "with examples/deepspeed/ds_z3_config.json for sharded training")
-QLORA_ZERO3_REASON = ("QLoRA (quantization_bit) with DeepSpeed ZeRO-3: ZeRO-3 takes over the model's parameters, "
-                      "and bitsandbytes' packed 4-bit weights do not survive it: here the steps ran but the first "
-                      "checkpoint failed ('packed_weight should be [N, K/2]' in bitsandbytes' state_dict), so the run "
-                      "could never be saved. Use ZeRO-2 (examples/deepspeed/ds_z2_config.json) with QLoRA, or ZeRO-3 "
-                      "with plain LoRA (drop quantization_bit)")
 
 
 # ------------------------------------------------------------------------------------------- devices
@@ -258,9 +253,6 @@ def distributed_errors(spec, check_files: bool = True) -> list[tuple[str, str, f
         except ValueError as exc:
             err("deepspeed", str(exc))
         else:
-            stage = config.get("zero_optimization", {}).get("stage", 0)
-            if stage == 3 and spec.quantization_bit is not None:
-                err("quantization_bit", f"{refused}: {QLORA_ZERO3_REASON}", "deepspeed")
             nvme = [k for k in ("offload_optimizer", "offload_param")
                     if (config.get("zero_optimization", {}).get(k) or {}).get("device") == "nvme"]
             if nvme:

@@ -313,7 +313,8 @@ def run_probe(args: list[str], *, steps: int = DEFAULT_STEPS, available_mib: flo
         if stopped:
             result.update(state="aborted", error="stopped on request")
         elif time.time() - started > timeout_s and code != 0:
-            result.update(state="timeout", error=f"no result within {timeout_s:.0f} s")
+            result.update(state="timeout", error=f"no step finished within {timeout_s:.0f} s (peak RSS so far "
+                                                  f"{peak / 1024:.1f} GiB)")
         elif code == 0 and logged:
             result["state"] = "completed"
         elif code < 0 and -code == signal.SIGKILL:

@@ -2,7 +2,16 @@
 loaded in the UI process): parameters from the model name (e.g. "135M", "7B") or the registry, bytes per
 weight from the quantization, trainable-state bytes from the method, activations from batch x cutoff.
 Preference stages add what they hold besides: a frozen reference model copy where one is used, and the
-chosen + rejected sequences of a pairwise stage (twice the batch through the model)."""
+chosen + rejected sequences of a pairwise stage (twice the batch through the model).
+
+Constants measured (issue 10), on the guide's recipe (examples/sft_qlora_extraction.yaml: the default 135M model,
+QLoRA 4-bit, cutoff 4096 packed, batch 4, checkpointing on) on this 2-core CPU, 2026-11-30: `tuneboard probe`'s
+training process held 1,005 MiB RSS when training began (Python, torch, transformers, bitsandbytes, the tokenized
+rows; 159 MiB of it the frozen weights): RUNTIME_BYTES; its peak RSS was 5,617 MiB (a real run of the recipe:
+4,883 MiB peak RSS after 50 min of its first step). The old formula said 2,706 MiB (no runtime, checkpointing
+keeping 1/8 of the activations: -52%); with RUNTIME_BYTES and CHECKPOINTED_SHARE it says 5,660 MiB (+1% of the
+probe's peak, +16% of the real run's). Runs without checkpointing are unchanged but for the runtime. The formula
+stays a guess: the Train tab's "Measure memory" (tuneboard probe, backend/probe.py) measures the exact spec."""
 from __future__ import annotations
 
 import re
@@ -16,6 +25,8 @@ from backend.stages import get_stage, uses_reference
 from webui.i18n import tr
 
 KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
+RUNTIME_BYTES = 850 * 2 ** 20  # one training process before its first step, less the weights (measured, see above)
+CHECKPOINTED_SHARE = 1 / 4.4  # activations kept with gradient checkpointing (was 1/8; measured, see above)
 # The spec fields the estimate reads: the Train tab refreshes it when one of them changes.
 FIELDS = ("model_name_or_path", "finetuning_type", "quantization_bit", "stage", "pref_loss", "ref_model",
           "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16",
@@ -100,13 +111,13 @@ def estimate(flat: dict) -> dict:
     pairs = pairwise(flat)
     tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024) * (2 if pairs else 1)
     layers = max(12.0, n / 12 / hidden ** 2)
-    acts = tokens * hidden * layers * 34 * (2 if half else 4) / (8 if _checkpointing(flat) else 1)
+    acts = tokens * hidden * layers * 34 * (2 if half else 4) * (CHECKPOINTED_SHARE if _checkpointing(flat) else 1)
     reference = 0.0
     if reference_copy(flat):
         reference = (param_count(flat.get("ref_model") or "") or n) * weight_b  # frozen: weights only
     local, world, stage = layout(flat)
     weights, state = shard(weights, state, world, stage)
-    per_process = (weights + state + acts + reference) * 1.2
+    per_process = RUNTIME_BYTES + (weights + state + acts + reference) * 1.2
     # On a CPU every local process takes its share of the same RAM; a GPU process holds it on its own device.
     total = per_process * (local if not launch.visible_accelerators() else 1)
     return {"known": True, "params": n, "weights": weights, "state": state, "activations": acts,

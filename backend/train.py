@@ -48,6 +48,37 @@ def prepare_output_dir(spec) -> Path:
     return out
 
 
+# Allocations of at least this size get their own mmap from glibc and go back to the OS when freed.
+HEAP_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> int | None:
+    """Make glibc malloc give big blocks back to the OS when they are freed (mallopt M_MMAP_THRESHOLD = 1 MiB);
+    returns the threshold set, or None where it does not apply (not glibc, TUNEBOARD_MMAP_THRESHOLD=0).
+
+    Why: a training step allocates and frees thousands of activation-sized tensors (MBs each). glibc's
+    default threshold is dynamic: after the first such block is freed it rises to that block's size (up to
+    32 MiB), so later ones come from the heap, whose freed holes are reused badly and never returned: on the
+    bench recipe the process's RSS grew ~1 GB above what its live tensors needed (peak RSS 2,449 MiB, 1,483
+    with the fixed threshold, same losses: bench/README.md). A fixed threshold (which also turns the dynamic
+    one off) maps each big block on its own and unmaps it on free; the price is page faults on every such
+    allocation (more system time; `bench/run.py --levers glibc-heap` measures it)."""
+    value = os.environ.get("TUNEBOARD_MMAP_THRESHOLD")
+    threshold = HEAP_MMAP_THRESHOLD if value is None else int(value)
+    if threshold <= 0 or not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):  # musl and others: no such mallopt knobs
+            return None
+        M_MMAP_THRESHOLD = -3
+        return threshold if libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1 else None
+    except (OSError, AttributeError):
+        return None
+
+
 def seed_everything(spec) -> None:
     """Seed Python, numpy and torch from spec.seed before anything random happens (data order, model and
     adapter initialisation), so one spec and seed give one run. The Trainer seeds again when it is built,
@@ -134,6 +165,7 @@ def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = Fal
     train). Returns the exit code."""
     from backend.callbacks import StopSwitch
 
+    return_freed_memory()
     stop = StopSwitch(run_dir)
     stop.install()
     try:

@@ -86,8 +86,9 @@ def test_start_says_when_the_formula_is_unsure_and_starts_on_the_second_press(de
 
 
 def test_the_formula_is_within_25_percent_of_the_measured_peak_of_the_guides_recipe():
-    """Measured on the 2-core CPU (webui/preflight.py's docstring): `tuneboard probe` on the recipe peaked at
-    5,617 MiB RSS, a real run of it at 4,883 MiB; the formula said 2,706 MiB before its constants were fitted."""
+    """Measured on the 2-core CPU (webui/preflight.py's docstring): `tuneboard probe` on the recipe reached 5,617 MiB
+    RSS, a real run of it 4,883 MiB, both before their first backward (lower bounds); the formula said 2,706 MiB
+    before its constants were fitted."""
     import yaml
 
     from backend.paths import EXAMPLES_DIR

@@ -208,13 +208,6 @@ def _run_worker(spec) -> int:
     except OSError as exc:
         launch.record_worker_failure(f"cannot open the run directory {out}: {exc}")
         launch.worker_exit(EXIT_FAILED)
-    if (spec.preprocessing_num_workers or 1) > 1:
-        # Forked tokenizer processes hang inside a launched worker (measured here: every time, the forked child
-        # stuck on a lock a background thread held at fork), so each rank tokenizes in its own process.
-        run_dir.warn(f"preprocessing_num_workers={spec.preprocessing_num_workers}: each of the "
-                     f"{os.environ.get('WORLD_SIZE', '?')} training processes tokenizes the data itself, in one "
-                     "process (forked tokenizer processes hang inside a launched worker)")
-        spec.preprocessing_num_workers = None
     code = _train(spec, run_dir, out, rank=rank, launched=True)
     launch.worker_exit(EXIT_FAILED if code == EXIT_FAILED else EXIT_OK)
     return code  # not reached

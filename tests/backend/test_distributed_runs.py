@@ -67,7 +67,8 @@ def runs(tiny_llama, tmp_path_factory):
     done = {}
     plans = {
         "one": ("per_device_train_batch_size=2",),
-        "ddp": ("per_device_train_batch_size=1", "nproc_per_node=2"),
+        # each rank tokenizes with 2 forked processes (they used to hang inside a launched worker)
+        "ddp": ("per_device_train_batch_size=1", "nproc_per_node=2", "preprocessing_num_workers=2"),
         "zero2": ("per_device_train_batch_size=1", "nproc_per_node=2", "deepspeed=examples/deepspeed/ds_z2_config.json"),
         "zero3": ("per_device_train_batch_size=1", "nproc_per_node=2", "deepspeed=examples/deepspeed/ds_z3_config.json"),
         # the guide's command: QLoRA (4-bit NF4 base) with ZeRO-3, against QLoRA in one process

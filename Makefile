@@ -15,9 +15,17 @@ export TOKENIZERS_PARALLELISM=false
 # are compiled on first use, and cached in TORCH_EXTENSIONS_DIR); with ops on, its install needs a CUDA toolchain.
 export DS_BUILD_OPS=0
 
-.PHONY: setup demo webui test test-fast browser clean bench
+.PHONY: setup allocator demo webui test test-fast browser clean bench
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed allocator
+
+# jemalloc for training processes (backend/allocator.py: as lean as glibc with a fixed mmap threshold, ~35%
+# faster); training runs with glibc malloc when it is missing.
+allocator:
+	@/sbin/ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2 \
+		|| apt-get install -y -qq libjemalloc2 >/dev/null 2>&1 \
+		|| (apt-get update -qq && apt-get install -y -qq libjemalloc2 >/dev/null) \
+		|| echo "note: could not install Debian's libjemalloc2: training uses glibc malloc (slower at the same memory)"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -174,6 +174,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_command_line = argv is None  # this process's own command line (not a call from Python): may re-execute
     argv = list(sys.argv[1:] if argv is None else argv)
     _offline_env()
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -187,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"error: unknown command '{argv[0]}'{hint}\n\n{USAGE}", file=sys.stderr, end="")
         return 2
+    if command is cmd_train and own_command_line:
+        from backend import allocator
+
+        try:
+            allocator.relaunch()  # jemalloc/tcmalloc preloaded when installed: see backend/allocator.py
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return command(argv[1:])
 
 

@@ -55,6 +55,8 @@ HEAP_MMAP_THRESHOLD = 1 << 20
 def return_freed_memory() -> int | None:
     """Make glibc malloc give big blocks back to the OS when they are freed (mallopt M_MMAP_THRESHOLD = 1 MiB);
     returns the threshold set, or None where it does not apply (not glibc, TUNEBOARD_MMAP_THRESHOLD=0).
+    The fallback for a process without jemalloc/tcmalloc preloaded (backend/allocator.py), which are as lean
+    and ~35% faster.
 
     Why: a training step allocates and frees thousands of activation-sized tensors (MBs each). glibc's
     default threshold is dynamic: after the first such block is freed it rises to that block's size (up to
@@ -165,13 +167,18 @@ def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = Fal
     train). Returns the exit code."""
     from backend.callbacks import StopSwitch
 
-    return_freed_memory()
+    from backend import allocator
+
+    threshold = None if allocator.loaded() else return_freed_memory()
     stop = StopSwitch(run_dir)
     stop.install()
     try:
         stage = stage_module(spec.stage)
         if not launched:
             run_dir.log(f"stage {spec.stage}, {spec.finetuning_type}, model {spec.model_name_or_path}, output {out}")
+        if rank == 0:
+            mmap = f", mmap threshold {threshold >> 10} KiB" if threshold else ""
+            run_dir.log(f"memory allocator: {allocator.describe()}{mmap}")
         seed_everything(spec)
         result = stage.run(spec, run_dir, stop)
     except Exception as exc:  # the run ends here; the status says why

@@ -51,6 +51,11 @@ def test_lora_sft_on_tiny_llama(tiny_llama, tmp_path):
     assert all(isinstance(r["loss"], float) and r["loss"] > 0 for r in rows)
     assert all(r["total_steps"] == 6 for r in rows)
     assert (out / "run_spec.yaml").exists() and (out / "running_log.txt").read_text()
+    # the training process ran with jemalloc/tcmalloc preloaded when one is installed (backend/allocator.py)
+    from backend import allocator
+
+    first = next((name for name in allocator.LIBRARIES if allocator.find(name)), "glibc")
+    assert f"memory allocator: {first}" in (out / "running_log.txt").read_text()
     assert (out / "checkpoint-3").is_dir() and (out / "checkpoint-6").is_dir()
     assert (out / "training_loss.png").stat().st_size > 1000
     # the adapter was saved and trained: LoRA B matrices start at zero, so any non-zero B moved

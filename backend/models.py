@@ -555,6 +555,11 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
 
     model.config.use_cache = False  # caching is for generation; with checkpointing it is an error
     checkpointing = gradient_checkpointing_on(spec)
+    from backend.checkpointing import checkpoint_kwargs, choose
+
+    if checkpointing:
+        choose(spec, model)  # selective or plain, from the memory it would take (backend/checkpointing.py)
+
     if quant is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -562,14 +567,14 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
+            gradient_checkpointing_kwargs=checkpoint_kwargs(),
         )
     elif checkpointing:
         # transformers 5 renamed it; the old name still works but warns
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs())
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
     if checkpointing:
         # adapters on frozen embeddings need an input that requires grad for the backward to reach them
         model.enable_input_require_grads()

@@ -94,6 +94,7 @@ LEVERS = {
     "padded+plain-loss": ([], {"TUNEBOARD_PADDING_FREE": "0", "TUNEBOARD_CHUNKED_LOSS": "0"}),
     "no-ckpt": (["gradient_checkpointing=false"], {}),
     "bf16": (["bf16=true"], {}),
+    "full-recompute": ([], {"TUNEBOARD_SELECTIVE_CHECKPOINT": "0"}),  # plain checkpointing (backend/checkpointing.py)
     "glibc": ([], {"TUNEBOARD_ALLOCATOR": "glibc"}),  # no jemalloc: glibc with a 1 MiB mmap threshold (backend.train)
     "glibc-heap": ([], {"TUNEBOARD_ALLOCATOR": "glibc", "TUNEBOARD_MMAP_THRESHOLD": "0"}),  # glibc's own defaults
 }
@@ -146,7 +147,7 @@ def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict
     argv = argv[:3] + [str(out_dir)] + argv[3:] if argv[1].endswith("trl_sft.py") else argv + [f"output_dir={out_dir}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env_extra)
     for switch in ("TUNEBOARD_PADDING_FREE", "TUNEBOARD_CHUNKED_LOSS", "TUNEBOARD_VARLEN", "TUNEBOARD_MMAP_THRESHOLD",
-                   "TUNEBOARD_ALLOCATOR", "LD_PRELOAD"):
+                   "TUNEBOARD_ALLOCATOR", "LD_PRELOAD", "TUNEBOARD_SELECTIVE_CHECKPOINT"):
         if switch not in env_extra:
             env.pop(switch, None)
     log = out_dir / "trainer_log.jsonl"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from backend import launch
+from backend import checkpointing, launch
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import get_stage, uses_reference
 from webui.i18n import tr
@@ -115,6 +115,10 @@ def estimate(flat: dict) -> dict:
     tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024) * (2 if pairs else 1)
     layers = max(12.0, n / 12 / hidden ** 2)
     acts = tokens * hidden * layers * 34 * (2 if half else 4) * (CHECKPOINTED_SHARE if _checkpointing(flat) else 1)
+    if _checkpointing(flat):  # selective checkpointing keeps more where it fits (the training process's rule)
+        extra = checkpointing.extra_bytes(tokens, hidden, layers, 2 if half else 4)
+        if checkpointing.decide(extra, psutil.virtual_memory().available)[0]:
+            acts += extra
     reference = 0.0
     if reference_copy(flat):
         reference = (param_count(flat.get("ref_model") or "") or n) * weight_b  # frozen: weights only

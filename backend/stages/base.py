@@ -166,6 +166,11 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     kwargs = fit_to_installed(spec.training_arguments(), args_class)
     if "gradient_checkpointing" in args_class.__dataclass_fields__:  # TRL configs default it to True
         kwargs["gradient_checkpointing"] = gradient_checkpointing_on(spec)
+    given = [k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if k in spec.passthrough]
+    if gradient_checkpointing_on(spec) and not given:  # the Trainer enables checkpointing again with these
+        from backend.checkpointing import checkpoint_kwargs
+
+        kwargs.update(fit_to_installed({"activation_checkpointing_kwargs": checkpoint_kwargs()}, args_class))
     kwargs.update(extra or {})
     kwargs["output_dir"] = str(out)
     kwargs.setdefault("include_num_input_tokens_seen", "non_padding")  # for tokens/s
@@ -379,10 +384,15 @@ def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = Fal
     this model; TUNEBOARD_CHUNKED_LOSS=0 in the environment keeps the plain loss (for bench/)."""
     import os
 
-    from backend.models import apply_finetuning, count_parameters, describe_model, install_chunked_loss, load_model
+    from backend.models import (apply_finetuning, count_parameters, describe_model, gradient_checkpointing_on,
+                                install_chunked_loss, load_model)
 
     model = load_model(spec, resolved, for_training=True, warn=run_dir.warn, **load_kwargs)
     run_dir.log(f"model: {describe_model(model)}")
+    if gradient_checkpointing_on(spec):
+        from backend.checkpointing import described
+
+        run_dir.log(f"gradient checkpointing: {described()}")
     model = apply_finetuning(model, spec, warn=run_dir.warn)
     trainable, total = count_parameters(model)
     run_dir.log(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")

@@ -67,7 +67,9 @@ def one_step(folder, checkpointing: bool):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_checkpointing_on_and_off_give_the_same_step(tiny_models, family):
+@pytest.mark.parametrize("selective", ["1", "0"])  # backend/checkpointing.py: keep matmul/attention outputs, or not
+def test_checkpointing_on_and_off_give_the_same_step(tiny_models, family, selective, monkeypatch):
+    monkeypatch.setenv("TUNEBOARD_SELECTIVE_CHECKPOINT", selective)
     loss_on, grads_on = one_step(tiny_models[family], True)
     loss_off, grads_off = one_step(tiny_models[family], False)
     assert loss_on == pytest.approx(loss_off, rel=1e-6)
@@ -75,3 +77,53 @@ def test_checkpointing_on_and_off_give_the_same_step(tiny_models, family):
     assert any(g.abs().sum() > 0 for n, g in grads_on.items() if "lora_A" in n)
     for name in grads_on:
         torch.testing.assert_close(grads_on[name], grads_off[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_selective_checkpointing_keeps_the_costly_outputs_and_recomputes_the_rest(tiny_models):
+    """What the policy keeps, counted while a checkpointed forward/backward runs: the attention op and the
+    narrowing products are kept; the widening (gate/up) products and element-wise ops are recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from backend import checkpointing
+
+    seen: dict[str, list] = {"saved": [], "recomputed": []}
+    original = checkpointing._policy
+
+    def counting(ctx, op, *args, **kwargs):
+        decision = original(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute:
+            kind = "saved" if decision == CheckpointPolicy.MUST_SAVE else "recomputed"
+            seen[kind].append((str(op), tuple(args[-1].shape) if op in (torch.ops.aten.mm.default,) else None))
+        return decision
+
+    checkpointing._policy = counting
+    try:
+        one_step(tiny_models["llama"], True)
+    finally:
+        checkpointing._policy = original
+    saved_ops = {op for op, _ in seen["saved"]}
+    assert any("scaled_dot_product" in op for op in saved_ops), saved_ops
+    saved_mm = [shape for op, shape in seen["saved"] if op == "aten.mm.default"]
+    recomputed_mm = [shape for op, shape in seen["recomputed"] if op == "aten.mm.default"]
+    assert saved_mm and all(n <= k for k, n in saved_mm)  # narrowing: output no wider than the inner dimension
+    assert recomputed_mm and all(n > k for k, n in recomputed_mm)
+    assert any(op.startswith(("aten.mul", "aten.silu", "aten.add")) for op, _ in seen["recomputed"])
+
+
+def test_selective_only_where_its_extra_memory_fits(monkeypatch):
+    """The bench recipe's micro-batch (4 x 512 tokens, SmolLM2: hidden 576, 30 layers, fp32) keeps ~0.6 GiB more:
+    selective with 20 GiB free, plain with 4 GiB free; the guide's recipe (4 x 4096 packed) keeps ~5 GiB more:
+    plain with 20 GiB free. The environment variable forces either."""
+    from backend.checkpointing import ENV, decide, extra_bytes
+
+    monkeypatch.delenv(ENV, raising=False)
+    gib = 2 ** 30
+    bench, guide = extra_bytes(4 * 512, 576, 30, 4), extra_bytes(4 * 4096, 576, 30, 4)
+    assert 0.5 * gib < bench < 0.7 * gib and 4.5 * gib < guide < 5.5 * gib
+    assert decide(bench, 20 * gib)[0] and not decide(bench, 4 * gib)[0]
+    selective, why = decide(guide, 20 * gib)
+    assert not selective and why.startswith("plain") and "MiB free" in why
+    monkeypatch.setenv(ENV, "1")
+    assert decide(guide, 1 * gib)[0]
+    monkeypatch.setenv(ENV, "0")
+    assert not decide(bench, 100 * gib)[0]

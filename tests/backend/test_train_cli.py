@@ -56,6 +56,7 @@ def test_lora_sft_on_tiny_llama(tiny_llama, tmp_path):
 
     first = next((name for name in allocator.LIBRARIES if allocator.find(name)), "glibc")
     assert f"memory allocator: {first}" in (out / "running_log.txt").read_text()
+    assert "gradient checkpointing: selective" in (out / "running_log.txt").read_text()  # a tiny model: it fits
     assert (out / "checkpoint-3").is_dir() and (out / "checkpoint-6").is_dir()
     assert (out / "training_loss.png").stat().st_size > 1000
     # the adapter was saved and trained: LoRA B matrices start at zero, so any non-zero B moved

@@ -358,23 +358,43 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
         raise RunError("no training rows left after preprocessing (see the warnings above)")
     if spec.resolved_packing:
         rows = pack_rows(rows, spec.cutoff_len)
-        run_dir.log(f"packed into {len(rows)} sequences of <= {spec.cutoff_len} tokens")
-        return rows, PackedCollator()
+        # SDPA over a packed sequence computes every row against every other of it (masked): per row instead
+        problem = "no model" if model is None else _varlen_problem(model)
+        run_dir.log(f"packed into {len(rows)} sequences of <= {spec.cutoff_len} tokens"
+                    + (" (varlen SDPA: one causal attention per packed row)" if problem is None
+                       else f" (attention over each whole sequence, masked: {problem})"))
+        return rows, PackedCollator(flash_attn_kwargs=problem is None or _flash(model))
     if model is not None and spec.stage in ("sft", "pt") and os.environ.get("TUNEBOARD_PADDING_FREE", "1") != "0":
         from backend.models import padding_free_problem
 
         problem = padding_free_problem(model)
         if problem is None:
-            from backend.attention import use_varlen_attention
-
             # SDPA over the whole concatenation would compute every row against every other (masked): per row
-            varlen = os.environ.get("TUNEBOARD_VARLEN", "1") != "0" and use_varlen_attention(model) is None
+            varlen = _varlen_problem(model, probed=True) is None
             run_dir.log("padding-free batches: each batch's rows concatenated, no attention across rows"
                         + (" (varlen SDPA: one causal attention per row)" if varlen else ""))
-            flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
-            return rows, PaddingFreeCollator(flash_attn_kwargs=flash or varlen)
+            return rows, PaddingFreeCollator(flash_attn_kwargs=_flash(model) or varlen)
         run_dir.log(f"padded batches: padding-free is not exact for this model ({problem})")
     return rows, PaddingCollator(tokenizer)
+
+
+def _varlen_problem(model, probed: bool = False) -> str | None:
+    """Switch the model to the varlen SDPA (backend/attention.py: one causal SDPA per row of a concatenated
+    batch, rows from the collator's cu_seq_lens) where that is exact for it: None when switched, else why not.
+    TUNEBOARD_VARLEN=0 keeps SDPA."""
+    import os
+
+    from backend.attention import use_varlen_attention
+    from backend.models import padding_free_problem
+
+    if os.environ.get("TUNEBOARD_VARLEN", "1") == "0":
+        return "TUNEBOARD_VARLEN=0"
+    problem = None if probed else padding_free_problem(model)
+    return problem or use_varlen_attention(model)
+
+
+def _flash(model) -> bool:
+    return model is not None and str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
 
 
 def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = False, **load_kwargs):

@@ -118,3 +118,29 @@ def test_varlen_sdpa_equals_padded(family_model):
         assert model.training
     finally:
         model.set_attn_implementation(before)
+
+
+def test_varlen_sdpa_equals_the_packed_mask(family_model):
+    """Packing (several rows in one sequence, position_ids restarting per row) through the varlen SDPA, one causal
+    attention per packed row from the collator's cu_seq_lens, gives the loss and gradients of SDPA with the
+    block-diagonal mask transformers builds from the position_ids."""
+    from backend.attention import NAME, use_varlen_attention
+    from backend.preprocess import PackedCollator, pack_rows
+
+    family, model = family_model
+    before = model.config._attn_implementation
+    packed = pack_rows(make_rows(9, model.config.vocab_size, seed=11), 64)
+    assert len(packed) >= 2 and any(row["position_ids"].count(0) > 1 for row in packed)
+    masked = PackedCollator()(packed)
+    loss_masked, grads_masked = loss_and_grads(model, masked)
+    if use_varlen_attention(model) is not None:
+        assert before != "sdpa", family
+        return
+    try:
+        assert model.config._attn_implementation == NAME
+        loss_varlen, grads_varlen = loss_and_grads(model, PackedCollator(flash_attn_kwargs=True)(packed))
+        assert loss_varlen == pytest.approx(loss_masked, rel=1e-5), family
+        for name, grad in grads_masked.items():
+            torch.testing.assert_close(grads_varlen[name], grad, rtol=1e-5, atol=1e-5, msg=f"{family}: {name}")
+    finally:
+        model.set_attn_implementation(before)

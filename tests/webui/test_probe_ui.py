@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.waiting import wait_for
 from webui import jobs
 
 pytestmark = pytest.mark.slow
@@ -78,6 +79,8 @@ def test_start_says_when_the_formula_is_unsure_and_starts_on_the_second_press(de
     big[0] = st
     start.fn(*big)
     assert len(launched) == 1  # pressed again: started anyway
+    # its stand-in process must have ended, or the next Start is queued behind it (one run at a time)
+    wait_for(lambda: not jobs.run_state(launched[0]).active, timeout=60, what="the first stand-in run to end")
     # a small run (a model of unknown size, small batch) starts at once
     small = form_args(start, model_name_or_path=str(tiny_llama), template="llama3", dataset="identity",
                       cutoff_len=128, per_device_train_batch_size=2)

@@ -59,18 +59,19 @@ def choose(spec, model) -> str:
     import psutil
     import torch
 
-    from backend.stages import get_stage
+    from backend.stages import pairwise
 
+    given = given_by_spec(spec)
+    if given:
+        _selective, _why = False, f"as the spec's {given} say"
+        return _why
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None)
     layers = getattr(config, "num_hidden_layers", None)
     if not hidden or not layers:
         _selective, _why = False, "plain (the model's config has no hidden_size/num_hidden_layers)"
         return _why
-    try:
-        pairs = get_stage(getattr(spec, "stage", "sft") or "sft").data == "ranking"
-    except KeyError:
-        pairs = False
+    pairs = pairwise(getattr(spec, "stage", "sft"))
     batch = getattr(spec, "per_device_train_batch_size", 1) or 1
     tokens = batch * (getattr(spec, "cutoff_len", 1024) or 1024) * (2 if pairs else 1)
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -81,6 +82,13 @@ def choose(spec, model) -> str:
         free = psutil.virtual_memory().available / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     _selective, _why = decide(extra_bytes(tokens, hidden, layers, width), free)
     return _why
+
+
+def given_by_spec(spec) -> str | None:
+    """The checkpoint-kwargs key the spec passes to the Trainer itself (then it gets exactly those), or None."""
+    passthrough = getattr(spec, "passthrough", None) or {}
+    return next((k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if k in passthrough),
+                None)
 
 
 def described() -> str | None:

@@ -165,9 +165,8 @@ def run(spec, args: list[str] | None = None) -> int:
 def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = False) -> int:
     """The stage, from a started run directory to its final status (rank 0 writes it; other ranks only
     train). Returns the exit code."""
-    from backend.callbacks import StopSwitch
-
     from backend import allocator
+    from backend.callbacks import StopSwitch
 
     threshold = None if allocator.loaded() else return_freed_memory()
     stop = StopSwitch(run_dir)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import psutil
 
-from backend import checkpointing, launch
+from backend import checkpointing, launch, stages
 from backend.paths import DEFAULT_MODEL_ID
-from backend.stages import get_stage, uses_reference
+from backend.stages import uses_reference
 from webui.i18n import tr
 
 KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
@@ -66,10 +66,7 @@ def reference_copy(flat: dict) -> bool:
 
 def pairwise(flat: dict) -> bool:
     """Whether each row is a chosen + rejected pair (both go through the model: the batch doubles)."""
-    try:
-        return get_stage(flat.get("stage") or "sft").data == "ranking"
-    except KeyError:
-        return False
+    return stages.pairwise(flat.get("stage"))
 
 
 def layout(flat: dict) -> tuple[int, int, int | None]:

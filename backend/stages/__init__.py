@@ -151,6 +151,16 @@ def uses_reference(stage_id: str, pref_loss: str | None = None) -> bool:
     return "ref_model" in stage.fields and (stage.pref_loss or pref_loss) not in REFERENCE_FREE_LOSSES
 
 
+def pairwise(stage_id: str | None) -> bool:
+    """Whether each row of the stage is a chosen + rejected pair (both go through the model: a micro-batch holds
+    twice its rows' tokens). False for an unknown stage (validate names that one). The memory estimate and the
+    checkpointing choice use it."""
+    try:
+        return get_stage(stage_id or "sft").data == "ranking"
+    except KeyError:
+        return False
+
+
 def stage_module(stage_id: str):
     """The heavy module that trains this stage (imports torch): backend.stages.<module>."""
     import importlib

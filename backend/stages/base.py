@@ -166,10 +166,9 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     kwargs = fit_to_installed(spec.training_arguments(), args_class)
     if "gradient_checkpointing" in args_class.__dataclass_fields__:  # TRL configs default it to True
         kwargs["gradient_checkpointing"] = gradient_checkpointing_on(spec)
-    given = [k for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if k in spec.passthrough]
-    if gradient_checkpointing_on(spec) and not given:  # the Trainer enables checkpointing again with these
-        from backend.checkpointing import checkpoint_kwargs
+    from backend.checkpointing import checkpoint_kwargs, given_by_spec
 
+    if gradient_checkpointing_on(spec) and not given_by_spec(spec):  # the Trainer enables checkpointing again
         kwargs.update(fit_to_installed({"activation_checkpointing_kwargs": checkpoint_kwargs()}, args_class))
     kwargs.update(extra or {})
     kwargs["output_dir"] = str(out)
@@ -352,6 +351,7 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
     TUNEBOARD_PADDING_FREE=0 in the environment keeps padding (for side-by-side measurements: bench/)."""
     import os
 
+    from backend.models import padding_free_problem
     from backend.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 
     if not rows:
@@ -359,18 +359,16 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
     if spec.resolved_packing:
         rows = pack_rows(rows, spec.cutoff_len)
         # SDPA over a packed sequence computes every row against every other of it (masked): per row instead
-        problem = "no model" if model is None else _varlen_problem(model)
+        problem = "no model" if model is None else padding_free_problem(model) or _use_varlen(model)
         run_dir.log(f"packed into {len(rows)} sequences of <= {spec.cutoff_len} tokens"
                     + (" (varlen SDPA: one causal attention per packed row)" if problem is None
                        else f" (attention over each whole sequence, masked: {problem})"))
         return rows, PackedCollator(flash_attn_kwargs=problem is None or _flash(model))
     if model is not None and spec.stage in ("sft", "pt") and os.environ.get("TUNEBOARD_PADDING_FREE", "1") != "0":
-        from backend.models import padding_free_problem
-
         problem = padding_free_problem(model)
         if problem is None:
             # SDPA over the whole concatenation would compute every row against every other (masked): per row
-            varlen = _varlen_problem(model, probed=True) is None
+            varlen = _use_varlen(model) is None
             run_dir.log("padding-free batches: each batch's rows concatenated, no attention across rows"
                         + (" (varlen SDPA: one causal attention per row)" if varlen else ""))
             return rows, PaddingFreeCollator(flash_attn_kwargs=_flash(model) or varlen)
@@ -378,19 +376,17 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
     return rows, PaddingCollator(tokenizer)
 
 
-def _varlen_problem(model, probed: bool = False) -> str | None:
-    """Switch the model to the varlen SDPA (backend/attention.py: one causal SDPA per row of a concatenated
-    batch, rows from the collator's cu_seq_lens) where that is exact for it: None when switched, else why not.
-    TUNEBOARD_VARLEN=0 keeps SDPA."""
+def _use_varlen(model) -> str | None:
+    """Switch a model that passed the padding-free probe to the varlen SDPA (backend/attention.py: one causal
+    SDPA per row of a concatenated batch, rows from the collator's cu_seq_lens): None when switched, else why
+    not. TUNEBOARD_VARLEN=0 keeps SDPA."""
     import os
 
     from backend.attention import use_varlen_attention
-    from backend.models import padding_free_problem
 
     if os.environ.get("TUNEBOARD_VARLEN", "1") == "0":
         return "TUNEBOARD_VARLEN=0"
-    problem = None if probed else padding_free_problem(model)
-    return problem or use_varlen_attention(model)
+    return use_varlen_attention(model)
 
 
 def _flash(model) -> bool:

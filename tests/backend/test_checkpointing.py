@@ -127,3 +127,22 @@ def test_selective_only_where_its_extra_memory_fits(monkeypatch):
     assert decide(guide, 1 * gib)[0]
     monkeypatch.setenv(ENV, "0")
     assert not decide(bench, 100 * gib)[0]
+
+
+def test_checkpoint_kwargs_given_by_the_spec_are_left_as_they_are(tiny_models):
+    """A spec that passes activation_checkpointing_kwargs to the Trainer gets those: no selective context, and the
+    run log's line says whose they are."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from backend import checkpointing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    spec = SimpleNamespace(stage="sft", per_device_train_batch_size=1, cutoff_len=16,
+                           passthrough={"activation_checkpointing_kwargs": {"use_reentrant": True}})
+    assert checkpointing.choose(spec, model) == "as the spec's activation_checkpointing_kwargs say"
+    assert "context_fn" not in checkpointing.checkpoint_kwargs()
+    spec.passthrough = {}
+    assert checkpointing.choose(spec, model).startswith("selective")  # a tiny model's extra fits
+    assert "context_fn" in checkpointing.checkpoint_kwargs()

@@ -8,6 +8,12 @@ idle pages back, so they get both. Measured on bench/recipe.yaml, 5 steps, one q
 glibc heap 161 tokens/s, 2,313 MiB; glibc 1 MiB threshold 106, 1,461; jemalloc 160, 1,386; tcmalloc 163,
 1,410; the same losses in all four.
 
+jemalloc's own default then gives idle pages back after ~10 s (its dirty/muzzy decay), and a step re-faults
+them: with large micro-batches that costs most of the gain. The guide's packed recipe at 1 x 4096 tokens a
+micro-batch: 94 useful tokens/s and 1,800 MiB peak with the default decay (glibc: 90, 1,823; a 30 s decay: 97),
+179 tokens/s and 2,083 MiB with decay off; the bench recipe: 153-171 -> 175-185 tokens/s, 1,782 -> 1,885 MiB
+(same losses). So jemalloc runs with freed pages kept for reuse (KEEP_FREED_PAGES) unless MALLOC_CONF is set.
+
 So `tuneboard train` re-executes itself once with jemalloc (else tcmalloc) in LD_PRELOAD when the library is
 installed (Debian: libjemalloc2 / libtcmalloc-minimal4; `make setup` installs libjemalloc2). A library has to
 be preloaded before the process starts, so this cannot be a call inside the running process. Its children
@@ -25,6 +31,7 @@ ENV = "TUNEBOARD_ALLOCATOR"
 LIBRARIES = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
 PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 CHOICES = ("auto", *LIBRARIES, "glibc")
+KEEP_FREED_PAGES = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # jemalloc's MALLOC_CONF: never purge freed pages
 _TRIED = "TUNEBOARD_ALLOCATOR_PRELOADED"  # set on the re-executed process: never re-execute twice
 
 
@@ -78,6 +85,8 @@ def relaunch() -> None:
     name, path = found
     preload = " ".join(x for x in (str(path), os.environ.get("LD_PRELOAD", "")) if x)
     env = dict(os.environ, LD_PRELOAD=preload, **{_TRIED: name})
+    if name == "jemalloc" and "MALLOC_CONF" not in env:
+        env["MALLOC_CONF"] = KEEP_FREED_PAGES
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
@@ -86,8 +95,26 @@ def relaunch() -> None:
 def describe() -> str:
     """For the run log: which allocator this process uses."""
     name = loaded()
+    if name == "jemalloc":
+        decay = jemalloc_decay_ms()
+        kept = "freed pages kept" if decay == -1 else f"freed pages returned after {decay} ms"
+        return f"{name} (preloaded: {find(name) or LIBRARIES[name]}; {kept})"
     if name:
         return f"{name} (preloaded: {find(name) or LIBRARIES[name]})"
     tried = os.environ.get(_TRIED)
     note = f"; {tried} was preloaded but is not in this process" if tried else ""
     return f"glibc malloc{note}"
+
+
+def jemalloc_decay_ms() -> int | None:
+    """The running jemalloc's opt.dirty_decay_ms (-1: freed pages are never purged), read with its mallctl."""
+    import ctypes
+
+    try:
+        mallctl = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    value, size = ctypes.c_ssize_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+    if mallctl(b"opt.dirty_decay_ms", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return None
+    return value.value

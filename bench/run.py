@@ -96,7 +96,7 @@ LEVERS = {
     "bf16": (["bf16=true"], {}),
     "full-recompute": ([], {"TUNEBOARD_SELECTIVE_CHECKPOINT": "0"}),  # plain checkpointing (backend/checkpointing.py)
     "glibc": ([], {"TUNEBOARD_ALLOCATOR": "glibc"}),  # no jemalloc: glibc with a 1 MiB mmap threshold (backend.train)
-    "jemalloc-no-decay": ([], {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}),  # never purge freed pages
+    "jemalloc-decay": ([], {"MALLOC_CONF": ""}),  # jemalloc's own decay (freed pages returned after 10 s)
     "glibc-heap": ([], {"TUNEBOARD_ALLOCATOR": "glibc", "TUNEBOARD_MMAP_THRESHOLD": "0"}),  # glibc's own defaults
 }
 

@@ -5,16 +5,14 @@ Preference stages add what they hold besides: a frozen reference model copy wher
 chosen + rejected sequences of a pairwise stage (twice the batch through the model).
 
 Constants measured (issue 10), on the guide's recipe (examples/sft_qlora_extraction.yaml: the default 135M model,
-QLoRA 4-bit, cutoff 4096 packed, batch 4, checkpointing on) on this 2-core CPU under heavy load, 2026-11-30:
-`tuneboard probe`'s training process held 1,005 MiB RSS when training began (Python, torch, transformers,
-bitsandbytes, the tokenized rows; 159 MiB of it the frozen weights): RUNTIME_BYTES. Peaks: the probe 5,617 MiB,
-a real run 4,883 MiB; BOTH ARE LOWER BOUNDS: neither finished its first micro-batch of 16k tokens (4-bit matmuls
-run through bitsandbytes' CPU gemv fallback: the real run's first forward took 51 min; the probe hit its 30 min
-timeout), so the backward's peak is not in them. The old formula said 2,706 MiB (no runtime, checkpointing
-keeping 1/8 of the activations); with RUNTIME_BYTES and CHECKPOINTED_SHARE it says 5,660 MiB. Refit
-CHECKPOINTED_SHARE from a finished `tuneboard probe --timeout 10800 examples/sft_qlora_extraction.yaml` on a quiet
-machine. Runs without checkpointing are unchanged but for the runtime. The formula stays a guess: the Train tab's
-"Measure memory" (tuneboard probe, backend/probe.py) measures the exact spec."""
+QLoRA 4-bit, cutoff 4096 packed, batch 4, GA 4, plain checkpointing) on this 2-core CPU: `tuneboard probe`'s
+training process held 1,005 MiB RSS when training began (Python, torch, transformers, bitsandbytes, the tokenized
+rows; 159 MiB of it the frozen weights): RUNTIME_BYTES. The whole recipe (3 optimizer steps of 3 micro-batches
+of up to 4 x 4096 packed tokens, 123,912 tokens, jemalloc keeping freed pages) ran to the end in 11 min 28 s on a
+quiet machine, 2026-12-01, with a peak RSS of 5,120 MiB (/usr/bin/time); this formula says 5,661 MiB (+11%).
+The old formula said 2,706 MiB (no runtime, checkpointing keeping 1/8 of the activations). Runs without
+checkpointing are unchanged but for the runtime. The formula stays a guess: the Train tab's "Measure memory"
+(tuneboard probe, backend/probe.py) measures the exact spec."""
 from __future__ import annotations
 
 import re

@@ -169,8 +169,8 @@ def test_start_while_training_queues_and_runs_shows_it(app_page, tiny_llama, sho
     # Abort on the queued run takes it off the queue; the running one is stopped too
     open_tab(page, "Train")
     page.locator("#train-abort").click()
-    # a loaded machine (the fresh-clone suite) once left the message empty >20 s after the click: wait longer
-    expect(page.locator("#train-message")).to_contain_text("Removed", timeout=90_000)
+    # (the next tick must not blank it: the removed run has no end to announce)
+    expect(page.locator("#train-message")).to_contain_text("Removed")
     assert jobs.JobQueue().entries() == []
     running = jobs.find_active_run()
     assert running and running.endswith(first)

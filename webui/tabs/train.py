@@ -354,7 +354,8 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
     message = gr.skip()
     if done and st.get("announced") != state:  # once per end: the message says how the run ended
         st["announced"] = state
-        message = ended_message(run_dir, state, rs.status or status, lang)
+        # a run without an end to tell (a queued run Abort took off the queue) keeps the message it has
+        message = ended_message(run_dir, state, rs.status or status, lang) or gr.skip()
     return (st, prog, loss, lr, *plots, completions, tail.log_text(), final, image, adapters, message,
             gr.Timer(active=not done))
 

@@ -95,12 +95,11 @@ def relaunch() -> None:
 def describe() -> str:
     """For the run log: which allocator this process uses."""
     name = loaded()
-    if name == "jemalloc":
-        decay = jemalloc_decay_ms()
-        kept = "freed pages kept" if decay == -1 else f"freed pages returned after {decay} ms"
-        return f"{name} (preloaded: {find(name) or LIBRARIES[name]}; {kept})"
     if name:
-        return f"{name} (preloaded: {find(name) or LIBRARIES[name]})"
+        decay = jemalloc_decay_ms() if name == "jemalloc" else None
+        kept = ("" if decay is None else "; freed pages kept" if decay == -1
+                else f"; freed pages returned after {decay} ms")
+        return f"{name} (preloaded: {find(name) or LIBRARIES[name]}{kept})"
     tried = os.environ.get(_TRIED)
     note = f"; {tried} was preloaded but is not in this process" if tried else ""
     return f"glibc malloc{note}"

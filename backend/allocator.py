@@ -14,11 +14,13 @@ micro-batch: 94 useful tokens/s and 1,800 MiB peak with the default decay (glibc
 179 tokens/s and 2,083 MiB with decay off; the bench recipe: 153-171 -> 175-185 tokens/s, 1,782 -> 1,885 MiB
 (same losses). So jemalloc runs with freed pages kept for reuse (KEEP_FREED_PAGES) unless MALLOC_CONF is set.
 
-So `tuneboard train` re-executes itself once with jemalloc (else tcmalloc) in LD_PRELOAD when the library is
-installed (Debian: libjemalloc2 / libtcmalloc-minimal4; `make setup` installs libjemalloc2). A library has to
-be preloaded before the process starts, so this cannot be a call inside the running process. Its children
-(torchrun workers, tokenizer pools) inherit it. TUNEBOARD_ALLOCATOR picks: auto (default), jemalloc,
-tcmalloc, or glibc (no preload: glibc with the fixed mmap threshold).
+So `tuneboard train` starts its training process (the same command line, as a child of a small supervising
+parent: backend/supervise.py) with jemalloc (else tcmalloc) in LD_PRELOAD when the library is installed (Debian:
+libjemalloc2 / libtcmalloc-minimal4; `make setup` installs libjemalloc2); the parent itself runs without it. A
+library has to be preloaded before the process starts, so this cannot be a call inside the running process. Its
+children (torchrun workers, tokenizer pools) inherit it. relaunch() re-executes the calling process instead.
+TUNEBOARD_ALLOCATOR picks: auto (default), jemalloc, tcmalloc, or glibc (no preload: glibc with the fixed mmap
+threshold).
 """
 from __future__ import annotations
 
@@ -66,27 +68,37 @@ def loaded() -> str | None:
     return next((name for name, lib in LIBRARIES.items() if lib in maps), None)
 
 
-def relaunch() -> None:
-    """Re-execute this process (the same interpreter and command line) with the chosen allocator preloaded;
-    returns when there is nothing to do (already loaded, glibc asked, not Linux, library missing) or when the
-    re-executed process runs without it. An explicitly asked allocator that is missing is said on stderr."""
+def preload_env() -> dict[str, str] | None:
+    """The environment of a process started with the chosen allocator preloaded, or None when there is nothing
+    to preload (already loaded, glibc asked, not Linux, library missing). An explicitly asked allocator that is
+    missing is said on stderr; an unknown TUNEBOARD_ALLOCATOR raises ValueError."""
     if not sys.platform.startswith("linux") or loaded() or os.environ.get(_TRIED):
-        return
+        return None
     wanted = choice()
     if wanted == "glibc":
-        return
+        return None
     names = list(LIBRARIES) if wanted == "auto" else [wanted]
     found = next(((name, path) for name in names if (path := find(name))), None)
     if found is None:
         if wanted != "auto":
             print(f"warning: {ENV}={wanted}: {LIBRARIES[wanted]} is not installed (Debian: apt install "
                   f"{PACKAGES[wanted]}); training with glibc malloc", file=sys.stderr, flush=True)
-        return
+        return None
     name, path = found
     preload = " ".join(x for x in (str(path), os.environ.get("LD_PRELOAD", "")) if x)
     env = dict(os.environ, LD_PRELOAD=preload, **{_TRIED: name})
     if name == "jemalloc" and "MALLOC_CONF" not in env:
         env["MALLOC_CONF"] = KEEP_FREED_PAGES
+    return env
+
+
+def relaunch() -> None:
+    """Re-execute this process (the same interpreter and command line) with the chosen allocator preloaded;
+    returns when there is nothing to do (see preload_env) or when the re-executed process runs without it.
+    (`tuneboard train` starts its training process as a child with preload_env() instead: backend/supervise.py.)"""
+    env = preload_env()
+    if env is None:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

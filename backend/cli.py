@@ -32,6 +32,7 @@ Run `tuneboard <command> --help` for a command's options.
 """
 
 
+from backend import allocator, supervise  # light: no torch
 from backend.spec import load_or_report  # light: no torch
 
 
@@ -188,14 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"error: unknown command '{argv[0]}'{hint}\n\n{USAGE}", file=sys.stderr, end="")
         return 2
-    if command is cmd_train and own_command_line:
-        from backend import allocator
-
+    if command is cmd_train and own_command_line and supervise.available():
         try:
-            allocator.relaunch()  # jemalloc/tcmalloc preloaded when installed: see backend/allocator.py
+            env = allocator.preload_env()  # jemalloc/tcmalloc preloaded when installed: see backend/allocator.py
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        # the training process runs as a watched child, with the allocator preloaded: backend/supervise.py
+        return supervise.run([sys.executable, *sys.orig_argv[1:]], env or dict(os.environ))
     return command(argv[1:])
 
 

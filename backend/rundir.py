@@ -29,6 +29,11 @@ CHECKPOINT_PREFIX = "checkpoint-"
 # What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
 # a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.
 CHECKPOINT_COMPLETE_MARKER = "trainer_state.json"
+# `tuneboard train` runs its training process as the child of a small supervising parent (backend/supervise.py).
+# The child finds the parent's pid here (status.json records it: the launched process, the group the UI stops) and
+# the pipe it tells the parent its run directory through.
+SUPERVISOR_PID_ENV = "TUNEBOARD_SUPERVISOR_PID"
+SUPERVISOR_FD_ENV = "TUNEBOARD_SUPERVISOR_FD"
 
 # status.json "state": a run in ACTIVE_STATES has a process behind it; FINAL_STATES are written once, at the end.
 ACTIVE_STATES = ("pending", "running")
@@ -60,6 +65,42 @@ def write_json_atomic(path: Path, data: Any) -> None:
         except OSError:
             pass
         raise
+
+
+def supervisor_pid() -> int | None:
+    """The pid of the supervising `tuneboard train` parent when this process is its training child, else None."""
+    value = os.environ.get(SUPERVISOR_PID_ENV, "")
+    return int(value) if value.isdigit() and int(value) == os.getppid() else None
+
+
+def _tell_supervisor(path: Path) -> None:
+    """Hand the supervising parent this run's folder (once), so it can write the final status if this process dies."""
+    fd = os.environ.pop(SUPERVISOR_FD_ENV, "")
+    if not fd.isdigit() or supervisor_pid() is None:
+        return
+    try:
+        os.write(int(fd), (str(path) + "\n").encode("utf-8", "surrogateescape"))
+        os.close(int(fd))
+    except OSError:
+        pass
+
+
+def last_logged_step(run_dir: str | Path) -> int | None:
+    """The step of the last whole line of trainer_log.jsonl (its tail only), or None."""
+    try:
+        with open(Path(run_dir) / LOG_FILE, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
 
 
 def read_status(run_dir: str | Path) -> dict:
@@ -162,7 +203,7 @@ def end_reason(returncode: int | None, step: Any = None, total: Any = None, stop
 
 
 def mark_ended(run_dir: str | Path, returncode: int | None = None, *, launched_at: float | None = None,
-               detail: str | None = None) -> dict | None:
+               detail: str | None = None, by: str = "watcher") -> dict | None:
     """For the launcher / job watcher, once the run's process has ended: if status.json still says the
     run is active, or there is none, or it is older than the launch (`launched_at`, a time.time()) and so
     an earlier process's, write the final state the process could not write itself (killed, out of
@@ -184,6 +225,9 @@ def mark_ended(run_dir: str | Path, returncode: int | None = None, *, launched_a
         return None  # a clean exit of a command that keeps no status (an export job)
     if stale:  # the step and total of an earlier process say nothing about this one
         status = {k: v for k, v in status.items() if k not in ("step", "total_steps")}
+    logged = None if stale else last_logged_step(path)
+    if isinstance(logged, int) and logged > (status.get("step") if isinstance(status.get("step"), int) else -1):
+        status["step"] = logged
     stop_requested = (path / STOP_FILE).exists()
     reason = end_reason(returncode, status.get("step"), status.get("total_steps"), stop_requested)
     if stop_requested:
@@ -191,7 +235,7 @@ def mark_ended(run_dir: str | Path, returncode: int | None = None, *, launched_a
     if detail:
         reason += f": {detail}"
     status.update(state="aborted" if stop_requested else "failed", exit_code=returncode, error=reason,
-                  finished_at=now_iso(), updated_at=now_iso(), ended_by="watcher")
+                  finished_at=now_iso(), updated_at=now_iso(), ended_by=by)
     status.setdefault("output_dir", str(path))
     try:
         write_json_atomic(path / STATUS_FILE, status)
@@ -230,10 +274,13 @@ class RunDir:
     def start(self) -> None:
         self.clear_stale_stop()
         self.status.pop("ended_by", None)  # a status the watcher wrote for an earlier process
+        # pid: the process the UI launched and stops (its group), the supervising parent when there is one;
+        # train_pid: this process, which trains
         self.update_status(
-            state="running", pid=os.getpid(), exit_code=None, error=None, warnings=[],
-            started_at=now_iso(), finished_at=None, step=0, total_steps=None,
+            state="running", pid=supervisor_pid() or os.getpid(), train_pid=os.getpid(), exit_code=None, error=None,
+            warnings=[], started_at=now_iso(), finished_at=None, step=0, total_steps=None,
         )
+        _tell_supervisor(self.path)
 
     def clear_stale_stop(self) -> None:
         """Remove a STOP file left by an earlier abort, so a resumed run does not stop again at once. A STOP

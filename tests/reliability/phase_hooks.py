@@ -10,7 +10,8 @@ phases: preprocess (tokenizing the training rows), load (loading the model), tra
 save (inside the save of checkpoint-N, after the weights are written), export (writing the exported files),
 predict (eval: the second row's generation).
 
-usage: python phase_hooks.py train|export|eval SPEC.yaml [key=value ...]
+usage: python phase_hooks.py train|export|eval SPEC.yaml [key=value ...]   (train runs supervised, as the real
+`tuneboard train` does: a SIGTERM to this process reaches the training child through its parent)
 """
 import os
 import sys
@@ -19,9 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, wherever this is started from
 
+from backend import supervise  # noqa: E402
 from backend.cli import main  # noqa: E402
 
-PHASE = os.environ.get("TUNEBOARD_TEST_HOLD_IN", "")
+# `tuneboard train` trains in a child of a supervising parent that re-runs this script (backend/supervise.py): the
+# hooks go into the child (and into export / eval), never into the parent, which only waits
+PHASE = os.environ.get("TUNEBOARD_TEST_HOLD_IN", "") if sys.argv[1:2] != ["train"] or not supervise.available() else ""
 MARKERS = Path(os.environ.get("TUNEBOARD_TEST_MARKERS", "."))
 _switches = []  # the StopSwitch instances of this process (train and eval install one)
 
@@ -82,4 +86,4 @@ if PHASE:
 
         evaluate.predict = predict
 
-sys.exit(main(sys.argv[1:]))
+sys.exit(main())  # this process's own command line: `train` is supervised, as the real `tuneboard train` is

@@ -9,7 +9,8 @@ callback, so a test acts at an exact step instead of racing the trainer with sle
                                 written and before the RNG and trainer state, write <output_dir>/paused-saving-N
                                 and wait there (a kill during a checkpoint save)
 
-usage: python train_with_hooks.py [SPEC.yaml] [key=value ...]    (the arguments of `tuneboard train`)
+usage: python train_with_hooks.py [SPEC.yaml] [key=value ...]    (the arguments of `tuneboard train`; it runs
+supervised, as the real `tuneboard train` does: the hooks act in the training child)
 """
 import os
 import sys
@@ -18,8 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, wherever this is started from
 
-from backend import callbacks  # noqa: E402
+from backend import supervise  # noqa: E402
 from backend.cli import main  # noqa: E402
+
+# `tuneboard train` trains in a child of a supervising parent that re-runs this script (backend/supervise.py): the
+# hooks go into the child, never into the parent, which only waits
+if supervise.available():
+    sys.argv[1:1] = ["train"]
+    sys.exit(main())
+
+from backend import callbacks  # noqa: E402
 from backend.rundir import STOP_FILE  # noqa: E402
 
 _original = callbacks.RunDirCallback.on_step_end

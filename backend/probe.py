@@ -317,7 +317,7 @@ def run_probe(args: list[str], *, steps: int = DEFAULT_STEPS, available_mib: flo
                                                   f"{peak / 1024:.1f} GiB)")
         elif code == 0 and logged:
             result["state"] = "completed"
-        elif code < 0 and -code == signal.SIGKILL:
+        elif code in (-signal.SIGKILL, 128 + signal.SIGKILL):  # tuneboard train: 128 + N
             result.update(state="killed", error=f"the probe was killed by signal 9 (out of memory?) at peak RSS "
                                                 f"{peak / 1024:.1f} GiB")
         else:

@@ -26,6 +26,14 @@ The decision:
 
 A refusal is a `PathRefused` (a ValueError) that names the field, the path as given, the resolved path and
 the roots; `webui/` turns it into a message of the page's language (locale keys `msg.path_refused_*`).
+
+**Code** (issue #25, SECURITY.md): a spec key that makes a process run code the user names (a reward function
+`file.py:function` or `module:function` in `reward_funcs`, `trust_remote_code: true`) is refused from the UI
+unless its operator started it with `tuneboard webui --allow-code`, and even then only a `.py` file under the
+roots runs (a `module:function` can name any installed module, `os:system`, so it stays off). The UI's
+decision travels to the processes it starts in `$TUNEBOARD_UI_CODE` (`off` | `allowed-folders`): a backend
+process that sees it refuses the same keys again at validate (`code_refusals`), so a launch path that forgot
+the check still runs no code. Unset (a command line of the machine's own user) means no restriction.
 """
 from __future__ import annotations
 
@@ -33,8 +41,12 @@ import os
 from pathlib import Path
 
 from backend import paths
+from backend.rewards import split_names
 
 ENV = "TUNEBOARD_ALLOW_PATHS"
+CODE_ENV = "TUNEBOARD_UI_CODE"
+CODE_OFF, CODE_IN_ROOTS = "off", "allowed-folders"
+CODE_KEYS = ("reward_funcs", "trust_remote_code")  # spec keys that can make a process run the user's code
 
 # spec keys by what the UI lets them do with a path
 WRITE_KEYS = ("output_dir", "export_dir", "logging_dir")
@@ -67,6 +79,67 @@ class PathRefused(ValueError):
         verb = "write to" if self.what == "write" else "read"
         return (f"{k['field']}: not allowed to {verb} {k['path']}: it is outside the allowed folders "
                 f"({k['roots']}). Start the UI with --allow-path DIR to add a folder.")
+
+
+class CodeRefused(ValueError):
+    """A spec value that would run code the UI may not run. `why`: "off" (the UI was started without
+    --allow-code), "module" (a module:function reference) or "outside" (a .py file outside the roots)."""
+
+    def __init__(self, why: str, field: str, value: str, roots: list[Path]):
+        self.why, self.field, self.value, self.roots = why, field, str(value), roots
+        super().__init__(self.english())
+
+    def kwargs(self) -> dict:
+        return {"field": self.field, "value": self.value, "roots": roots_text(self.roots)}
+
+    def key(self) -> str:
+        return f"msg.code_refused_{self.why}"
+
+    def english(self) -> str:
+        k = self.kwargs()
+        if self.why == "off":
+            return (f"{k['field']}: {k['value']} would run code on the server, and this UI was started without "
+                    "--allow-code: only the built-in choices run (the operator can restart it with --allow-code)")
+        if self.why == "module":
+            return (f"{k['field']}: {k['value']} names a module, which can be any installed module: from the UI, "
+                    f"give a .py file under an allowed folder ({k['roots']})")
+        return (f"{k['field']}: {k['value']} is outside the allowed folders ({k['roots']}): only a .py file "
+                "under them runs")
+
+
+def code_policy() -> str | None:
+    """$TUNEBOARD_UI_CODE: None for a command line of the machine's own user (no restriction)."""
+    return os.environ.get(CODE_ENV) or None
+
+
+def set_code_policy(allow_code: bool) -> None:
+    """`tuneboard webui` states its policy for itself and every process it starts."""
+    os.environ[CODE_ENV] = CODE_IN_ROOTS if allow_code else CODE_OFF
+
+
+def code_allowed() -> bool:
+    """In the UI: was it started with --allow-code? (unset counts as no: the UI's default is off)"""
+    return code_policy() == CODE_IN_ROOTS
+
+
+def code_refusals(flat: dict, policy: str | None = None) -> list[CodeRefused]:
+    """The spec values that would run code `policy` does not allow (default: the UI's, off unless
+    --allow-code); a reward name without ':' is a built-in (or a typo validate names), never code."""
+    policy = policy or code_policy() or CODE_OFF
+    out: list[CodeRefused] = []
+    if str(flat.get("trust_remote_code", "")).strip().lower() in ("true", "1", "yes") and policy != CODE_IN_ROOTS:
+        out.append(CodeRefused("off", "trust_remote_code", "true", roots()))
+    for name in split_names(flat.get("reward_funcs")):
+        if ":" not in name:
+            continue
+        where = name.rpartition(":")[0]
+        if policy != CODE_IN_ROOTS:
+            out.append(CodeRefused("off", "reward_funcs", name, roots()))
+        elif not where.endswith(".py"):
+            out.append(CodeRefused("module", "reward_funcs", name, roots()))
+        elif not _inside(resolve(where), roots()):
+            out.append(CodeRefused("outside", "reward_funcs", name, roots()))
+    return out
 
 
 def roots_text(roots: list[Path]) -> str:
@@ -157,9 +230,10 @@ def check_model(value: str | None, field: str = "model_name_or_path") -> None:
         raise PathRefused("model", field, part, full, roots())
 
 
-def spec_refusals(flat: dict) -> list[PathRefused]:
-    """Every path of a flat spec the UI may not use (write / read / model keys), in key order."""
-    out: list[PathRefused] = []
+def spec_refusals(flat: dict) -> list[PathRefused | CodeRefused]:
+    """Every path of a flat spec the UI may not use (write / read / model keys), in key order, then every
+    value that would run code the UI may not run."""
+    out: list[PathRefused | CodeRefused] = []
     for key, value in flat.items():
         if value in (None, "") or not isinstance(value, (str, os.PathLike)):
             continue  # a dict config (deepspeed: {...}) or a bool is not a path
@@ -172,4 +246,4 @@ def spec_refusals(flat: dict) -> list[PathRefused]:
                 check_model(value, key)
         except PathRefused as exc:
             out.append(exc)
-    return out
+    return out + code_refusals(flat)

@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from backend import paths
+from backend import allowed, paths
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import IMPLEMENTED, STAGE_IDS, get_stage, stages_using_field, stages_with_data
 
@@ -868,7 +868,17 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         errors.extend(_dataset_errors(spec))
         errors.extend(_model_path_errors(spec))
         errors.extend(_output_dir_errors(spec))
+    errors.extend(_code_policy_errors(spec))
     return errors
+
+
+def _code_policy_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """A process the web UI started (backend.allowed.CODE_ENV set) runs no code its operator did not allow,
+    whichever UI path launched it; a command line of the machine's own user is not restricted."""
+    if allowed.code_policy() is None:
+        return []
+    flat = {"reward_funcs": spec.reward_funcs, "trust_remote_code": spec.trust_remote_code}
+    return [(exc.field, exc.english(), frozenset({exc.field})) for exc in allowed.code_refusals(flat)]
 
 
 def _looks_like_path(name: str) -> bool:

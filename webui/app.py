@@ -258,6 +258,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --auth: wrong logins from one address before it is locked out (default 5)")
     p.add_argument("--login-lockout", type=float, default=300.0, metavar="SECONDS",
                    help="with --auth: how long a locked-out address waits (default 300 s)")
+    p.add_argument("--allow-code", action="store_true",
+                   help="let the page run code it names: reward functions from .py files under the allowed folders "
+                        "and trust_remote_code (off by default: whoever can log in could run anything as this "
+                        "user; SECURITY.md)")
     p.add_argument("--max-upload", type=upload_size, default=DEFAULT_MAX_UPLOAD, metavar="SIZE",
                    help="largest file the page accepts as an upload, e.g. 500mb, 2gb (default 2gb)")
     return p.parse_args(argv)
@@ -315,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --allow-path {d}: no such folder", file=sys.stderr)
             return 2
     allowed.add_roots([os.path.abspath(os.path.expanduser(d)) for d in opts.allow_path])  # from the shell's folder
+    allowed.set_code_policy(opts.allow_code)
     port = free_port(opts.host, opts.port)
     if port != opts.port:
         print(f"port {opts.port} is taken: using {port}", flush=True)
@@ -324,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = create_app()
     print(f"TuneBoard: http://{opts.host}:{port}{opts.root_path or ''}/", flush=True)
     print("Allowed folders: " + allowed.roots_text(allowed.roots()), flush=True)
+    print("Code from the page: " + ("reward .py files under the allowed folders, trust_remote_code (--allow-code)"
+                                    if opts.allow_code else "off (built-in rewards only; --allow-code turns it on)"),
+          flush=True)
     try:
         demo.launch(server_name=opts.host, server_port=port, auth=auth or None, root_path=opts.root_path,
                     show_error=True, **launch_kwargs({"max_failures": opts.login_max_failures,

@@ -10,6 +10,7 @@ import functools
 
 import yaml
 
+from backend import allowed
 from backend.paths import LOCALES_DIR
 
 LANGS = ("en", "zh", "ja", "ko", "ru", "de", "fr", "es")
@@ -44,7 +45,10 @@ def field_help(lang: str | None, key: str, english: str) -> str:
     """The help text of field `key` in `lang`; `english` (the spec's description) when it has none."""
     if not english:
         return ""
-    return field_strings(lang or "en").get(key) or english
+    text = field_strings(lang or "en").get(key) or english
+    if key in allowed.CODE_KEYS and not allowed.code_allowed():
+        text += " " + tr(lang or "en", "msg.code_off_note")  # the form says why only built-ins run
+    return text
 
 
 def humanize(key: str) -> str:

@@ -3,7 +3,8 @@ import pytest
 import yaml
 
 from backend.paths import LOCALES_DIR
-from webui.i18n import LANGS
+from backend import allowed
+from webui.i18n import LANGS, tr
 
 
 def _load(lang):
@@ -91,7 +92,10 @@ def test_every_shown_field_has_help_or_falls_back(lang, help_keys, capsys):
     fallback = []
     for key, english in help_keys.items():
         shown = field_help(lang, key, english)
-        assert shown == (table.get(key) or english)
+        expected = table.get(key) or english
+        if key in allowed.CODE_KEYS and not allowed.code_allowed():  # SECURITY.md: the form says why
+            expected += " " + tr(lang, "msg.code_off_note")
+        assert shown == expected
         if key not in table:
             fallback.append(key)
     with capsys.disabled():

@@ -8,7 +8,10 @@ after `delay` s), 429_then_ok (each chunk's first `fail_times` requests get 429 
 bad_body (HTTP 200 whose body is not JSON), truncated (a body shorter than its Content-Length, then the
 connection closes), answer_not_json (a well-formed reply whose content is prose), mixed (by the chunk's first
 word: "empty" -> empty answer, "prose" -> not JSON, "wrong" -> a schema error, "long" -> finish_reason
-length, else valid). With `key`, a request without `Authorization: Bearer <key>` gets 401.
+length, else valid), huge (a valid reply whose answer is `huge_bytes` of prose, Content-Length declared),
+huge_stream (the same without Content-Length: the body ends when the connection closes), gate (valid for the
+first `gate_after` requests; later ones wait until `gate` is set), redirect (307 to `redirect_to` + the path).
+With `key`, a request without `Authorization: Bearer <key>` gets 401.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ def answer_for(chunk: str) -> dict:
 class FakeTeacher:
     def __init__(self, mode: str = "valid", key: str | None = None, delay: float = 0.0, fail_times: int = 1):
         self.mode, self.key, self.delay, self.fail_times = mode, key, delay, fail_times
+        self.huge_bytes, self.gate_after, self.gate, self.redirect_to = 10_000_000, 0, threading.Event(), ""
         self.requests: list[dict] = []
         self.failures: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -61,6 +65,32 @@ class FakeTeacher:
                 self.wfile.write(body)
                 self.wfile.flush()
 
+            def _send_huge(self, body: dict, declared: bool):
+                """A reply of fake.huge_bytes of prose, written in pieces until the reader hangs up."""
+                head = json.dumps({"id": "x", "object": "chat.completion", "model": body.get("model"),
+                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "@"},
+                                                "finish_reason": "stop"}]}).encode()
+                before, after = head.split(b"@")
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if declared:
+                    self.send_header("Content-Length", str(len(before) + fake.huge_bytes + len(after)))
+                else:
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                piece = b"All work and no play makes a dull teacher. " * 1000
+                try:
+                    self.wfile.write(before)
+                    left = fake.huge_bytes
+                    while left > 0:
+                        self.wfile.write(piece[:left])
+                        left -= len(piece)
+                    self.wfile.write(after)
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client stopped reading: what it should do
+
             def do_GET(self):
                 self._send(200, json.dumps({"object": "list", "data": [{"id": "fake-teacher"}]}).encode())
 
@@ -72,6 +102,15 @@ class FakeTeacher:
                     return self._send(401, json.dumps({"error": {"message": "Incorrect API key provided"}}).encode())
                 chunk = body["messages"][-1]["content"]
                 mode = fake.mode
+                if mode == "redirect":
+                    return self._send(307, b"", {"Location": fake.redirect_to + self.path})
+                if mode == "gate":
+                    with fake.lock:
+                        n = len(fake.requests)
+                    if n > fake.gate_after:
+                        fake.gate.wait()
+                if mode in ("huge", "huge_stream"):
+                    return self._send_huge(body, declared=mode == "huge")
                 if mode == "slow":
                     time.sleep(fake.delay)
                 if mode == "429_then_ok":

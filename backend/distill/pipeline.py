@@ -24,11 +24,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from backend import allowed, teacher_access
 from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, REJECTED_FILE, SPEC_FILE,
                              TEACHER_LOG, TRAIN_DIRNAME)
 from backend.distill.spec import DistillSpec
+from backend.distill.teacher import CUT, reply_budget
 
-LATEST = 20          # pairs shown in the UI's table
+LATEST = 20          # pairs shown in the UI's table (progress.json keeps this many, each field clipped)
+LATEST_CHARS = 300   # of a pair's prompt, answer and detail in progress.json (the table shows 300)
+FIELD_CHARS = 2000   # any other text in progress.json (a message, the teacher's URL)
+EXCERPT_CHARS = 500  # of a rejected answer in rejected.jsonl (with its full size beside it)
+RAW_SLACK_TOKENS = 16  # a ```json fence and blanks around an answer, before they are dropped
 PROGRESS_EVERY_S = 0.5
 
 
@@ -54,6 +60,11 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def _clip(text, limit: int):
+    """`text` cut to `limit` characters (with an ellipsis); anything else as it is."""
+    return text[:limit - 1] + "…" if isinstance(text, str) and len(text) > limit else text
 
 
 def student_prompt(task: str, chunk: str) -> str:
@@ -91,18 +102,33 @@ class Validator:
         else:
             self.schema = None
 
-    def __call__(self, text: str, finish_reason: str) -> tuple[str | None, str | None, str]:
+    def __call__(self, text: str, finish_reason: str, reply_bytes: int = 0) -> tuple[str | None, str | None, str]:
+        """Length first (a reply past its byte budget, a teacher that hit max_tokens, an answer longer than
+        answer_tokens: "too long", whatever its format), then the format. The detail never repeats the answer
+        (rejected.jsonl keeps an excerpt of it beside)."""
         from backend.metrics import parse_json
 
+        n = self.spec.answer_tokens
+        if finish_reason == CUT:
+            return None, "too long", (f"the reply passed {reply_budget(n)} bytes (the budget for answer_tokens {n}: "
+                                      f"{n} x 16 + 32768): reading stopped, {reply_bytes} bytes")
         text = (text or "").strip()
         if not text:
             return None, "empty", "the teacher's answer is empty"
         if finish_reason == "length":
-            return None, "too long", f"cut at max_tokens {self.spec.answer_tokens} (answer_tokens)"
+            return None, "too long", f"cut at max_tokens {n} (answer_tokens)"
+        raw_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if raw_tokens > n + RAW_SLACK_TOKENS:
+            return None, "too long", f"{raw_tokens} tokens > answer_tokens {n}"
         if self.spec.answer_format == "json":
             ok, value = parse_json(text)
             if not ok:
-                return None, "not JSON", text[:120]
+                try:
+                    json.loads(text)
+                    why = "not a JSON value"
+                except ValueError as exc:
+                    why = str(exc)
+                return None, "not JSON", f"{why} ({len(text)} characters)"[:200]
             if self.schema is not None:
                 errors = sorted(self.schema.iter_errors(value), key=lambda e: list(e.path))
                 if errors:
@@ -149,8 +175,7 @@ class Progress:
                 d["prompt_tokens"] += usage.prompt_tokens
                 d["completion_tokens"] += usage.completion_tokens
             d["requests"] = requests
-            d["latest"] = ([{k: record[k] for k in ("chunk", "split", "reason", "detail", "prompt", "answer")}]
-                           + d["latest"])[:LATEST]
+            d["latest"] = ([latest_entry(record)] + d["latest"])[:LATEST]
             elapsed = time.time() - self.started
             d["elapsed_s"] = round(elapsed, 1)
             left = d["to_ask"] - d["answered"] - d["failed"]
@@ -162,8 +187,48 @@ class Progress:
         now = time.time()
         if force or now - self._written >= PROGRESS_EVERY_S:
             self.data["updated_at"] = now
-            _write_atomic(self.path, json.dumps(self.data, ensure_ascii=False, indent=1))
+            data = {k: _clip(v, FIELD_CHARS) for k, v in self.data.items()}  # the UI reads it every tick
+            _write_atomic(self.path, json.dumps(data, ensure_ascii=False, indent=1))
             self._written = now
+
+
+def latest_entry(record: dict) -> dict:
+    """A pair as progress.json's `latest` shows it: its texts clipped to LATEST_CHARS."""
+    return {k: _clip(record[k], LATEST_CHARS) for k in ("chunk", "split", "reason", "detail", "prompt", "answer")}
+
+
+def rejected_row(record: dict) -> dict:
+    """A rejected pair as rejected.jsonl keeps it: the answer as an excerpt, with its full size."""
+    row = {k: record[k] for k in ("chunk", "document", "split", "reason", "detail")}
+    row["answer"] = _clip(record["answer"], EXCERPT_CHARS)
+    row.update({k: record[k] for k in ("answer_chars", "reply_bytes") if k in record})
+    return row
+
+
+# ------------------------------------------------------------------------------- teacher access
+def check_teacher_access(spec: DistillSpec) -> None:
+    """For a run the web UI started (backend.teacher_access.restricted()), the UI's checks once more: the
+    key's variable is one the operator offers for this base URL, a key file lies in the allowed folders,
+    the URL is no internal address unless allowed. DistillError names every refusal; a CLI run passes."""
+    if spec.teacher == "local" or not teacher_access.restricted():
+        return
+    refused: list[ValueError] = teacher_access.check_teacher(spec.teacher, spec.teacher_api_key_env,
+                                                             spec.teacher_api_key_file)
+    if spec.teacher_api_key_file:
+        try:
+            allowed.check_read(spec.teacher_api_key_file, "teacher_api_key_file")
+        except allowed.PathRefused as exc:
+            refused.append(exc)
+    if refused:
+        raise DistillError("; ".join(str(r) for r in refused))
+
+
+def guarded(spec: DistillSpec) -> bool:
+    """Whether the teacher client must refuse internal addresses at connect time (a UI run's URL the
+    operator did not allow)."""
+    if spec.teacher == "local" or not teacher_access.restricted():
+        return False
+    return teacher_access.normalize_url(spec.teacher) not in teacher_access.allowed_urls()
 
 
 # ---------------------------------------------------------------------------------------- generate
@@ -176,6 +241,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     from backend.models import load_tokenizer, resolve_model
     from backend.resolve import pick_template
 
+    check_teacher_access(spec)
     out = spec.resolved_output_dir()
     progress = Progress(out / PROGRESS_FILE, documents=0, chunks=0, to_ask=0, train_chunks=0, eval_chunks=0,
                         duplicates=0, dataset=None, teacher=teacher_id(spec), dataset_name=spec.dataset_name)
@@ -216,10 +282,14 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     records: dict[str, dict] = {}
     by_id = {c.id: c for c in chunks}
 
-    def record_of(chunk, text, finish, reason=None, detail=""):
-        answer, why, detail2 = (None, reason, detail) if reason else validate(text, finish)
-        return {"chunk": chunk.id, "document": chunk.doc_id, "split": split_of[chunk.id], "reason": why,
-                "detail": detail2, "prompt": chunk.text, "answer": answer if answer is not None else (text or "")}
+    def record_of(chunk, text, finish, reason=None, detail="", reply_bytes=0):
+        answer, why, detail2 = (None, reason, detail) if reason else validate(text, finish, reply_bytes)
+        rec = {"chunk": chunk.id, "document": chunk.doc_id, "split": split_of[chunk.id], "reason": why,
+               "detail": detail2, "prompt": chunk.text, "answer": answer if answer is not None else (text or "")}
+        if answer is None:  # only an excerpt of a rejected answer is kept past this point: say its size
+            rec["answer"] = _clip(rec["answer"], EXCERPT_CHARS)
+            rec["reply_bytes" if finish == CUT else "answer_chars"] = reply_bytes if finish == CUT else len(text or "")
+        return rec
 
     for chunk in chunks:
         if chunk.id in dupes:
@@ -229,8 +299,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     with progress.lock:
         if dupes:
             progress.data["rejected"]["duplicate"] = len(dupes)
-            progress.data["latest"] = [{k: records[i][k] for k in ("chunk", "split", "reason", "detail", "prompt",
-                                                                      "answer")} for i in dupes][:LATEST]
+            progress.data["latest"] = [latest_entry(records[i]) for i in dupes][:LATEST]
     pending = []
     for chunk in to_ask:
         cached = cache_dir / f"{keys[chunk.id]}.json"
@@ -239,7 +308,8 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
         except (OSError, ValueError):
             pending.append(chunk)
             continue
-        rec = record_of(chunk, hit.get("answer", ""), hit.get("finish_reason", "stop"))
+        rec = record_of(chunk, hit.get("answer", ""), hit.get("finish_reason", "stop"),
+                        reply_bytes=hit.get("reply_bytes", 0))
         records[chunk.id] = rec
         progress.count(rec, new=False)
     if len(pending) < len(to_ask):
@@ -266,7 +336,8 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                             + (" (nor teacher_api_key_file)" if not spec.teacher_api_key_file else ""))
         teacher = Teacher(base_url, spec.teacher_model or "", api_key, timeout=spec.request_timeout,
                           max_retries=spec.max_retries, backoff=spec.retry_backoff, temperature=spec.temperature,
-                          max_tokens=spec.answer_tokens, budget=budget, stop=stopped, log=run_dir.log)
+                          max_tokens=spec.answer_tokens, budget=budget, stop=stopped, log=run_dir.log,
+                          guard=guarded(spec))
         try:
             if not teacher.model:
                 served = teacher.list_models()
@@ -306,8 +377,9 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                 _write_atomic(cache_dir / f"{keys[chunk.id]}.json",
                               json.dumps({"chunk": chunk.id, "answer": answer.text, "finish_reason": answer.finish_reason,
                                           "prompt_tokens": answer.prompt_tokens,
-                                          "completion_tokens": answer.completion_tokens}, ensure_ascii=False))
-                rec = record_of(chunk, answer.text, answer.finish_reason)
+                                          "completion_tokens": answer.completion_tokens,
+                                          "reply_bytes": answer.reply_bytes}, ensure_ascii=False))
+                rec = record_of(chunk, answer.text, answer.finish_reason, reply_bytes=answer.reply_bytes)
                 with lock:
                     state["ok"] += 1
                     records[chunk.id] = rec
@@ -355,8 +427,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     ordered = [records[c.id] for c in chunks if c.id in records]
     accepted = [r for r in ordered if r["reason"] is None]
     rejected = [r for r in ordered if r["reason"] is not None]
-    _write_atomic(out / REJECTED_FILE, _jsonl([{k: r[k] for k in ("chunk", "document", "split", "reason", "detail",
-                                                                    "answer")} for r in rejected]))
+    _write_atomic(out / REJECTED_FILE, _jsonl([rejected_row(r) for r in rejected]))
     _write_atomic(out / PAIRS_FILE, _jsonl([{k: r[k] for k in ("chunk", "document", "split", "prompt", "answer")}
                                             for r in accepted]))
     reasons = {why: n for why in REASONS if (n := sum(r["reason"] == why for r in rejected))}

@@ -9,7 +9,14 @@ openai client retries on its own and hides the attempts. Failures are sorted int
   counted as "teacher error", not cached, asked again by the next run;
 - BudgetExhausted: max_requests is spent.
 The API key comes from an environment variable or a file; it is sent in the Authorization header and is
-never logged: every message built here goes through `redact()`.
+never logged: every message built here goes through `redact()`. No redirect is followed (a 3xx is fatal and
+names its target), so the header only ever goes to the base URL the key was configured with; for the web
+UI (backend.teacher_access.restricted()) the client also refuses, at connect time, a host that resolves to
+an internal address, unless the operator allowed its base URL.
+
+A reply is read up to a byte budget derived from max_tokens (reply_budget: 16 bytes a token + 32 KiB for
+the envelope): past it, reading stops, and the reply is an Answer with finish_reason CUT and only the head
+of the body kept (the pipeline rejects it as "too long"); an error body is read up to 16 KiB.
 """
 from __future__ import annotations
 
@@ -24,8 +31,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend import teacher_access
+
 RETRY_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 60.0
+REPLY_BYTES_PER_TOKEN = 16        # a token is a few characters; JSON-escaped non-ASCII text is 6 bytes a char
+REPLY_MARGIN_BYTES = 32 * 1024    # the envelope: id, model, usage, a provider's extra fields
+ERROR_BODY_BYTES = 16 * 1024      # of an error reply, enough for its message
+HEAD_BYTES = 4096                 # of a reply over its budget: what is kept to show
+CUT = "cut"                       # Answer.finish_reason of a reply whose body went past the budget
+
+
+def reply_budget(max_tokens: int) -> int:
+    """Bytes a reply body may have for `max_tokens` answer tokens; reading stops past it."""
+    return max_tokens * REPLY_BYTES_PER_TOKEN + REPLY_MARGIN_BYTES
 
 
 class TeacherError(Exception):
@@ -47,6 +66,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     attempts: int
+    reply_bytes: int = 0  # the body's size (a CUT reply: its Content-Length, else the bytes read before stopping)
 
 
 def read_api_key(env_name: str | None, key_file: str | None) -> str | None:
@@ -75,14 +95,21 @@ class Budget:
 class Teacher:
     def __init__(self, base_url: str, model: str, api_key: str | None, *, timeout: float, max_retries: int,
                  backoff: float, temperature: float, max_tokens: int, budget: Budget, stop=lambda: False,
-                 log=print):
+                 log=print, guard: bool = False):
+        """`guard`: refuse to connect to an internal address (the web UI's policy, backend.teacher_access)."""
         import httpx
 
         self.base_url, self.model, self.temperature, self.max_tokens = base_url.rstrip("/"), model, temperature, max_tokens
         self.max_retries, self.backoff, self.budget, self.stop, self.log = max_retries, backoff, budget, stop, log
+        self.max_bytes = reply_budget(max_tokens)
         self._secret = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        transport = httpx.HTTPTransport()
+        if guard:
+            transport._pool._network_backend = _guarded_backend()  # httpcore's pool makes each connection with it
+        # follow_redirects=False (httpx's default, said out loud): the key goes to this base URL and nowhere else
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport,
+                                   follow_redirects=False)
 
     def close(self) -> None:
         self.client.close()
@@ -98,8 +125,13 @@ class Teacher:
     def list_models(self) -> list[str]:
         """/models ids (used to name the local teacher's model); [] when the endpoint has no such route."""
         try:
-            r = self.client.get("/models")
-            return [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
+            with self.client.stream("GET", "/models") as r:
+                body, _, cut = _read_capped(r, self.max_bytes)
+            if r.status_code != 200 or cut:
+                return []
+            return [str(m["id"]) for m in json.loads(body).get("data", [])]
+        except TeacherFatal:
+            raise
         except Exception:  # noqa: BLE001 - optional convenience
             return []
 
@@ -117,7 +149,9 @@ class Teacher:
             self.budget.take()
             wait = self.backoff * (2 ** attempt)
             try:
-                r = self.client.post("/chat/completions", json=body)
+                with self.client.stream("POST", "/chat/completions", json=body) as r:
+                    limit = self.max_bytes if r.status_code == 200 else ERROR_BODY_BYTES
+                    raw, size, cut = _read_capped(r, limit)
             except httpx.TimeoutException:
                 last = f"timed out after {self.client.timeout.read:g} s (request_timeout)"
             except httpx.ConnectError as exc:
@@ -125,13 +159,23 @@ class Teacher:
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
                 last = f"the connection broke mid-reply ({type(exc).__name__}: {exc})"
             else:
+                if r.status_code == 200 and cut:
+                    head = raw[:HEAD_BYTES].decode("utf-8", errors="replace")
+                    return Answer(text=head, finish_reason=CUT, prompt_tokens=0, completion_tokens=0,
+                                  attempts=attempt + 1, reply_bytes=size)
                 if r.status_code == 200:
                     try:
-                        return self._parse(r, attempt + 1)
+                        return self._parse(raw, attempt + 1)
                     except (ValueError, KeyError, IndexError, TypeError) as exc:
-                        last = f"malformed reply (HTTP 200 but {exc})"
+                        last = f"malformed reply (HTTP 200 but {str(exc)[:300]})"
+                elif r.is_redirect or 300 <= r.status_code < 400:
+                    target = " ".join(str(r.headers.get("location") or "nowhere").split())[:200]
+                    raise TeacherFatal(self.redact(
+                        f"teacher {self.base_url}: HTTP {r.status_code} redirect to {target}: redirects are not "
+                        "followed (the API key is only sent to the base URL it was given for): set teacher to "
+                        "the final base URL"))
                 elif r.status_code in RETRY_STATUSES:
-                    last = f"HTTP {r.status_code}: {self._message(r)}"
+                    last = f"HTTP {r.status_code}: {self._message(r, raw)}"
                     retry_after = r.headers.get("retry-after")
                     if retry_after:
                         try:
@@ -145,7 +189,7 @@ class Teacher:
                             404: "unknown route or model: check teacher (the base URL, ending in /v1) and "
                                  "teacher_model"}.get(r.status_code, "the endpoint refused the request")
                     raise TeacherFatal(self.redact(f"teacher {self.base_url}: HTTP {r.status_code}: "
-                                                   f"{self._message(r)} ({hint})"))
+                                                   f"{self._message(r, raw)} ({hint})"))
             last = self.redact(last)
             if attempt < self.max_retries:
                 self.log(f"teacher: {last}; retry {attempt + 1}/{self.max_retries} in {wait:.1f} s")
@@ -153,18 +197,21 @@ class Teacher:
         raise TeacherError(f"{last} (after {self.max_retries + 1} attempts)")
 
     @staticmethod
-    def _message(r) -> str:
+    def _message(r, raw: bytes) -> str:
+        """The error's message from a (capped) error body, one line of at most 300 characters."""
+        text = raw.decode("utf-8", errors="replace")
         try:
-            err = r.json().get("error")
-            text = err.get("message") if isinstance(err, dict) else str(err or r.text)
+            data = json.loads(text)
+            err = data.get("error") if isinstance(data, dict) else None
+            text = err.get("message") if isinstance(err, dict) else str(err or text)
         except ValueError:
-            text = r.text
+            pass
         text = " ".join(str(text).split())
         return text[:300] or r.reason_phrase
 
     @staticmethod
-    def _parse(r, attempts: int) -> Answer:
-        data = json.loads(r.content)  # ValueError on a truncated or non-JSON body
+    def _parse(raw: bytes, attempts: int) -> Answer:
+        data = json.loads(raw)  # ValueError on a truncated or non-JSON body
         if not isinstance(data, dict):
             raise ValueError("the body is not a JSON object")
         if "error" in data and "choices" not in data:
@@ -174,7 +221,47 @@ class Teacher:
         usage = data.get("usage") or {}
         return Answer(text=content if isinstance(content, str) else "", finish_reason=str(choice.get("finish_reason")),
                       prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                      completion_tokens=int(usage.get("completion_tokens") or 0), attempts=attempts)
+                      completion_tokens=int(usage.get("completion_tokens") or 0), attempts=attempts,
+                      reply_bytes=len(raw))
+
+
+def _read_capped(r, limit: int) -> tuple[bytes, int, bool]:
+    """(body, size, cut) of a streamed httpx response, reading at most `limit` (+ one network chunk) bytes:
+    a declared Content-Length over the limit stops it after HEAD_BYTES. `size`: the declared length when
+    known, else the bytes read. Leaving the `with client.stream()` block early drops the connection."""
+    declared = r.headers.get("content-length", "")
+    declared = int(declared) if declared.isdigit() else None
+    stop_at = HEAD_BYTES if declared is not None and declared > limit else limit
+    buf = bytearray()
+    for piece in r.iter_bytes():  # decoded (gzip included): the budget holds for what we keep in memory
+        buf += piece
+        if len(buf) > stop_at:
+            break
+    cut = len(buf) > limit or (declared is not None and declared > limit)
+    return bytes(buf), (declared if declared is not None else len(buf)), cut
+
+
+def _guarded_backend():
+    import httpcore
+
+    class GuardedBackend(httpcore.SyncBackend):
+        """Resolves the host itself, refuses it when any address is internal, and connects to the address it
+        checked (so a name cannot answer differently between the check and the connection). TLS still checks
+        the certificate against the host name (httpcore passes the origin's name as server_hostname)."""
+
+        def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+            try:
+                addresses = teacher_access.resolve(host, port)
+            except (OSError, UnicodeError) as exc:
+                raise httpcore.ConnectError(f"{host}: {exc}") from None
+            inner = [a for a in addresses if not teacher_access.is_public(a)]
+            if inner:
+                raise TeacherFatal(f"teacher: {host} resolves to {inner[0]}, an internal address: not connecting "
+                                   "(the server's operator can allow this base URL with "
+                                   "`tuneboard webui --allow-teacher-url URL`)")
+            return super().connect_tcp(addresses[0], port, timeout, local_address, socket_options)
+
+    return GuardedBackend()
 
 
 # ------------------------------------------------------------------------------------------ prompts

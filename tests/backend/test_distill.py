@@ -269,3 +269,91 @@ def test_the_key_can_come_from_a_file(flat, teacher, tmp_path, monkeypatch):
     written = validate_distill(flat).to_yaml()  # what `tuneboard distill` writes as distill_spec.yaml
     assert "teacher.key" in written and KEY not in written  # the path, never the key
     no_key_under(out, tmp_path / "data")
+
+
+# ------------------------------------------------------------------- issue #25 part 4: bounded replies
+@pytest.mark.parametrize("mode", ["huge_stream", "huge"])
+def test_a_huge_reply_is_cut_rejected_as_too_long_and_stored_short(flat, teacher, mode):
+    """10 MB answers (with and without a Content-Length) at answer_tokens 40: reading stops past the byte
+    budget, each chunk is "too long" (not "not JSON"), rejected.jsonl keeps a 500-character excerpt once with
+    the size beside it, progress.json stays small."""
+    from backend.distill.pipeline import DistillError
+    from backend.distill.teacher import reply_budget
+
+    teacher.mode, teacher.huge_bytes = mode, 10_000_000
+
+    with pytest.raises(DistillError, match=r"no training pair accepted \(0 accepted, rejected: 1 duplicate, 6 too long"):
+        generate(flat)
+    out = Path(flat["output_dir"])
+    rows = [r for r in lines(out / REJECTED_FILE) if r["reason"] != "duplicate"]
+    assert len(rows) == 6 and {r["reason"] for r in rows} == {"too long"}
+    for r in rows:
+        assert len(r["answer"]) <= 500 and r["reply_bytes"] > reply_budget(40)
+        assert "bytes" in r["detail"] and len(r["detail"]) < 300
+    assert (out / REJECTED_FILE).stat().st_size < 6 * 2000
+    assert (out / PROGRESS_FILE).stat().st_size < 30_000
+    assert all(len(json.dumps(p)) < 1200 for p in read_progress(out)["latest"])
+    assert sum(f.stat().st_size for f in (out / "cache").iterdir()) < 6 * 10_000  # the cache keeps only the head
+    teacher.requests = []
+    with pytest.raises(DistillError, match="6 too long"):  # a rerun: the same verdicts from the cache
+        generate(flat)
+    assert teacher.requests == []
+
+
+def test_an_answer_over_answer_tokens_is_too_long_whatever_its_format(flat, teacher):
+    """A reply under the byte budget whose prose runs past answer_tokens: "too long", not "not JSON"."""
+    from backend.distill.pipeline import DistillError
+
+    teacher.mode, teacher.huge_bytes = "huge", 1200  # ~250 tokens of prose, well under the byte budget
+
+    with pytest.raises(DistillError, match=r"rejected: 1 duplicate, 6 too long"):
+        generate(flat)
+    rows = [r for r in lines(Path(flat["output_dir"]) / REJECTED_FILE) if r["reason"] == "too long"]
+    assert all(re.match(r"\d+ tokens > answer_tokens 40", r["detail"]) and r["answer_chars"] >= 1200 for r in rows)
+
+
+# --------------------------------------------------------- kill -9 mid-generate, then the same spec again
+def test_kill_9_during_generate_then_a_rerun_resumes_from_the_cache(flat, teacher, tmp_path):
+    """`tuneboard distill` killed with SIGKILL while its third request waits at the teacher (two chunks
+    answered and cached): the rerun asks only the four others and writes the dataset of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from waiting import wait_for
+
+    from backend.spec import parse_overrides
+
+    teacher.mode, teacher.gate_after = "gate", 2
+    teacher.gate.clear()
+    args = [f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}"
+            for k, v in {**flat, "concurrency": 1}.items()]
+    argv = [sys.executable, "-m", "backend.cli", "distill", *args]
+    proc = subprocess.Popen(argv, cwd="/tmp", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: len(teacher.requests) == 3 or proc.poll() is not None, timeout=300,
+                 what="the third request to reach the teacher")
+        assert proc.poll() is None, "tuneboard distill ended before the kill"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        teacher.gate.set()
+    out = Path(flat["output_dir"])
+    assert len(list((out / "cache").glob("*.json"))) == 2
+    assert not (Path(flat["dataset_dir"]) / "facts.json").exists()
+
+    teacher.requests = []
+    rerun = subprocess.run(argv, cwd="/tmp", capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "2 chunks answered from the cache (an earlier run); 4 to ask" in rerun.stdout
+    assert len(teacher.requests) == 4
+
+    whole = {**parse_overrides(args), "output_dir": str(tmp_path / "whole" / "run"),
+             "dataset_dir": str(tmp_path / "whole" / "data")}
+    assert generate(whole)[0] == 0  # the uninterrupted run (in-process)
+    for name in ("facts.json", "facts_eval.json"):
+        assert (Path(flat["dataset_dir"]) / name).read_bytes() == (tmp_path / "whole" / "data" / name).read_bytes()
+    assert lines(out / PAIRS_FILE) == lines(tmp_path / "whole" / "run" / PAIRS_FILE)
+    no_key_under(out, tmp_path / "whole")

@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from backend import allowed, paths
+from backend import allowed, gguf_header, paths
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import IMPLEMENTED, STAGE_IDS, get_stage, stages_using_field, stages_with_data
 
@@ -895,7 +895,9 @@ def weights_file_problem(path: Path) -> str | None:
         with path.open("rb") as f:
             head = f.read(8)
             if path.suffix.lower() == ".gguf":
-                return None if head[:4] == b"GGUF" else f"{path} is not a GGUF file (it does not start with 'GGUF')"
+                if head[:4] != b"GGUF":
+                    return f"{path} is not a GGUF file (it does not start with 'GGUF')"
+                return gguf_header.problem(path)
             length = int.from_bytes(head, "little") if len(head) == 8 else None
             if length is None or length > size - 8:
                 return f"{path} is truncated or not a safetensors file (file of {size} bytes)"

@@ -142,6 +142,24 @@ def test_validate_refuses_with_one_clear_line(case, tmp_path, capsys):
     assert SECRET not in err + captured.out  # a refused secret is never echoed
 
 
+def test_a_cut_short_gguf_is_refused_at_validate(tmp_path, capsys):
+    """Issue 25, item 6: the first 2 MB of the real default model (98 MB) passed validate, which read only its
+    magic. Now the header is walked and the tensor data measured against the file; the whole file passes."""
+    from backend.paths import default_model_file
+
+    whole = default_model_file()
+    for size, words in ((2_000_000, ["is truncated", "2000000 bytes, its header describes", str(whole.stat().st_size)]),
+                        (100, ["is not a whole GGUF file", "ends inside its header"])):
+        cut = tmp_path / f"cut-{size}.gguf"
+        with whole.open("rb") as src:
+            cut.write_bytes(src.read(size))
+        assert tuneboard(["validate", f"model_name_or_path={cut}"]) == 1
+        err = capsys.readouterr().err
+        line = next(line for line in err.splitlines() if line.strip().startswith("model_name_or_path:"))
+        assert all(w in line for w in words) and "Traceback" not in err, err
+    assert tuneboard(["validate", f"model_name_or_path={whole}"]) == 0, capsys.readouterr().err
+
+
 def test_a_bad_dataset_entry_does_not_block_the_others(tmp_path, capsys):
     make_files(tmp_path, data_files('{"good": {"file_name": "good.json"},\n "dup": {"file_name": "good.json"},\n'
                                     ' "dup": {"file_name": "pairs.json"}, "typo": {"file_name": "a", "colums": {}}}'))

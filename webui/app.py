@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr  # noqa: E402
 
-from backend import allowed, paths  # noqa: E402
+from backend import allowed, paths, teacher_access  # noqa: E402
 from webui import choices, jobs, tools  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS, tr  # noqa: E402
@@ -254,6 +254,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allow-path", action="append", default=[], metavar="DIR",
                    help="a folder the UI may read and write besides data/, saves/, the cache and examples/ "
                         "(repeatable; also $TUNEBOARD_ALLOW_PATHS, folders separated by ':')")
+    p.add_argument("--teacher-key-env", action="append", default=[], metavar="NAME=BASE_URL",
+                   help="offer the API key in $NAME to the Distill tab, for the teacher at BASE_URL only (repeatable; "
+                        "the page may name no other environment variable)")
+    p.add_argument("--allow-teacher-url", action="append", default=[], metavar="URL",
+                   help="let the Distill tab use this teacher base URL even on a loopback, link-local or private "
+                        "address (repeatable; refused by default)")
     p.add_argument("--login-max-failures", type=int, default=5,
                    help="with --auth: wrong logins from one address before it is locked out (default 5)")
     p.add_argument("--login-lockout", type=float, default=300.0, metavar="SECONDS",
@@ -319,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --allow-path {d}: no such folder", file=sys.stderr)
             return 2
     allowed.add_roots([os.path.abspath(os.path.expanduser(d)) for d in opts.allow_path])  # from the shell's folder
+    try:  # the operator's teacher keys and URLs, in env vars the UI's subprocesses inherit (backend.teacher_access)
+        teacher_access.configure(opts.teacher_key_env, opts.allow_teacher_url)
+    except ValueError as exc:
+        print(f"error: --teacher-key-env / --allow-teacher-url: {exc}", file=sys.stderr)
+        return 2
     allowed.set_code_policy(opts.allow_code)
     port = free_port(opts.host, opts.port)
     if port != opts.port:
@@ -329,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = create_app()
     print(f"TuneBoard: http://{opts.host}:{port}{opts.root_path or ''}/", flush=True)
     print("Allowed folders: " + allowed.roots_text(allowed.roots()), flush=True)
+    keys = teacher_access.offered_keys()
+    print("Teacher keys offered to the page: " + (", ".join(f"${n} -> {u}" for n, u in keys.items()) or
+                                                  "none (--teacher-key-env NAME=BASE_URL)"), flush=True)
     print("Code from the page: " + ("reward .py files under the allowed folders, trust_remote_code (--allow-code)"
                                     if opts.allow_code else "off (built-in rewards only; --allow-code turns it on)"),
           flush=True)

@@ -331,9 +331,11 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
         else:
             base_url = spec.teacher
             api_key = read_api_key(spec.teacher_api_key_env, spec.teacher_api_key_file)
-            if api_key is None:
+            if api_key is None and spec.teacher_api_key_env:
                 run_dir.log(f"no API key: ${spec.teacher_api_key_env} is not set"
                             + (" (nor teacher_api_key_file)" if not spec.teacher_api_key_file else ""))
+            elif api_key is None:
+                run_dir.log("no API key (teacher_api_key_env is empty)")
         teacher = Teacher(base_url, spec.teacher_model or "", api_key, timeout=spec.request_timeout,
                           max_retries=spec.max_retries, backoff=spec.retry_backoff, temperature=spec.temperature,
                           max_tokens=spec.answer_tokens, budget=budget, stop=stopped, log=run_dir.log,

@@ -49,8 +49,9 @@ class DistillSpec(BaseModel):
                                                            "the served model)")
     teacher_local_model: Optional[str] = Field(None, description="teacher local: the model to serve (default: the student)")
     teacher_local_adapter: Optional[str] = Field(None, description="teacher local: an adapter to serve on it")
-    teacher_api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable that holds the "
-                                                                   "teacher's API key (unset = no key)")
+    teacher_api_key_env: Optional[str] = Field("OPENAI_API_KEY", description="the environment variable that holds "
+                                                                             "the teacher's API key (unset or empty "
+                                                                             "= no key)")
     teacher_api_key_file: Optional[str] = Field(None, description="a file whose first line is the teacher's API "
                                                                   "key (instead of the environment variable)")
     concurrency: int = Field(4, ge=1, le=64, description="requests in flight at once (a local teacher takes one "

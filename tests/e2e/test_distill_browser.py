@@ -14,6 +14,8 @@ def test_upload_generate_progress_and_dataset_preview(app_page, data_dir, tmp_pa
     page = app_page
     os.environ["E2E_TEACHER_KEY"] = KEY  # the job subprocess reads it; the page never sees it
     teacher = FakeTeacher("slow", key=KEY, delay=0.3).start()
+    # as `tuneboard webui --teacher-key-env E2E_TEACHER_KEY=<its URL>` offers the key (and allows the URL)
+    os.environ["TUNEBOARD_TEACHER_KEYS"] = f"E2E_TEACHER_KEY={teacher.url}"
     try:
         docs = make_docs(tmp_path / "docs")
         model = page.locator("#top-model_name_or_path input")
@@ -60,3 +62,4 @@ def test_upload_generate_progress_and_dataset_preview(app_page, data_dir, tmp_pa
     finally:
         teacher.stop()
         os.environ.pop("E2E_TEACHER_KEY", None)
+        os.environ.pop("TUNEBOARD_TEACHER_KEYS", None)

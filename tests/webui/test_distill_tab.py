@@ -5,12 +5,14 @@ scorecard."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from fake_teacher import KEY, SCHEMA, FakeTeacher, make_docs, no_key_under
 from waiting import wait_for
 
+from backend import teacher_access
 from backend.distill import read_progress
 from webui import tools
 from webui.tabs import distill as tab
@@ -47,11 +49,65 @@ def test_the_form_becomes_a_spec_and_mistakes_are_named(tmp_path, root, monkeypa
     assert "Generate a dataset first" in tab.start_score(tab.new_state(), None)[1]
 
 
+@pytest.fixture(autouse=True)
+def _no_teacher_policy(monkeypatch):
+    """No offered key, no allowed teacher URL: `tuneboard webui` without --teacher-key-env / --allow-teacher-url."""
+    for name in (teacher_access.POLICY_ENV, teacher_access.KEYS_ENV, teacher_access.URLS_ENV):
+        monkeypatch.setenv(name, "")  # so that monkeypatch restores it, whatever a test writes
+        monkeypatch.delenv(name)
+
+
+def test_the_page_names_no_server_variable_and_no_internal_address(tmp_path, root, monkeypatch):
+    """Issue #25 part 2, from the page: the server's HOME as the key's variable and a listener of ours (on
+    loopback) as the teacher: refused before launch, one line per field, in the page's language; nothing
+    reaches the listener. The operator's --teacher-key-env / --allow-teacher-url open exactly that door."""
+    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", str(tmp_path))
+    listener = FakeTeacher("valid").start()
+    try:
+        flat = form(make_docs(tmp_path / "docs"), "m", listener.url, tmp_path / "data", key_env="HOME")
+        st, message, started = tab.start_generate(tab.new_state(), flat)
+        assert not started and st == tab.new_state()
+        assert "⛔ `teacher`: `127.0.0.1` is `127.0.0.1`, an internal address" in message
+        assert "⛔ `teacher_api_key_env`: `$HOME` is not a key this server offers to the page (offered: none)" in message
+        de = tab.start_generate(tab.new_state(), flat, lang="de")[1]
+        assert "eine interne Adresse" in de and "`$HOME` ist kein Schlüssel" in de
+        teacher_access.configure([f"UI_TEACHER_KEY={listener.url}"], [])
+        message = tab.start_generate(tab.new_state(), flat)[1]
+        assert "`teacher`" not in message and f"offered: UI_TEACHER_KEY ({listener.url})" in message
+        from backend.distill.spec import validate_distill  # the checks on a validated spec, without a job
+
+        assert tab.check_teacher(validate_distill({**flat, "teacher_api_key_env": "UI_TEACHER_KEY"})) == []
+        assert tab.check_teacher(validate_distill({**flat, "teacher_api_key_env": ""})) == []
+        local = form(tmp_path / "docs", "m", "", tmp_path / "data", teacher="local")
+        assert tab.check_teacher(validate_distill(local)) == []  # the run's own `tuneboard api` on loopback
+        assert listener.requests == []
+    finally:
+        listener.stop()
+
+
+def test_the_flags_reach_the_ui_s_subprocesses(monkeypatch):
+    """`tuneboard webui --teacher-key-env NAME=URL --allow-teacher-url URL`: parsed, written to the env vars
+    the UI's subprocesses inherit; a bad one stops the start with exit code 2."""
+    from webui import app
+
+    opts = app.parse_args(["--teacher-key-env", "TEAM_KEY=https://api.example.com/v1",
+                           "--teacher-key-env", "OTHER=http://10.0.0.5:8000/v1", "--allow-teacher-url", "http://gpu:9/v1"])
+    assert opts.teacher_key_env == ["TEAM_KEY=https://api.example.com/v1", "OTHER=http://10.0.0.5:8000/v1"]
+    assert opts.allow_teacher_url == ["http://gpu:9/v1"]
+    teacher_access.configure(opts.teacher_key_env, opts.allow_teacher_url)
+    assert os.environ[teacher_access.KEYS_ENV] == "TEAM_KEY=https://api.example.com/v1 OTHER=http://10.0.0.5:8000/v1"
+    assert os.environ[teacher_access.URLS_ENV] == "http://gpu:9/v1"
+    assert os.environ[teacher_access.POLICY_ENV] == "webui"
+    assert app.main(["--teacher-key-env", "NO_URL"]) == 2
+
+
 @pytest.mark.slow
 def test_generate_poll_finetune_and_score(tmp_path, root, tiny_qwen2, monkeypatch):
     monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", str(tmp_path))
     monkeypatch.setenv("UI_TEACHER_KEY", KEY)
     teacher = FakeTeacher("valid", key=KEY).start()
+    # as `tuneboard webui --teacher-key-env UI_TEACHER_KEY=<its URL>` offers it (loopback: allowed with it)
+    teacher_access.configure([f"UI_TEACHER_KEY={teacher.url}"], [])
     try:
         docs = make_docs(tmp_path / "docs")
         flat = form(docs, tiny_qwen2, teacher.url, tmp_path / "data")

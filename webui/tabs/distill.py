@@ -6,7 +6,10 @@ registered when it ends; "Fine-tune on it" fills the Train form; "Score" runs st
 and the top bar's adapter, against the teacher on the held-out chunks) and shows distill_report.json.
 
 The API key never passes through the page: the form names the environment variable (or the file) that holds
-it, and the subprocess reads it. The run folder is saves/distill/<dataset name>, so generating again with
+it, and the subprocess reads it. The variable must be one the server's operator offers for that very base URL
+(`tuneboard webui --teacher-key-env NAME=BASE_URL`), a key file must lie in the allowed folders, and a URL on
+an internal address needs `--allow-teacher-url` (backend.teacher_access; checked before launch, again in
+the subprocess). The run folder is saves/distill/<dataset name>, so generating again with
 the same name and settings resumes from its cache. Per-browser state (gr.State): {"job", "out", "kind",
 "log", "lines"}. build() lays out; wire() binds.
 """
@@ -21,7 +24,7 @@ import gradio as gr
 import pandas as pd
 import yaml
 
-from backend import allowed, paths
+from backend import allowed, paths, teacher_access
 from backend.distill import REASONS, SPEC_FILE, TRAIN_DIRNAME, read_progress, read_report, report_rows
 from backend.distill.documents import SUFFIXES
 from webui import jobs, tools
@@ -74,7 +77,9 @@ def build(reg) -> dict:
         c["teacher_url"] = reg.comp(gr.Textbox, "distill-teacher_url", value="", scale=2, visible=False,
                                     placeholder="https://api.openai.com/v1")
         c["teacher_model"] = reg.comp(gr.Textbox, "distill-teacher_model", value="", scale=1, visible=False)
-        c["key_env"] = reg.comp(gr.Textbox, "distill-key_env", value="OPENAI_API_KEY", scale=1, visible=False)
+        offered = list(teacher_access.offered_keys())  # the operator's --teacher-key-env names
+        c["key_env"] = reg.comp(gr.Textbox, "distill-key_env", value=offered[0] if offered else "", scale=1,
+                                visible=False)
         c["key_file"] = reg.comp(gr.Textbox, "distill-key_file", value="", scale=1, visible=False)
     with gr.Row():
         c["dataset_name"] = reg.comp(gr.Textbox, "distill-dataset_name", value="distilled", scale=1)
@@ -136,8 +141,9 @@ def distill_flat(model, template, documents, text_column, task, schema, answer_f
     if (dataset_dir or "").strip():
         flat["dataset_dir"] = dataset_dir.strip()
     if teacher == "endpoint":
+        # an empty key variable is no key (not the spec's default OPENAI_API_KEY, which the operator may not offer)
         flat.update(teacher=(teacher_url or "").strip(), teacher_model=(teacher_model or "").strip() or None,
-                    teacher_api_key_env=(key_env or "").strip() or "OPENAI_API_KEY")
+                    teacher_api_key_env=(key_env or "").strip())
         if (key_file or "").strip():
             flat["teacher_api_key_file"] = key_file.strip()
     else:
@@ -175,9 +181,18 @@ def check_paths(flat: dict) -> list:
     return refused
 
 
+def check_teacher(spec) -> list:
+    """The teacher the UI lets a validated distill spec's job ask (backend.teacher_access: an offered key for
+    its own base URL, no internal address unless allowed; the run's own local teacher is fine):
+    TeacherRefused list; none for step score alone (it asks no teacher)."""
+    if "generate" not in spec.steps:
+        return []
+    return teacher_access.check_teacher(spec.teacher, spec.teacher_api_key_env, spec.teacher_api_key_file)
+
+
 def launch(st: dict, flat: dict, kind: str, lang: str = "en") -> tuple[dict, str, bool]:
-    """Validate the spec (backend.distill.spec, every error naming its key) and the paths, then start
-    `tuneboard distill` in a job folder. Returns (state, message, started)."""
+    """Validate the spec (backend.distill.spec, every error naming its key), the paths and the teacher, then
+    start `tuneboard distill` in a job folder. Returns (state, message, started)."""
     from backend.distill.spec import DistillSpecError, validate_distill
 
     if tools.alive((st or {}).get("job")):
@@ -189,6 +204,9 @@ def launch(st: dict, flat: dict, kind: str, lang: str = "en") -> tuple[dict, str
         spec = validate_distill(flat)
     except DistillSpecError as exc:
         return st, "⛔ " + "  \n⛔ ".join(f"`{k}`: {m}" for k, m in exc.errors), False
+    refused = check_teacher(spec)
+    if refused:
+        return st, "  \n".join(refusal(lang, exc) for exc in refused), False
     out = spec.resolved_output_dir()
     job = tools.new_job_dir("distill")
     tools.start("distill", job, yaml.safe_dump(flat, sort_keys=False, allow_unicode=True))

@@ -2,7 +2,8 @@
 
 `tuneboard train` is the launcher. When a spec asks for more than one process (nproc_per_node x nnodes > 1),
 or for an engine that needs a process group even on one device (deepspeed, FSDP), the `tuneboard train`
-process prepares the run directory, writes status.json with its own pid (the pid the UI watches), and starts
+process (the training child of the supervising parent, backend/supervise.py) prepares the run directory, writes
+status.json with the parent's pid (the launched process, whose group the UI stops) and its own as train_pid, and starts
 the workers with torch's elastic agent (what `python -m torch.distributed.run` runs, called in-process so
 that a worker's failure comes back as data: which rank, which exit code or signal, its error message).
 Each worker is `python -m backend.cli train <same args> output_dir=<resolved>` with RANK/WORLD_SIZE/... set;

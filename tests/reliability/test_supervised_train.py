@@ -72,12 +72,8 @@ def test_the_training_child_killed_with_sigkill_is_marked_failed_with_the_signal
         assert (out / "paused-at-2").exists(), output(out)
         status = read_status(out)
         assert status["state"] == "running" and status["pid"] == proc.pid  # the launched process, as the UI expects
-        trainer = status.get("train_pid", status["pid"])
-        # the parent only waits: no allocator preloaded, no torch; the training child has them
-        assert "libtorch" not in maps(proc.pid) and not any(lib in maps(proc.pid) for lib in allocator.LIBRARIES.values())
-        assert "libtorch" in maps(trainer)
-        if allocator.find("jemalloc"):
-            assert allocator.LIBRARIES["jemalloc"] in maps(trainer)
+        trainer = status.get("train_pid", status["pid"])  # the process that trains (before: the only one)
+        parent_maps, trainer_maps = maps(proc.pid), maps(trainer)
         os.kill(trainer, signal.SIGKILL)  # what the kernel's OOM killer does: no handler runs
         # a reader of the file alone (no UI, no pid check) learns the run is over
         wait_for(lambda: read_status(out).get("state") != "running", timeout=60, what="status.json to leave 'running'")
@@ -85,6 +81,11 @@ def test_the_training_child_killed_with_sigkill_is_marked_failed_with_the_signal
     finally:
         if proc.poll() is None:
             proc.kill()
+    # the parent only waits: no allocator preloaded, no torch; the training child has them
+    assert "libtorch" not in parent_maps and not any(lib in parent_maps for lib in allocator.LIBRARIES.values())
+    assert "libtorch" in trainer_maps
+    if allocator.find("jemalloc"):
+        assert allocator.LIBRARIES["jemalloc"] in trainer_maps
     status = read_status(out)
     assert status["state"] == "failed" and status["exit_code"] == -signal.SIGKILL, status
     assert status["error"] == "killed by signal 9 (SIGKILL, out of memory?) at step 2 of 6", status

@@ -16,6 +16,7 @@ import pytest
 from gradio_client import Client
 
 from backend import allowed, paths
+from ui_roots import ui_roots
 
 EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n\ndef f(prompts, completions, **kw):\n" \
        "    return [0.0] * len(completions)\n"
@@ -23,16 +24,7 @@ EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n\ndef f(prom
 
 @pytest.fixture(scope="module")
 def where(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ui-code")
-    dirs = {name: base / name for name in ("saves", "extra", "cache")}
-    for d in dirs.values():
-        d.mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TUNEBOARD_SAVES", str(dirs["saves"]))
-        mp.setenv("TUNEBOARD_CACHE", str(dirs["cache"]))
-        mp.delenv(allowed.ENV, raising=False)
-        mp.delenv(allowed.CODE_ENV, raising=False)
-        allowed.add_roots([str(dirs["extra"])])
+    with ui_roots(tmp_path_factory.mktemp("ui-code")) as dirs:
         yield dirs
 
 

@@ -16,6 +16,7 @@ import pytest
 from gradio_client import Client
 
 from backend import allowed
+from ui_roots import ui_roots
 from webui import fields as F
 
 SECRET = "hunter2-SECRET-token"
@@ -23,16 +24,8 @@ SECRET = "hunter2-SECRET-token"
 
 @pytest.fixture(scope="module")
 def where(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ui-paths")
-    dirs = {name: base / name for name in ("saves", "extra", "elsewhere", "cache")}
-    for d in dirs.values():
-        d.mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TUNEBOARD_SAVES", str(dirs["saves"]))
-        mp.setenv("TUNEBOARD_CACHE", str(dirs["cache"]))
-        mp.delenv(allowed.ENV, raising=False)
-        allowed.add_roots([str(dirs["extra"])])  # what `tuneboard webui --allow-path extra` does
-        yield dirs
+    with ui_roots(tmp_path_factory.mktemp("ui-paths"), ("saves", "extra", "elsewhere", "cache")) as dirs:
+        yield dirs  # `extra` added as `tuneboard webui --allow-path extra` adds it
 
 
 def _launch(**login):

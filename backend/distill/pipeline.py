@@ -34,7 +34,7 @@ LATEST = 20          # pairs shown in the UI's table (progress.json keeps this m
 LATEST_CHARS = 300   # of a pair's prompt, answer and detail in progress.json (the table shows 300)
 FIELD_CHARS = 2000   # any other text in progress.json (a message, the teacher's URL)
 EXCERPT_CHARS = 500  # of a rejected answer in rejected.jsonl (with its full size beside it)
-RAW_SLACK_TOKENS = 16  # a ```json fence and blanks around an answer, before they are dropped
+RAW_SLACK_TOKENS = 16  # a ```json fence and blanks around an answer that is no JSON, before "too long"
 PROGRESS_EVERY_S = 0.5
 
 
@@ -103,9 +103,9 @@ class Validator:
             self.schema = None
 
     def __call__(self, text: str, finish_reason: str, reply_bytes: int = 0) -> tuple[str | None, str | None, str]:
-        """Length first (a reply past its byte budget, a teacher that hit max_tokens, an answer longer than
-        answer_tokens: "too long", whatever its format), then the format. The detail never repeats the answer
-        (rejected.jsonl keeps an excerpt of it beside)."""
+        """Length before format: a reply past its byte budget, a teacher that hit max_tokens, an answer that is
+        no JSON and longer than answer_tokens are "too long", not "not JSON". The detail never repeats the
+        answer (rejected.jsonl keeps an excerpt of it beside)."""
         from backend.metrics import parse_json
 
         n = self.spec.answer_tokens
@@ -117,12 +117,14 @@ class Validator:
             return None, "empty", "the teacher's answer is empty"
         if finish_reason == "length":
             return None, "too long", f"cut at max_tokens {n} (answer_tokens)"
-        raw_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if raw_tokens > n + RAW_SLACK_TOKENS:
-            return None, "too long", f"{raw_tokens} tokens > answer_tokens {n}"
         if self.spec.answer_format == "json":
             ok, value = parse_json(text)
             if not ok:
+                # one that overran its room is "too long" (it may be JSON cut short); a JSON one is measured
+                # once re-serialized (below), so a pretty-printed answer that fits is kept
+                raw_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if raw_tokens > n + RAW_SLACK_TOKENS:
+                    return None, "too long", f"{raw_tokens} tokens > answer_tokens {n}"
                 try:
                     json.loads(text)
                     why = "not a JSON value"

@@ -278,9 +278,9 @@ def test_a_huge_reply_is_cut_rejected_as_too_long_and_stored_short(flat, teacher
     budget, each chunk is "too long" (not "not JSON"), rejected.jsonl keeps a 500-character excerpt once with
     the size beside it, progress.json stays small."""
     from backend.distill.pipeline import DistillError
-    from backend.distill.teacher import reply_budget
 
     teacher.mode, teacher.huge_bytes = mode, 10_000_000
+    budget = 40 * 16 + 32 * 1024  # answer_tokens x 16 bytes + 32 KiB (backend.distill.teacher.reply_budget)
 
     with pytest.raises(DistillError, match=r"no training pair accepted \(0 accepted, rejected: 1 duplicate, 6 too long"):
         generate(flat)
@@ -288,7 +288,7 @@ def test_a_huge_reply_is_cut_rejected_as_too_long_and_stored_short(flat, teacher
     rows = [r for r in lines(out / REJECTED_FILE) if r["reason"] != "duplicate"]
     assert len(rows) == 6 and {r["reason"] for r in rows} == {"too long"}
     for r in rows:
-        assert len(r["answer"]) <= 500 and r["reply_bytes"] > reply_budget(40)
+        assert len(r["answer"]) <= 500 and r["reply_bytes"] > budget
         assert "bytes" in r["detail"] and len(r["detail"]) < 300
     assert (out / REJECTED_FILE).stat().st_size < 6 * 2000
     assert (out / PROGRESS_FILE).stat().st_size < 30_000

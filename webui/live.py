@@ -9,6 +9,7 @@ from datetime import datetime
 
 import pandas as pd
 
+from backend.curves import smooth
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import STAGES, get_stage, matches
 from webui.i18n import has, tr
@@ -24,16 +25,6 @@ def _num(value) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
-
-
-def smooth(values: list[float], weight: float = 0.6) -> list[float]:
-    """Debiased exponential moving average (TensorBoard's), so the first points are not pulled to 0."""
-    out, last, n = [], 0.0, 0
-    for v in values:
-        n += 1
-        last = last * weight + (1 - weight) * v
-        out.append(last / (1 - weight ** n))
-    return out
 
 
 def _thin(df: pd.DataFrame) -> pd.DataFrame:
@@ -302,7 +293,9 @@ def progress_html(p: dict, state: str, run_name: str = "", phase_text: str = "",
     )
 
 
-METRIC_NAMES = {"final_loss": "final loss (last logged)", "train_loss": "mean train loss (whole run)"}
+METRIC_NAMES = {"final_loss": "final loss (last logged)", "smoothed_loss": "smoothed loss (the plot's curve, last point)",
+                "min_loss": "lowest logged loss", "train_loss": "mean train loss (whole run)"}
+LOSS_FIRST = ("final_loss", "smoothed_loss", "min_loss")  # the summary's first rows, in this order
 
 
 def final_metrics_md(status: dict) -> str:
@@ -315,7 +308,7 @@ def final_metrics_md(status: dict) -> str:
     if metrics:
         lines.append("| metric | value |\n|---|---|")
         # the last logged loss first; the trainer's train_loss is the mean over the run, and says so
-        for k in sorted(metrics, key=lambda k: k != "final_loss"):
+        for k in sorted(metrics, key=lambda k: LOSS_FIRST.index(k) if k in LOSS_FIRST else len(LOSS_FIRST)):
             v, name = metrics[k], METRIC_NAMES.get(k, k)
             lines.append(f"| {name} | {v:.6g} |" if isinstance(v, float) else f"| {name} | {v} |")
     return "\n".join(lines)

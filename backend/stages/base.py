@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.curves import loss_summary
 from backend.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, RunDir, checkpoint_step, checkpoints,
                             is_complete_checkpoint)
 
@@ -272,9 +273,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         tokenizer.save_pretrained(str(out))
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
     metrics["global_step"] = trainer.state.global_step
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    if losses:
-        metrics["final_loss"] = losses[-1]
+    metrics.update(loss_summary([h["loss"] for h in trainer.state.log_history if "loss" in h]))
     if eval_dataset is not None and not callback.stop_reason:
         step = trainer.state.global_step
         done = [h for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == step]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.curves import smooth
 from backend.models import cpu_bf16_supported
 
 pytestmark = pytest.mark.slow
@@ -195,7 +196,11 @@ def test_eval_during_training_and_predictions(tiny_llama, tmp_path):
     assert all(r["loss"] is not None for r in rows if r["eval_loss"] is None)
     predictions = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 4 and all({"prompt", "label", "predict"} <= set(p) for p in predictions)
-    assert "eval_loss" in status(out)["final_metrics"]
+    held = status(out)["final_metrics"]
+    assert "eval_loss" in held
+    losses = [r["loss"] for r in rows if r["loss"] is not None]  # issue 24: three loss numbers, one definition
+    assert held["final_loss"] == losses[-1] and held["min_loss"] == min(losses)
+    assert held["smoothed_loss"] == pytest.approx(smooth(losses)[-1])
 
 
 def test_reference_guide_recipe_trains_here(tmp_path):

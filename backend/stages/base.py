@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend import paths
 from backend.curves import loss_summary
 from backend.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, RunDir, checkpoint_step, checkpoints,
                             is_complete_checkpoint)
@@ -404,6 +405,8 @@ def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = Fal
 
     model = load_model(spec, resolved, for_training=True, warn=run_dir.warn, **load_kwargs)
     run_dir.log(f"model: {describe_model(model)}")
+    if paths.weights_note(spec.model_name_or_path):
+        run_dir.log(f"model: {paths.weights_note(spec.model_name_or_path)}")
     if gradient_checkpointing_on(spec):
         from backend.checkpointing import described
 

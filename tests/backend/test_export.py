@@ -231,6 +231,10 @@ def test_default_model_identity_export_answers_like_the_adapter(identity_adapter
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "export_report.json").read_text())
     assert report["ok"] and all(check["ok"] for check in report["checks"])
+    # issue 24: the default id is the bundled 4-bit GGUF, dequantized; the report and the run log say so
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in report["source"]["weights"] and "dequantized" in report["source"]["weights"]
+    assert "model: HuggingFaceTB/SmolLM2-135M-Instruct is the bundled SmolLM2-135M-Instruct.Q4_1.gguf" in \
+        (identity_adapter / "running_log.txt").read_text()
 
     def ask(*spec):
         chat = subprocess.run([sys.executable, "-m", "backend.cli", "chat", *spec, "do_sample=false",

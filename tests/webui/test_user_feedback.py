@@ -245,3 +245,15 @@ def test_two_starts_in_one_second_get_two_run_folders(tmp_path, monkeypatch):
     jobs.write_spec_yaml(base, "stage: sft\n")
     jobs.JobQueue().enqueue("stage: sft\n", base.with_name(base.name + "-2"))
     assert train_tab.unique_run_dir(base) == base.with_name(base.name + "-3")
+
+
+def test_the_default_model_says_it_is_the_bundled_gguf():
+    """Issue 24, item 8: the top bar names the default model with its real source; other models keep their id."""
+    from backend import paths
+    from webui.app import create_app
+
+    assert "bundled" in paths.weights_note("HuggingFaceTB/SmolLM2-135M-Instruct") and paths.weights_note("x/y") is None
+    box = create_app().tb_registry.items["top-model_name_or_path"][0]
+    labels = dict((value, label) for label, value in box.choices)
+    assert labels[paths.DEFAULT_MODEL_ID] == f"{paths.DEFAULT_MODEL_ID} · bundled Q4_1 GGUF"
+    assert all(label == value for value, label in labels.items() if value != paths.DEFAULT_MODEL_ID)

@@ -160,6 +160,8 @@ def poll(st: dict, lang: str = "en") -> tuple:
         result = tr(lang, "msg.export_no_result")
     for w in report.get("warnings") or []:
         result += f"\n\n⚠ {w}"
+    if (report.get("source") or {}).get("weights"):  # the bundled default is a dequantized 4-bit GGUF: say so
+        result += f"\n\nℹ {report['source']['weights']}"
     return st, bar, result, headers(lang, pd.DataFrame(rows, columns=CHECK_COLUMNS)), log, gr.Timer(active=False)
 
 

@@ -13,10 +13,19 @@ explicit --insecure-no-auth). Errors are always OpenAI-style JSON
 ({"error": {"message", "type", "param", "code"}}): 400 bad values, 401, 404, 422 schema errors, 503 when
 the queue is full, and a 500 only for a real engine failure, with a one-line message and no traceback.
 
-One request cannot hold the server: max_tokens is bounded by the model's context (400 naming the field
-when the prompt plus max_tokens do not fit; left out, it is what fits), a generation stops at its next
-token once its client disconnects (streamed or not, on every route), and at most --max-queue requests
-wait while the model is busy (more get 503 at once, with Retry-After).
+One request cannot hold the server:
+- requests on one model take turns (backend.scheduler): each generates TOKENS_PER_TURN tokens, with its
+  own KV cache, then hands the model to the next waiting request, so a 5-token request sent beside an
+  8000-token one gets its answer after a few of the long one's tokens, not after all of them;
+- max_tokens is bounded by the model's context (400 naming the field, code context_length_exceeded, when
+  the prompt plus max_tokens do not fit), then by --max-tokens-per-request (400 naming the field and the
+  cap, code max_tokens_exceeded); left out, it is the spec's max_new_tokens cut to what fits and the cap;
+- a generation ends after --max-request-seconds (counted from when the request reaches the model, turns
+  shared with others included) with finish_reason "time_limit", streamed or not: not "length" (that is
+  max_tokens) and not "stop" (the answer did not end);
+- a generation stops at its next token once its client disconnects (streamed or not, on every route);
+- at most one request per loaded model plus --max-queue more are in progress at once, sharing the
+  model's turns (more get 503 at once, with Retry-After).
 
 Once the socket listens it prints `serving on http://HOST:PORT` (flushed) so a parent process (the
 web UI, the tests) can wait for that line; `--port 0` takes a free port and prints it.
@@ -151,6 +160,11 @@ def to_engine_messages(messages) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- app
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 DEFAULT_MAX_QUEUE = 8
+# Operator limits per request (issue #25: one 8000-token request held a model for ~10 minutes). 1024 tokens
+# is a long answer yet a fraction of today's contexts; 300 s is far more than a healthy 1024-token answer
+# takes on a GPU, and ends a runaway one on a slow CPU. 0 turns either off.
+DEFAULT_MAX_TOKENS_PER_REQUEST = 1024
+DEFAULT_MAX_REQUEST_SECONDS = 300.0
 
 
 class _Load:
@@ -164,8 +178,8 @@ class _Load:
 
 class _Gate:
     """Plain ASGI middleware in front of the app: the API key on /v1 (401), then a bound on generation
-    requests in progress (counted from their arrival): `running` may generate at once (one per loaded
-    model) and `max_queue` more may wait; any further one is answered 503 at once instead of waiting
+    requests in progress (counted from their arrival): `running` (one per loaded model) plus `max_queue`
+    more, all taking turns on their model; any further one is answered 503 at once instead of waiting
     without end. A plain ASGI middleware (not Starlette's BaseHTTPMiddleware) so the endpoints see the
     client's disconnect message."""
 
@@ -209,20 +223,22 @@ async def _until_disconnected(receive) -> None:
 
 
 def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE):
-    """The FastAPI app serving `engines` ({name: Engine}, in /v1/models order)."""
+               max_queue: int = DEFAULT_MAX_QUEUE, max_tokens_per_request: int | None = DEFAULT_MAX_TOKENS_PER_REQUEST,
+               max_request_seconds: float | None = DEFAULT_MAX_REQUEST_SECONDS):
+    """The FastAPI app serving `engines` ({name: Engine}, in /v1/models order). max_tokens_per_request and
+    max_request_seconds: the per-request limits (None or 0: none but the context)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from backend.engine import ContextLengthError
+    from backend.engine import ContextLengthError, TokenCapError
 
     ChatRequest, CompletionRequest = _models()
     app = FastAPI(title="TuneBoard OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
-    # engines on one base share its lock: one generation at a time per loaded model
+    # engines on one base share its TurnLock: their requests take turns on that one loaded model
     models_at_once = len({id(getattr(e, "lock", e)) for e in engines.values()}) or 1
     load = _Load()
     app.add_middleware(_Gate, api_key=api_key, running=models_at_once, max_queue=max_queue, load=load)
@@ -319,6 +335,14 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                     repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
                     do_sample=(req.temperature > 0) if req.temperature is not None else None)
 
+    limits = dict(max_tokens_cap=max_tokens_per_request or None, time_limit=max_request_seconds or None)
+
+    def over_cap(exc: TokenCapError, req) -> APIError:
+        """The 400 for a max_tokens that fits the context but not the operator's per-request cap."""
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        return APIError(400, f"{field}: {exc.max_new_tokens} is more than this server allows per request: at most "
+                             f"{exc.cap} (its --max-tokens-per-request)", param=field, code="max_tokens_exceeded")
+
     def too_long(exc: ContextLengthError, req, prompt_field: str) -> APIError:
         """The 400 for a request that does not fit the model's context, naming the field to change."""
         if exc.what == "prompt":
@@ -368,9 +392,11 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not req.stream:
             try:
-                reply = await generate(request, cid, engine.chat, messages, tools, **sampling)
+                reply = await generate(request, cid, engine.chat, messages, tools, **sampling, **limits)
             except ContextLengthError as exc:
                 raise too_long(exc, req, "messages") from None
+            except TokenCapError as exc:
+                raise over_cap(exc, req) from None
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
             if reply is None:
@@ -388,13 +414,15 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         try:
             if tools:  # tool calls are only known once the answer is complete
                 stream = None
-                reply_now = await generate(request, cid, engine.chat, messages, tools, **sampling)
+                reply_now = await generate(request, cid, engine.chat, messages, tools, **sampling, **limits)
                 if reply_now is None:
                     return gone_response()
             else:
-                stream, reply_now = engine.stream(messages, None, stop_event=stop_event, **sampling), None
+                stream, reply_now = engine.stream(messages, None, stop_event=stop_event, **sampling, **limits), None
         except ContextLengthError as exc:
             raise too_long(exc, req, "messages") from None
+        except TokenCapError as exc:
+            raise over_cap(exc, req) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -431,7 +459,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         echo = prompt if req.echo else ""
         try:
             if not req.stream:
-                reply = await generate(request, cid, engine.chat, prompt, None, **sampling)
+                reply = await generate(request, cid, engine.chat, prompt, None, **sampling, **limits)
                 if reply is None:
                     return gone_response()
                 return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
@@ -439,9 +467,11 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                                      "finish_reason": _finish(reply.finish_reason)}],
                         "usage": _usage(reply)}
             stop_event = threading.Event()
-            stream = engine.stream(prompt, None, stop_event=stop_event, **sampling)
+            stream = engine.stream(prompt, None, stop_event=stop_event, **sampling, **limits)
         except ContextLengthError as exc:
             raise too_long(exc, req, "prompt") from None
+        except TokenCapError as exc:
+            raise over_cap(exc, req) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from None
 
@@ -532,6 +562,8 @@ def _report_disconnect(cid: str, stream, limit) -> None:
 
 
 def _finish(reason: str) -> str:
+    """The engine's finish_reason on the wire: stop, length, tool_calls, or time_limit (this server's
+    --max-request-seconds ended the answer; OpenAI has no such limit, so no name of its own for it)."""
     return "stop" if reason == "abort" else reason
 
 
@@ -598,7 +630,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="allow a non-loopback --host without an API key (anyone who reaches it can use it)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
-                   help=f"requests that may wait while the model is busy; more get 503 (default {DEFAULT_MAX_QUEUE})")
+                   help="requests in progress beyond one per loaded model (all take turns on the model, a few "
+                        f"tokens each); more get 503 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--max-tokens-per-request", type=int, default=DEFAULT_MAX_TOKENS_PER_REQUEST, metavar="N",
+                   help="most tokens one request may generate: asking more is a 400 naming max_tokens and N; "
+                        "left out, max_tokens is at most N (and what fits the context). A flat default, well "
+                        f"under today's contexts, whatever the model (default {DEFAULT_MAX_TOKENS_PER_REQUEST}; "
+                        "0: only the context bounds it)")
+    p.add_argument("--max-request-seconds", type=float, default=DEFAULT_MAX_REQUEST_SECONDS, metavar="S",
+                   help="a generation running longer ends with finish_reason \"time_limit\", streamed or not "
+                        f"(default {DEFAULT_MAX_REQUEST_SECONDS:g}; 0: no limit; not enforced by infer_backend vllm)")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; off by default)")
     return p
@@ -625,9 +666,11 @@ def main(argv: list[str]) -> int:
     if not api_key and not is_loopback(opts.host):
         print(f"warning: serving on {opts.host} without an API key (--insecure-no-auth): anyone who can reach it "
               "can use it", file=sys.stderr, flush=True)
-    if opts.max_queue < 0:
-        print(f"error: --max-queue must be >= 0 (got {opts.max_queue})", file=sys.stderr)
-        return 2
+    for flag, value in (("--max-queue", opts.max_queue), ("--max-tokens-per-request", opts.max_tokens_per_request),
+                        ("--max-request-seconds", opts.max_request_seconds)):
+        if not value >= 0:  # also NaN
+            print(f"error: {flag} must be >= 0 (got {value:g})", file=sys.stderr)
+            return 2
 
     from backend.engine import load_engines, replace_spec
 
@@ -645,6 +688,11 @@ def main(argv: list[str]) -> int:
         return 1
     for name in engines:
         print(f"model: {name}", flush=True)
-    app = create_app(engines, api_key=api_key, cors=opts.cors or None, max_queue=opts.max_queue)
+    if opts.max_request_seconds and not all(getattr(e, "enforces_time_limit", False) for e in engines.values()):
+        print(f"warning: --max-request-seconds {opts.max_request_seconds:g} is not enforced by this backend (vLLM): "
+              "only --max-tokens-per-request bounds a request", file=sys.stderr, flush=True)
+    app = create_app(engines, api_key=api_key, cors=opts.cors or None, max_queue=opts.max_queue,
+                     max_tokens_per_request=opts.max_tokens_per_request,
+                     max_request_seconds=opts.max_request_seconds)
     serve(app, sock, opts.host, announce=lambda line: print(line, flush=True))
     return 0

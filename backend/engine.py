@@ -9,23 +9,31 @@
 The prompt is rendered by the same template code as training (backend.templates) and tokenized with
 add_special_tokens=False, so the BOS the template writes is the only one. Generation ends on the
 template's end-of-turn tokens (single-token stop words + the tokenizer's eos), on stop strings
-(multi-token stop words and the request's `stop`), at max_new_tokens, or when `stop_event` is set.
+(multi-token stop words and the request's `stop`), at max_new_tokens, when `stop_event` is set, or once
+`time_limit` seconds have passed since the call (finish_reason "time_limit"). `max_tokens_cap` bounds
+max_new_tokens per call (a server's operator limit): asked above it is a TokenCapError, left out it is cut.
 
 Several adapters of one base share its weights: they are loaded as named peft adapters on one PeftModel
-and each engine activates its own under the model's lock (the base engine runs with adapters disabled).
-A comma-separated stack of adapters is merged into its own copy of the base, as in training.
+and each engine activates its own while it holds the model's turn (the base engine runs with adapters
+disabled). A comma-separated stack of adapters is merged into its own copy of the base, as in training.
+
+Requests on one model take turns (backend.scheduler.TurnLock): each generation is transformers' own
+`generate` with its own KV cache in its own thread, and hands the model to the next waiting request every
+TOKENS_PER_TURN tokens from its StoppingCriteria, so a short request is never stuck behind a long one.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
+
+from backend.scheduler import TOKENS_PER_TURN, TurnLock
 
 Warn = Callable[[str], None]
 
@@ -38,7 +46,7 @@ class Reply:
     """One finished answer. tool_calls are in OpenAI's wire form:
     {"id": "call_...", "type": "function", "function": {"name": str, "arguments": JSON string}}.
     finish_reason: "stop" (end of turn or a stop string), "length" (max_new_tokens), "tool_calls",
-    or "abort" (stop_event was set)."""
+    "abort" (stop_event was set) or "time_limit" (the call's time_limit ran out first)."""
 
     text: str
     tool_calls: list[dict] = field(default_factory=list)
@@ -82,10 +90,13 @@ class Stream:
 class Engine(Protocol):
     name: str
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None, **sampling: Any) -> Reply: ...
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, *,
+             stop_event: threading.Event | None = None, time_limit: float | None = None,
+             max_tokens_cap: int | None = None, **sampling: Any) -> Reply: ...
 
     def stream(self, messages: list[dict], tools: list[dict] | None = None, *,
-               stop_event: threading.Event | None = None, **sampling: Any) -> Stream: ...
+               stop_event: threading.Event | None = None, time_limit: float | None = None,
+               max_tokens_cap: int | None = None, **sampling: Any) -> Stream: ...
 
 
 # ----------------------------------------------------------------------------------------- sampling
@@ -156,19 +167,33 @@ class ContextLengthError(ValueError):
         super().__init__(message)
 
 
-def fit_context(s: Sampling, prompt_tokens: int, context: int | None, explicit: bool) -> Sampling:
-    """Bound generation by the model's context: a prompt that leaves no room, or an explicitly requested
-    max_new_tokens past the context, is a ContextLengthError; a default one is cut to what fits (as
-    OpenAI does when max_tokens is not given)."""
-    if not context:
-        return s
-    room = context - prompt_tokens
-    if room < 1:
-        raise ContextLengthError("prompt", prompt_tokens, s.max_new_tokens, context)
-    if s.max_new_tokens > room:
+class TokenCapError(ValueError):
+    """An explicitly requested max_new_tokens above the caller's per-request cap (`tuneboard api
+    --max-tokens-per-request`), though it would fit the context."""
+
+    def __init__(self, max_new_tokens: int, cap: int):
+        self.max_new_tokens, self.cap = max_new_tokens, cap
+        super().__init__(f"max_new_tokens {max_new_tokens} is more than the {cap} tokens allowed per request")
+
+
+def fit_context(s: Sampling, prompt_tokens: int, context: int | None, explicit: bool,
+                cap: int | None = None) -> Sampling:
+    """Bound generation by the model's context, then by `cap`: a prompt that leaves no room, or an
+    explicitly requested max_new_tokens past the context, is a ContextLengthError, and one past the cap a
+    TokenCapError; a default one is cut to what fits and to the cap (as OpenAI does when max_tokens is not
+    given)."""
+    if context:
+        room = context - prompt_tokens
+        if room < 1:
+            raise ContextLengthError("prompt", prompt_tokens, s.max_new_tokens, context)
+        if s.max_new_tokens > room:
+            if explicit:
+                raise ContextLengthError("max_new_tokens", prompt_tokens, s.max_new_tokens, context)
+            s = replace(s, max_new_tokens=room)
+    if cap and s.max_new_tokens > cap:
         if explicit:
-            raise ContextLengthError("max_new_tokens", prompt_tokens, s.max_new_tokens, context)
-        s = replace(s, max_new_tokens=room)
+            raise TokenCapError(s.max_new_tokens, cap)
+        s = replace(s, max_new_tokens=cap)
     return s
 
 
@@ -341,16 +366,20 @@ def _stop_strings(tokenizer, template, extra: list[str]) -> list[str]:
 
 class HFEngine:
     """transformers generate on one loaded model. `adapter`: the peft adapter to activate (None on a
-    PeftModel = run the base with adapters disabled). `lock` is shared by every engine on the model."""
+    PeftModel = run the base with adapters disabled). `lock`, a TurnLock, is shared by every engine on the
+    model: a generation holds it only during its turns (see backend.scheduler), and whoever holds it may
+    switch the model's adapter."""
+
+    enforces_time_limit = True
 
     def __init__(self, name: str, model, tokenizer, template, *, adapter: str | None = None,
-                 lock: threading.Lock | None = None, defaults: dict | None = None, default_system: str | None = None):
+                 lock: TurnLock | None = None, defaults: dict | None = None, default_system: str | None = None):
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
         self.adapter = adapter
-        self.lock = lock or threading.Lock()
+        self.lock = lock or TurnLock()
         self.defaults = dict(defaults or {})
         self.default_system = default_system
         self.eos_ids = stop_token_ids(tokenizer, template)
@@ -372,19 +401,23 @@ class HFEngine:
                              "named template that has a tool format (e.g. template: qwen, llama3, mistral, default)")
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    @contextlib.contextmanager
-    def _active(self):
-        """Select this engine's adapter on a shared PeftModel (callers hold self.lock)."""
-        if not hasattr(self.model, "peft_config"):
-            yield
-        elif self.adapter is None:
-            with self.model.disable_adapter():
-                yield
+    def _activate(self) -> None:
+        """Put the shared model in this engine's adapter state (the caller holds the turn): its adapter
+        active, or all adapters disabled for the base. The lock's `state` records whose state the model is
+        in, so turns between requests to one served model switch nothing. Not a context manager: turns of
+        engines on one model interleave, so each turn sets the state it needs instead of undoing it."""
+        key = ("adapter", self.adapter)
+        if not hasattr(self.model, "peft_config") or self.lock.state == key:
+            return
+        if self.adapter is None:
+            self.model.base_model.disable_adapter_layers()
         else:
+            self.model.base_model.enable_adapter_layers()
             self.model.set_adapter(self.adapter)
-            yield
+        self.lock.state = key
 
-    def _generate_kwargs(self, s: Sampling, prompt_len: int, stops: list[str], stop_event):
+    def _generate_kwargs(self, s: Sampling, prompt_len: int, stops: list[str], stop_event,
+                         time_limit: float | None = None):
         from transformers import GenerationConfig, StoppingCriteriaList
 
         tok = self.tokenizer
@@ -393,7 +426,8 @@ class HFEngine:
                       repetition_penalty=s.repetition_penalty)
         if not s.greedy:
             config.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
-        criteria = _Criteria(tok, prompt_len, stops, stop_event)
+        deadline = time.monotonic() + time_limit if time_limit else None
+        criteria = _Criteria(tok, prompt_len, stops, stop_event, deadline)
         return dict(generation_config=GenerationConfig(**config),
                     stopping_criteria=StoppingCriteriaList([criteria])), criteria
 
@@ -404,8 +438,10 @@ class HFEngine:
             reason = "abort"
         elif hit or criteria.last_token in self.eos_ids:
             reason = "stop"
+        elif criteria.generated >= s.max_new_tokens:
+            reason = "length"
         else:
-            reason = "length" if criteria.generated >= s.max_new_tokens else "stop"
+            reason = "time_limit" if criteria.timed_out else "stop"
         calls: list[dict] = []
         if tools:
             text, calls = parse_tool_calls(text, self.template, tools)
@@ -414,52 +450,61 @@ class HFEngine:
         return Reply(text=text, tool_calls=calls, finish_reason=reason, prompt_tokens=prompt_len,
                      completion_tokens=criteria.generated)
 
-    def _run(self, ids: list[int], kwargs: dict, seed: int | None, stop_event=None, **extra):
-        """generate() under the model's lock; None when stop_event was set while waiting for the lock
-        (the client left while its request was queued: nothing to generate)."""
+    def _run(self, ids: list[int], kwargs: dict, s: Sampling, criteria: "_Criteria", **extra):
+        """generate() in turns on the shared model. None when the request ended (stop_event set: the client
+        left; or its time limit ran out) while it waited for its first turn: nothing was generated. Once
+        started, `criteria` hands the turn on every TOKENS_PER_TURN tokens while others wait."""
         import torch
 
         inputs = torch.tensor([ids], device=self.model.device)
-        with self.lock, self._active(), torch.inference_mode():
-            if stop_event is not None and stop_event.is_set():
-                return None
-            if seed is not None:
-                torch.manual_seed(seed)
-            return self.model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), **kwargs, **extra)
+        if not self.lock.acquire(cancelled=criteria.ended):
+            return None
+        try:
+            with torch.inference_mode():
+                self._activate()
+                if s.seed is not None:
+                    torch.manual_seed(s.seed)
+                criteria.turns = _Turns(self, seeded=s.seed is not None and not s.greedy)
+                return self.model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), **kwargs,
+                                           **extra)
+        finally:
+            criteria.turns = None
+            self.lock.release()
 
-    def _sampling(self, sampling: dict, prompt_tokens: int) -> Sampling:
+    def _sampling(self, sampling: dict, prompt_tokens: int, cap: int | None = None) -> Sampling:
         s = make_sampling(self.defaults, sampling)
-        return fit_context(s, prompt_tokens, self.context_length, explicit=sampling.get("max_new_tokens") is not None)
+        return fit_context(s, prompt_tokens, self.context_length, explicit=sampling.get("max_new_tokens") is not None,
+                           cap=cap)
 
-    def chat(self, messages, tools=None, *, stop_event=None, **sampling) -> Reply:
+    def chat(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
+             **sampling) -> Reply:
         make_sampling(self.defaults, sampling)  # bad sampling values are reported before the prompt's
         ids = self.prompt_ids(messages, tools)
-        s = self._sampling(sampling, len(ids))
+        s = self._sampling(sampling, len(ids), max_tokens_cap)
         stops = _stop_strings(self.tokenizer, self.template, s.stop)
-        kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event)
-        output = self._run(ids, kwargs, s.seed, stop_event)
-        if output is None:
-            criteria.aborted = True
+        kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event, time_limit)
+        output = self._run(ids, kwargs, s, criteria)
+        if output is None:  # ended before its first turn (criteria says why)
             return self._finish("", criteria, s, len(ids), stops, None)
         text = self.tokenizer.decode(output[0][len(ids):], skip_special_tokens=True)
         return self._finish(text, criteria, s, len(ids), stops, tools)
 
-    def stream(self, messages, tools=None, *, stop_event=None, **sampling) -> Stream:
+    def stream(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
+               **sampling) -> Stream:
         from transformers import TextIteratorStreamer
 
         make_sampling(self.defaults, sampling)
         ids = self.prompt_ids(messages, tools)  # errors surface here, before any thread starts
-        s = self._sampling(sampling, len(ids))
+        s = self._sampling(sampling, len(ids), max_tokens_cap)
         stops = _stop_strings(self.tokenizer, self.template, s.stop)
         stop_event = stop_event or threading.Event()
-        kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event)
+        kwargs, criteria = self._generate_kwargs(s, len(ids), stops, stop_event, time_limit)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         failure: list[BaseException] = []
 
         def work():
             try:
-                if self._run(ids, kwargs, s.seed, stop_event, streamer=streamer) is None:
-                    criteria.aborted = True
+                if self._run(ids, kwargs, s, criteria, streamer=streamer) is None:
                     streamer.end()
             except BaseException as exc:  # re-raised in the consumer
                 failure.append(exc)
@@ -501,27 +546,79 @@ class HFEngine:
 
 
 class _Criteria:
-    """StoppingCriteria: stop_event set, or a stop string in the newest text. Also records how many
-    tokens were generated and the last one (to tell an end-of-turn stop from the length limit)."""
+    """StoppingCriteria, called by generate after every token: stop_event set, the deadline passed, or a
+    stop string in the newest text. Also records how many tokens were generated and the last one (to tell
+    an end-of-turn stop from the length limit), and, while others wait for the model, hands it on
+    (`turns`)."""
 
-    def __init__(self, tokenizer, prompt_len: int, stops: list[str], stop_event):
+    def __init__(self, tokenizer, prompt_len: int, stops: list[str], stop_event, deadline: float | None = None):
         self.tokenizer, self.prompt_len, self.stops, self.stop_event = tokenizer, prompt_len, stops, stop_event
+        self.deadline = deadline  # time.monotonic() value, or None
         self.window = max((len(s) for s in stops), default=0) + 4
-        self.generated, self.last_token, self.aborted = 0, None, False
+        self.generated, self.last_token, self.aborted, self.timed_out = 0, None, False, False
+        self.turns: _Turns | None = None
+
+    def ended(self) -> bool:
+        """Whether the request must end now: stop_event set (-> aborted) or the deadline passed (-> timed_out)."""
+        if self.stop_event is not None and self.stop_event.is_set():
+            self.aborted = True
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            self.timed_out = True
+        return self.aborted or self.timed_out
 
     def __call__(self, input_ids, scores=None, **kwargs):
         import torch
 
         self.generated = input_ids.shape[1] - self.prompt_len
         self.last_token = int(input_ids[0, -1])
-        stop = False
-        if self.stop_event is not None and self.stop_event.is_set():
-            self.aborted = stop = True
-        elif self.stops:
+        stop = self.ended()
+        if not stop and self.stops:
             tail = input_ids[0, max(self.prompt_len, input_ids.shape[1] - self.window):]
             text = self.tokenizer.decode(tail, skip_special_tokens=True)
             stop = any(s in text for s in self.stops)
+        if not stop and self.turns is not None and self.turns.step():
+            stop = self.ended()  # it waited for the turn to come round: its client may have left meanwhile
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class _Turns:
+    """One generation's share of its model (backend.scheduler.TurnLock): every TOKENS_PER_TURN tokens, if
+    another request waits, the turn goes round; once it is back, this engine's adapter is set again and a
+    seeded sampling request gets its own random state back (the others' sampling drew from the same
+    generator meanwhile), so a seed gives the same answer with or without company."""
+
+    def __init__(self, engine: HFEngine, seeded: bool):
+        self.engine, self.seeded, self.tokens = engine, seeded, 0
+
+    def step(self) -> bool:
+        """After each token: True when the turn went round (others generated meanwhile)."""
+        self.tokens += 1
+        lock = self.engine.lock
+        if self.tokens % TOKENS_PER_TURN or not lock.waiting():
+            return False
+        rng = _rng_state(self.engine.model.device) if self.seeded else None
+        if not lock.pass_turn():
+            return False
+        self.engine._activate()
+        if rng is not None:
+            _set_rng_state(self.engine.model.device, rng)
+        return True
+
+
+def _rng_state(device) -> tuple:
+    """The default generators' states used when sampling on `device` (the CPU's, and the accelerator's)."""
+    import torch
+
+    accel = getattr(torch, device.type, None) if device.type != "cpu" else None
+    return torch.get_rng_state(), (accel.get_rng_state(device) if hasattr(accel, "get_rng_state") else None)
+
+
+def _set_rng_state(device, state: tuple) -> None:
+    import torch
+
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        getattr(torch, device.type).set_rng_state(state[1], device)
 
 
 # ------------------------------------------------------------------------------------- vLLM engine
@@ -541,7 +638,10 @@ def vllm_unavailable() -> str | None:
 class VLLMEngine:
     """vLLM offline engine (one LLM per base model; adapters as LoRARequests). Prompts are passed as
     token ids rendered by our template, so vLLM adds no BOS of its own. `stream` yields the whole
-    answer as one piece: the offline LLM API has no incremental output."""
+    answer as one piece: the offline LLM API has no incremental output. It runs one request at a time and
+    cannot stop one midway, so `time_limit` is not enforced (enforces_time_limit; the server warns)."""
+
+    enforces_time_limit = False
 
     def __init__(self, name, llm, tokenizer, template, *, lora=None, lock=None, defaults=None, default_system=None):
         self.name, self.llm, self.tokenizer, self.template, self.lora = name, llm, tokenizer, template, lora
@@ -557,12 +657,13 @@ class VLLMEngine:
     prompt_ids = HFEngine.prompt_ids
     _sampling = HFEngine._sampling
 
-    def chat(self, messages, tools=None, *, stop_event=None, **sampling) -> Reply:
+    def chat(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
+             **sampling) -> Reply:
         from vllm import SamplingParams
 
         make_sampling(self.defaults, sampling)
         ids = self.prompt_ids(messages, tools)
-        s = self._sampling(sampling, len(ids))
+        s = self._sampling(sampling, len(ids), max_tokens_cap)
         stops = _stop_strings(self.tokenizer, self.template, s.stop)
         params = SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0 if s.greedy else s.temperature,
                                 top_p=1.0 if s.greedy else s.top_p, top_k=(s.top_k or -1) if not s.greedy else -1,
@@ -579,11 +680,14 @@ class VLLMEngine:
             reason = "tool_calls" if calls else reason
         return Reply(text, calls, reason, len(ids), len(done.token_ids))
 
-    def stream(self, messages, tools=None, *, stop_event=None, **sampling) -> Stream:
+    def stream(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
+               **sampling) -> Stream:
+        make_sampling(self.defaults, sampling)
+        self._sampling(sampling, len(self.prompt_ids(messages, tools)), max_tokens_cap)  # refusals before streaming
         result = Stream(iter(()))
 
         def pieces():
-            reply = self.chat(messages, tools, **sampling)
+            reply = self.chat(messages, tools, max_tokens_cap=max_tokens_cap, **sampling)
             result.reply = reply
             if reply.text:
                 yield reply.text
@@ -723,7 +827,7 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
             else:
                 model.load_adapter(entry.adapters[0], adapter_name=keys[entry.name])
         model.eval()
-        lock = threading.Lock()
+        lock = TurnLock()  # the engines on this model take turns on it
         for entry in singles:
             engines[entry.name] = HFEngine(entry.name, model, tokenizer, template_for(entry),
                                            adapter=keys.get(entry.name), lock=lock, defaults=defaults,

@@ -10,10 +10,12 @@ import threading
 
 import openai
 import pytest
-from test_api import KEY, start_server, stop_server
+from test_api import KEY, adapter_dir, start_server, stop_server  # noqa: F401  (adapter_dir: a fixture)
 from waiting import wait_for
 
+from backend.engine import load_engines
 from backend.scheduler import TurnLock
+from backend.spec import load_spec
 
 CAP = 240  # the cap of the server below, and the long request's max_tokens: the most it may ask
 PROMPT = "The quick brown fox"  # greedy, the tiny model runs on from it without an end of turn
@@ -149,3 +151,33 @@ def test_turn_lock_serves_waiters_in_order_and_a_passed_turn_comes_back():
     lock.release()
     for t in threads:
         t.join()
+
+
+def test_requests_taking_turns_get_the_answers_they_get_alone(tiny_qwen2, adapter_dir):  # noqa: F811
+    """The engines of one model (base and adapter) share its TurnLock. Four requests, greedy and seeded
+    sampling, on both, all wait in line (the test holds the model) and then take turns a few tokens at a
+    time: each answer is the one it gets alone. So each turn runs with its own adapter, and a seeded request
+    keeps its own random state while the others sample."""
+    spec = load_spec(None, [f"model_name_or_path={tiny_qwen2}", "do_sample=false", "template=qwen"])
+    served = load_engines(spec, [str(adapter_dir)], log=lambda m: None)
+    base, tuned = served[str(tiny_qwen2)], served["my-adapter"]
+    assert base.lock is tuned.lock
+    sampled = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+    asks = [(base, {}), (tuned, {}), (tuned, dict(sampled, seed=7)), (base, dict(sampled, seed=3))]
+
+    def answer(i):
+        engine, sampling = asks[i]
+        return engine.chat(HELLO, max_new_tokens=16, stop=NEVER, **sampling)
+
+    alone = [answer(i) for i in range(len(asks))]
+    assert alone[0].text != alone[1].text  # base and adapter differ, else this could not tell them apart
+    assert min(r.completion_tokens for r in alone) > 4  # each needs more than one turn
+    together: list = [None] * len(asks)
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, answer(i))) for i in range(len(asks))]
+    with base.lock:  # all four queue behind the test, then take turns
+        for t in threads:
+            t.start()
+        wait_for(lambda: base.lock.waiting() == len(asks), timeout=60, what="all four requests in line")
+    for t in threads:
+        t.join(timeout=300)
+    assert [r.text for r in together] == [r.text for r in alone]

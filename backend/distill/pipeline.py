@@ -117,6 +117,8 @@ class Validator:
             return None, "empty", "the teacher's answer is empty"
         if finish_reason == "length":
             return None, "too long", f"cut at max_tokens {n} (answer_tokens)"
+        if finish_reason == "time_limit":  # a `tuneboard api` teacher ended it (its --max-request-seconds)
+            return None, "too long", "the teacher ended it at its time limit (finish_reason time_limit)"
         if self.spec.answer_format == "json":
             ok, value = parse_json(text)
             if not ok:

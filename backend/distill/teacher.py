@@ -295,7 +295,9 @@ class LocalTeacher:
 
     def start(self, timeout: float = 600.0) -> str:
         argv = [sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={self.model}",
-                f"template={self.template}", "do_sample=false", "--port", "0"]
+                f"template={self.template}", "do_sample=false", "--port", "0",
+                # the run's private teacher: answer_tokens bounds each request, request_timeout its time
+                "--max-tokens-per-request", "0", "--max-request-seconds", "0"]
         if self.adapter:
             argv += ["--adapter", self.adapter]
         env = {**os.environ, "TUNEBOARD_API_KEY": self.key}

@@ -357,3 +357,17 @@ def test_kill_9_during_generate_then_a_rerun_resumes_from_the_cache(flat, teache
         assert (Path(flat["dataset_dir"]) / name).read_bytes() == (tmp_path / "whole" / "data" / name).read_bytes()
     assert lines(out / PAIRS_FILE) == lines(tmp_path / "whole" / "run" / PAIRS_FILE)
     no_key_under(out, tmp_path / "whole")
+
+
+def test_an_answer_a_teacher_ended_at_its_time_limit_is_too_long(flat):
+    """A `tuneboard api` teacher ends a generation past --max-request-seconds with finish_reason time_limit
+    (issue 25): its partial answer is "too long" and says why, not "not JSON"."""
+    from transformers import AutoTokenizer
+
+    from backend.distill.pipeline import Validator
+
+    spec = validate_distill(flat)
+    judge = Validator(spec, AutoTokenizer.from_pretrained(flat["model_name_or_path"]))
+    answer, reason, detail = judge('{"first_word": "Ocea', "time_limit")
+    assert (answer, reason) == (None, "too long") and "time limit" in detail
+    assert judge('{"first_word": "Ocea', "stop")[1] == "not JSON"

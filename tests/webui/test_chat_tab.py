@@ -84,3 +84,13 @@ def test_display_escapes_nothing_itself_and_renders_tool_calls_as_json():
     assert '"name": "f"' in shown[1]["content"] and shown[1]["content"].startswith("```json")
     assert shown[2]["role"] == "user" and '{"y": 2}' in shown[2]["content"]
     assert isinstance(gr.Chatbot, type)
+
+
+def test_the_pages_own_server_allows_what_its_slider_offers():
+    """`tuneboard api` caps max_tokens at 1024 by default (issue 25); the Chat tab's private server is started
+    with its slider's top as the cap and no time limit (Stop bounds it), so no slider value is a 400."""
+    from webui.tabs import chat
+
+    cmd = chat.ChatServer(["model_name_or_path=m"]).cmd
+    assert cmd[cmd.index("--max-tokens-per-request") + 1] == str(chat.MAX_NEW_TOKENS) == "4096"
+    assert cmd[cmd.index("--max-request-seconds") + 1] == "0"

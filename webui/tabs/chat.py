@@ -30,6 +30,9 @@ from webui import live
 from webui.i18n import refusal, tr
 
 
+MAX_NEW_TOKENS = 4096  # the slider's top, and the cap its server is started with
+
+
 # ----------------------------------------------------------------------------------------- server
 class ChatServer:
     """One `tuneboard api` subprocess. `lines` collects its output (load progress, errors)."""
@@ -39,7 +42,10 @@ class ChatServer:
         self.cmd = [sys.executable, "-m", "backend.cli", "api", *spec_args]
         for a in adapters:
             self.cmd += ["--adapter", a]
-        self.cmd += ["--host", "127.0.0.1", "--port", "0"]
+        # the page's own server (one per browser session, a random key): its slider bounds max_tokens, Stop
+        # bounds the time; the operator caps of a shared `tuneboard api` (SECURITY.md) are not needed here
+        self.cmd += ["--host", "127.0.0.1", "--port", "0", "--max-tokens-per-request", str(MAX_NEW_TOKENS),
+                     "--max-request-seconds", "0"]
         self.lines: list[str] = []
         self.models: list[str] = []
         self.url: str | None = None
@@ -200,7 +206,8 @@ def build(reg, top: dict) -> dict:
         ui["system"] = reg.comp(gr.Textbox, "chat-system", lines=2, value="")
         ui["tools"] = reg.comp(gr.Code, "chat-tools", language="json", value="")
         with gr.Row():
-            ui["max_new_tokens"] = reg.comp(gr.Slider, "chat-max_new_tokens", minimum=1, maximum=4096, step=1, value=512)
+            ui["max_new_tokens"] = reg.comp(gr.Slider, "chat-max_new_tokens", minimum=1, maximum=MAX_NEW_TOKENS, step=1,
+                                            value=512)
             ui["temperature"] = reg.comp(gr.Slider, "chat-temperature", minimum=0, maximum=2, step=0.01, value=0.7)
             ui["top_p"] = reg.comp(gr.Slider, "chat-top_p", minimum=0.01, maximum=1, step=0.01, value=0.9)
         with gr.Row():

@@ -231,11 +231,9 @@ def run(spec) -> int:
         results["seconds"] = round(time.time() - started, 1)
         write_json_atomic(out / RESULTS_FILE, results)
     except Exception as exc:  # noqa: BLE001 - the status says why
-        import traceback
-
         message = str(exc) if isinstance(exc, (ValueError, FileNotFoundError)) else f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, ValueError):
-            run_dir.log(traceback.format_exc().rstrip())
+            run_dir.log_traceback()
         run_dir.log(f"FAILED: {message}")
         run_dir.finish("failed", 1, error=message)
         run_dir.close()

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -338,6 +339,20 @@ class RunDir:
             self._log.flush()
         except OSError:
             pass
+
+    def log_traceback(self) -> None:
+        """The exception being handled, with its traceback, to running_log.txt only: the terminal (and the
+        UI's process log) get the one-line reason the caller logs next. Printed only when the file cannot
+        take it (a full disk), so it is never lost."""
+        if not self.writer:
+            return
+        text = "".join(f"[{datetime.now().strftime('%H:%M:%S')}] {line}\n"
+                       for line in traceback.format_exc().rstrip().splitlines())
+        try:
+            self._log.write(text)
+            self._log.flush()
+        except (OSError, AttributeError):
+            print(text, end="", file=sys.stderr, flush=True)
 
     def append_metrics(self, record: dict) -> None:
         if not self.writer:

@@ -154,7 +154,7 @@ def run(spec, args: list[str] | None = None) -> int:
         try:
             code = launch.run_launcher(spec, list(args or []), run_dir)
         except Exception as exc:  # the launcher itself failed (rendezvous port taken, ...)
-            run_dir.log(traceback.format_exc().rstrip())
+            run_dir.log_traceback()
             run_dir.finish("failed", EXIT_FAILED, error=f"could not launch the workers: {type(exc).__name__}: {exc}")
             code = EXIT_FAILED
         run_dir.close()
@@ -185,7 +185,7 @@ def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = Fal
         if rank:
             print(f"rank {rank}: FAILED: {message}\n{traceback.format_exc().rstrip()}", file=sys.stderr, flush=True)
         if not isinstance(exc, RunError):
-            run_dir.log(traceback.format_exc().rstrip())
+            run_dir.log_traceback()
         run_dir.log(f"FAILED: {message}")
         run_dir.finish("failed", EXIT_FAILED, error=message)
         run_dir.close()

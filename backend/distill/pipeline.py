@@ -576,9 +576,7 @@ def run(spec: DistillSpec) -> int:
         known = (DistillError, DocumentError, TeacherFatal, FileNotFoundError, ValueError)
         message = str(exc) if isinstance(exc, known) else f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, known):
-            import traceback
-
-            run_dir.log(traceback.format_exc().rstrip())
+            run_dir.log_traceback()
         run_dir.log(f"FAILED: {message}")
         print(f"error: {message}", file=sys.stderr, flush=True)
         run_dir.finish("failed", 1, error=message)

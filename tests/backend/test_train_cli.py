@@ -242,3 +242,22 @@ def test_early_stopping_ends_the_run_when_eval_loss_stops_improving(tiny_llama, 
     evals = [r["eval_loss"] for r in log_rows(out) if r["eval_loss"] is not None]
     assert len(evals) == 3 and len(set(evals)) == 1, evals
     assert "early stopping" in (out / "running_log.txt").read_text()
+
+
+def test_a_data_error_is_one_line_in_the_terminal_and_its_traceback_in_the_run_log(tiny_llama, tmp_path):
+    """Issue 24: an empty data file (or columns naming missing fields) printed a 20-line traceback before the
+    one-line reason; the traceback belongs in running_log.txt only."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps({
+        "empty": {"file_name": "empty.json"},
+        "wrong_columns": {"file_name": "rows.json", "columns": {"prompt": "question", "response": "answer"}}}))
+    (data / "empty.json").write_text("")
+    (data / "rows.json").write_text(json.dumps([{"instruction": "q", "output": "a"}] * 4))
+    for name in ("empty", "wrong_columns"):
+        out = tmp_path / name
+        proc = train(*tiny_args(tiny_llama, out, "template=llama3", f"dataset={name}", f"dataset_dir={data}"))
+        said = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and f"dataset '{name}'" in status(out)["error"], said
+        assert "Traceback" not in said and f"FAILED: dataset '{name}'" in said, said
+        assert "Traceback" in (out / "running_log.txt").read_text()

@@ -3,10 +3,13 @@ Gradio's max_file_size. An app launched in-process with a 4 kB limit refuses a 8
 a message naming the limit, takes a small one, and keeps answering. No assertion on a duration."""
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 from gradio_client import Client
 
+from backend import allowed, teacher_access
 from webui import app
 
 LIMIT = 4 * 1024
@@ -66,6 +69,9 @@ def test_max_upload_option(monkeypatch):
         def stop(self):
             pass
 
+    for name in (allowed.CODE_ENV, allowed.ENV, teacher_access.POLICY_ENV, teacher_access.KEYS_ENV,
+                 teacher_access.URLS_ENV):  # main() sets the UI's policy for itself and its
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # subprocesses: restored after this test
     monkeypatch.setattr(app, "create_app", FakeApp)
     monkeypatch.setattr(app.jobs, "QueueWorker", FakeWorker)
     monkeypatch.setattr(app, "free_port", lambda host, port: port)

@@ -257,3 +257,15 @@ def test_the_default_model_says_it_is_the_bundled_gguf():
     labels = dict((value, label) for label, value in box.choices)
     assert labels[paths.DEFAULT_MODEL_ID] == f"{paths.DEFAULT_MODEL_ID} · bundled Q4_1 GGUF"
     assert all(label == value for value, label in labels.items() if value != paths.DEFAULT_MODEL_ID)
+
+
+def test_the_runs_table_reads_an_ended_runs_summary_from_its_status(tmp_path):
+    """An ended run's three loss numbers come from its status (written at the end), so a refresh does not read
+    every run's whole log; a running run's (or an older run's) are computed from its log."""
+    d = run_dir(tmp_path, "2026-11-30-16-00-00", [3.0, 2.0, 1.5])
+    status = json.loads((d / "status.json").read_text())
+    status["final_metrics"].update(final_loss=1.5, smoothed_loss=1.9, min_loss=1.25)  # not the log's
+    (d / "status.json").write_text(json.dumps(status))
+    row = next(r for r in runs.run_rows(tmp_path) if r["name"].endswith("16-00-00"))
+    assert (row["final loss"], row["smoothed loss"], row["lowest loss"]) == ("1.5000", "1.9000", "1.2500")
+    assert runs.loss_numbers(str(d), dict(status, state="running"))["min_loss"] == 1.5  # from the log

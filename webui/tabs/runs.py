@@ -12,7 +12,7 @@ import pandas as pd
 
 from backend import paths
 from backend.curves import loss_summary
-from backend.rundir import LOG_FILE
+from backend.rundir import ACTIVE_STATES, LOG_FILE
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import jobs, live
@@ -61,13 +61,16 @@ def run_rows(root: Path | None = None) -> list[dict]:
 
 
 def loss_numbers(run_dir: str, status: dict | None = None) -> dict[str, float]:
-    """{final_loss, smoothed_loss, min_loss} of a run's logged training losses (trainer_log.jsonl; the
-    summary backend.curves gives its status), else what its status holds: one noisy last batch alone does
-    not compare runs honestly (issue 24)."""
+    """{final_loss, smoothed_loss, min_loss}: what an ended run's status holds (backend.curves wrote it at the
+    end), else computed from its logged training losses (trainer_log.jsonl: a running run, or one from before
+    the summary). One noisy last batch alone does not compare runs honestly (issue 24)."""
+    held = (status or {}).get("final_metrics") or {}
+    ended = (status or {}).get("state") not in ACTIVE_STATES  # a resumed run's earlier summary is stale
+    if ended and all(isinstance(held.get(k), (int, float)) for k in LOSS_COLUMNS.values()):
+        return {k: float(held[k]) for k in LOSS_COLUMNS.values()}  # no whole-log read per run per refresh
     losses = [v for r in _records(run_dir) if (v := live._num(r.get("loss"))) is not None]
     if losses:
         return loss_summary(losses)
-    held = (status or {}).get("final_metrics") or {}
     return {k: float(held[k]) for k in LOSS_COLUMNS.values() if isinstance(held.get(k), (int, float))}
 
 

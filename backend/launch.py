@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from backend import paths
+from backend.supervise import die_with_parent
 
 LAUNCHER_ENV = "TUNEBOARD_LAUNCHER_PID"   # set for the workers: "you are rank N of a launched run"
 DEEPSPEED_DIR = paths.EXAMPLES_DIR / "deepspeed"
@@ -330,13 +331,7 @@ def become_worker() -> None:
     """In a worker, first thing: die with the launcher (a SIGKILLed launcher must leave no worker behind;
     the elastic agent starts each worker in its own session, out of reach of a kill of the launcher's group)."""
     if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+        die_with_parent()
         launcher = os.environ.get(LAUNCHER_ENV, "")
         if launcher.isdigit() and os.getppid() != int(launcher) and os.getppid() == 1:
             os._exit(1)  # the launcher died before prctl took effect

@@ -54,6 +54,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from backend.supervise import die_with_parent
+
 IGNORE_INDEX = -100
 
 
@@ -432,17 +434,10 @@ def _tokenizer_process_init() -> None:
     SIGINT is ignored: Ctrl-C reaches the whole process group, and the run decides. PR_SET_PDEATHSIG: a killed
     run leaves no tokenizer process behind (each holds the queue's write end, so none would ever see EOF)."""
     import signal
-    import sys
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    die_with_parent()
 
 
 def _run_chunk(k: int) -> tuple[list[dict], Stats]:

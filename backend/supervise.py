@@ -24,6 +24,7 @@ train_pid is the child's. A multi-process run is the same one level down: the ch
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -44,12 +45,32 @@ def available() -> bool:
     return sys.platform.startswith("linux") and not os.environ.get(SUPERVISOR_PID_ENV)
 
 
-def _die_with_parent(parent: int, prctl):
-    def preexec() -> None:  # in the forked child, before exec: no Python objects of the parent touched
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-    return preexec
+def _prctl():
+    """libc's prctl, resolved once (so a preexec_fn in a forked child calls it without loading anything), or
+    None off Linux / glibc."""
+    global _PRCTL
+    if _PRCTL is False:
+        try:
+            _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+        except (OSError, AttributeError):
+            _PRCTL = None
+    return _PRCTL
+
+
+_PRCTL = False
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Have the kernel send this process `sig` when its parent dies (PR_SET_PDEATHSIG: a killed run leaves no
+    child behind); with `parent`, exit at once when that parent is already gone (it died before prctl took
+    effect). Nothing off Linux. The one home of it: the training child, launched workers, tokenizer
+    processes, the distill run's local teacher."""
+    prctl = _prctl()
+    if prctl is None:
+        return
+    prctl(PR_SET_PDEATHSIG, sig)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def exit_code(returncode: int) -> int:
@@ -59,7 +80,7 @@ def exit_code(returncode: int) -> int:
 
 def run(argv: list[str], env: dict[str, str]) -> int:
     """Run `argv` (the training process) under supervision; return this process's exit code."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    _prctl()  # resolved here, before the fork: the child's preexec_fn only calls it
     pending: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -79,7 +100,7 @@ def run(argv: list[str], env: dict[str, str]) -> int:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(write_end,), process_group=0,
-                                 preexec_fn=_die_with_parent(os.getpid(), prctl))
+                                 preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid()))
         os.close(write_end)
         for signum in pending:
             child.send_signal(signum)

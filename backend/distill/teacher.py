@@ -20,6 +20,7 @@ of the body kept (the pipeline rejects it as "too long"); an error body is read 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend import teacher_access
+from backend.supervise import die_with_parent
 
 RETRY_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 60.0
@@ -303,8 +305,10 @@ class LocalTeacher:
         env = {**os.environ, "TUNEBOARD_API_KEY": self.key}
         self.log(f"starting the local teacher: tuneboard api model_name_or_path={self.model}"
                  + (f" --adapter {self.adapter}" if self.adapter else ""))
+        # it dies with this run (off Linux, the run's finally stops it)
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     preexec_fn=_die_with_parent, cwd=str(Path(__file__).resolve().parents[2]))
+                                     preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
+                                     cwd=str(Path(__file__).resolve().parents[2]))
         ready = threading.Event()
         log_file = open(self.log_path, "a", encoding="utf-8")
 
@@ -337,12 +341,3 @@ class LocalTeacher:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - not Linux: the run's finally still stops it
-        pass

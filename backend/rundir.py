@@ -86,22 +86,39 @@ def _tell_supervisor(path: Path) -> None:
         pass
 
 
-def last_logged_step(run_dir: str | Path) -> int | None:
-    """The step of the last whole line of trainer_log.jsonl (its tail only), or None."""
+def last_value(path: str | Path, key: str, chunk: int = 64 * 1024) -> float | None:
+    """The value of `key` in the last JSON line of a JSON-lines file that has it (trainer_log.jsonl: the
+    last logged loss), read backwards from the end in chunks; None when no line has it."""
     try:
-        with open(Path(run_dir) / LOG_FILE, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
-            lines = f.read().decode("utf-8", "replace").splitlines()
+        fh = open(path, "rb")
     except OSError:
         return None
-    for line in reversed(lines):
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(step, int):
-            return step
+    with fh:
+        end = fh.seek(0, os.SEEK_END)
+        tail = b""
+        while end > 0:
+            start = max(0, end - chunk)
+            fh.seek(start)
+            data = fh.read(end - start) + tail
+            lines = data.split(b"\n")
+            tail = lines.pop(0) if start > 0 else b""  # maybe cut: finished by the next chunk
+            for line in reversed(lines):
+                if key.encode() not in line:
+                    continue
+                try:
+                    value = json.loads(line).get(key)
+                except (json.JSONDecodeError, AttributeError):
+                    continue
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    return float(value)
+            end = start
     return None
+
+
+def last_logged_step(run_dir: str | Path) -> int | None:
+    """The step of the last line of trainer_log.jsonl that has one, or None."""
+    step = last_value(Path(run_dir) / LOG_FILE, "step")
+    return None if step is None else int(step)
 
 
 def read_status(run_dir: str | Path) -> dict:

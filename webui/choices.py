@@ -9,7 +9,7 @@ import yaml
 
 from backend import paths
 from backend.dataset_info import DatasetError, read_dataset_info
-from backend.rundir import CHECKPOINT_PREFIX, LOG_FILE
+from backend.rundir import CHECKPOINT_PREFIX, LOG_FILE, last_value
 from webui import jobs
 
 
@@ -65,8 +65,6 @@ NO_ADAPTER = "— none: the base model —"  # locale key choice.no_adapter
 def adapter_label(run_dir: Path, checkpoint: str | None = None) -> str:
     """A run as the adapter picker names it: model · method · stage · start time · final loss (the last
     logged loss), and the checkpoint-N folder when it is one. The full path is the choice's value."""
-    from webui.tailer import last_value
-
     spec = jobs.read_spec_dict(run_dir)
     status = jobs.read_json(run_dir / jobs.STATUS_FILE)
     model = jobs.model_slug(spec.get("model_name_or_path") or "model")

@@ -207,32 +207,3 @@ class RunTail:
 
     def log_text(self) -> str:
         return "\n".join(self.log_tail)
-
-
-def last_value(path: str | Path, key: str, chunk: int = 64 * 1024) -> float | None:
-    """The value of `key` in the last JSON line of a JSON-lines file that has it (trainer_log.jsonl: the
-    last logged loss), read backwards from the end in chunks; None when no line has it."""
-    try:
-        fh = open(path, "rb")
-    except OSError:
-        return None
-    with fh:
-        end = fh.seek(0, os.SEEK_END)
-        tail = b""
-        while end > 0:
-            start = max(0, end - chunk)
-            fh.seek(start)
-            data = fh.read(end - start) + tail
-            lines = data.split(b"\n")
-            tail = lines.pop(0) if start > 0 else b""  # maybe cut: finished by the next chunk
-            for line in reversed(lines):
-                if key.encode() not in line:
-                    continue
-                try:
-                    value = json.loads(line).get(key)
-                except (json.JSONDecodeError, AttributeError):
-                    continue
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    return float(value)
-            end = start
-    return None

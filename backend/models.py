@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import yaml
 
 from backend.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
+from backend.registry import RegistryEntry, load_registry, lookup_registry  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("tuneboard.models")
 Warn = Callable[[str], None]
@@ -48,7 +48,6 @@ class _NoKernelsNotice(logging.Filter):
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelsNotice())
 
-REGISTRY_FILE = Path(__file__).with_name("model_registry.yaml")
 
 # Methods the spec accepts (LLaMA-Factory names) that a later issue implements.
 _NOT_YET = ("use_apollo", "use_badam", "use_adam_mini", "use_muon", "use_llama_pro", "use_unsloth")
@@ -61,48 +60,6 @@ def _get(spec: Any, name: str, default: Any = None) -> Any:
 
 def _default_warn(message: str) -> None:
     logger.warning(message)
-
-
-# --------------------------------------------------------------------------------------------- registry
-@dataclass(frozen=True)
-class RegistryEntry:
-    model_id: str
-    family: str
-    template: str | None
-    instruct: bool
-
-
-@functools.lru_cache(maxsize=1)
-def load_registry() -> dict[str, RegistryEntry]:
-    """model_registry.yaml as {lowercased id: entry}."""
-    groups = yaml.safe_load(REGISTRY_FILE.read_text(encoding="utf-8"))
-    entries: dict[str, RegistryEntry] = {}
-    for i, group in enumerate(groups):
-        if not isinstance(group, dict) or "family" not in group:
-            raise ValueError(f"{REGISTRY_FILE}: group {i} needs a 'family' key")
-        for key, instruct in (("base", False), ("instruct", True)):
-            for model_id in group.get(key) or []:
-                entries[model_id.lower()] = RegistryEntry(model_id, group["family"], group.get("template"), instruct)
-    return entries
-
-
-def lookup_registry(name: str) -> RegistryEntry | None:
-    """Registry entry for a hub id (case-insensitive), or for a folder / file name that contains an id's
-    last component, e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf' -> HuggingFaceTB/SmolLM2-135M-Instruct.
-    The longest such component wins, so '...-Instruct' beats the base id it starts with."""
-    registry = load_registry()
-    key = name.strip().lower().rstrip("/")
-    if key in registry:
-        return registry[key]
-    base = key.replace("\\", "/").rsplit("/", 1)[-1]
-    best: RegistryEntry | None = None
-    for model_id, entry in registry.items():
-        last = model_id.rsplit("/", 1)[-1]
-        # whole-word match: "qwen2.5-7b" must not match inside "qwen2.5-7b0" or "xqwen2.5-7b"
-        if re.search(rf"(?<![a-z0-9]){re.escape(last)}(?![a-z0-9])", base):
-            if best is None or len(last) > len(best.model_id.rsplit("/", 1)[-1]):
-                best = entry
-    return best
 
 
 # --------------------------------------------------------------------------------------------- resolve

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from backend import paths
+from backend import paths, registry
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.rundir import CHECKPOINT_PREFIX, LOG_FILE, last_value
 from webui import jobs
@@ -17,29 +17,20 @@ def model_ids() -> list[str]:
     """The bundled default model first, then every id in backend/model_registry.yaml."""
     ids = [paths.DEFAULT_MODEL_ID]
     try:
-        groups = yaml.safe_load((paths.REPO_ROOT / "backend" / "model_registry.yaml").read_text()) or []
-    except (OSError, yaml.YAMLError):
-        groups = []
-    for g in groups if isinstance(groups, list) else []:
-        for key in ("instruct", "base"):
-            for mid in g.get(key) or []:
-                if mid not in ids:
-                    ids.append(mid)
+        ids += [m for m in registry.model_ids() if m != paths.DEFAULT_MODEL_ID]
+    except (OSError, ValueError, yaml.YAMLError):
+        pass
     return ids
 
 
 def model_info(model: str) -> dict | None:
     """Registry entry of a model id: {"family", "template", "instruct"} (case-insensitive match)."""
     try:
-        groups = yaml.safe_load((paths.REPO_ROOT / "backend" / "model_registry.yaml").read_text()) or []
-    except (OSError, yaml.YAMLError):
+        entry = registry.load_registry().get((model or "").lower())
+    except (OSError, ValueError, yaml.YAMLError):
         return None
-    low = (model or "").lower()
-    for g in groups if isinstance(groups, list) else []:
-        for key, instruct in (("instruct", True), ("base", False)):
-            if any(m.lower() == low for m in g.get(key) or []):
-                return {"family": g.get("family"), "template": g.get("template"), "instruct": instruct}
-    return None
+    return None if entry is None else {"family": entry.family, "template": entry.template,
+                                       "instruct": entry.instruct}
 
 
 def template_names() -> list[str]:

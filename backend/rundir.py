@@ -23,6 +23,7 @@ STOP_FILE = "STOP"
 COMPLETIONS_FILE = "completions.jsonl"  # stage grpo: a sample of the completions with their rewards, per logging step
 LAUNCH_FILE = "launch.json"  # written by the web UI's job launcher: the launched pid, its argv and launch time
 PROCESS_LOG = "process_output.log"  # the launched process's stdout and stderr (the UI's launcher writes it)
+DEBUG_LOG = "debug_log.txt"  # third-party warnings (warnings module, library loggers below ERROR): not the user's log
 DISTILL_REPORT_FILE = "distill_report.json"  # a distill run folder's scorecard (`tuneboard distill`, step score)
 PROBE_RESULT_FILE = "probe.json"  # `tuneboard probe --out`: the measured peak memory, s/step, fits, suggestions
 PROBE_MEASURE_FILE = "probe_measures.json"  # a probe's child writes what its parent cannot see (rows, CUDA peak)

@@ -8,13 +8,15 @@ them to `fit()`.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
-from backend.rundir import LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
+from backend.rundir import DEBUG_LOG, LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
 from backend.stages import stage_module
 from backend.stages.base import CheckpointSaveError, RunError
 
@@ -125,6 +127,50 @@ def failure_message(exc: BaseException, out: Path) -> str:
     return message
 
 
+# The libraries whose chatter (deprecations, "this is slow", notices below ERROR) is not the user's business: it goes
+# to the run's debug log. Their errors still reach stderr, i.e. the log the user reads.
+LIBRARY_LOGGERS = ("transformers", "datasets", "peft", "trl", "accelerate", "huggingface_hub", "torch", "bitsandbytes")
+
+
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+class _ErrorAndUp(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def route_library_noise(run_path: Path):
+    """Send third-party warnings of this training process to <run dir>/DEBUG_LOG: everything the `warnings`
+    module shows (FutureWarning, UserWarning, ...) and the records below ERROR of the LIBRARY_LOGGERS, whose
+    errors keep going to stderr. Returns the open debug file (line-buffered; it lives as long as the process)."""
+    debug = open(Path(run_path) / DEBUG_LOG, "a", encoding="utf-8", buffering=1)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        debug.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
+    to_file = logging.StreamHandler(debug)
+    to_file.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s", "%H:%M:%S"))
+    to_file.addFilter(_BelowError())
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if name == "transformers":  # its own stderr handler is made on first use: make it now, to filter it
+            from transformers.utils import logging as hf_logging  # heavy: the training process has it anyway
+
+            hf_logging.get_logger("transformers")
+        if not logger.handlers:  # a logger that propagated to the root (no handler: Python's stderr fallback)
+            to_stderr = logging.StreamHandler(sys.stderr)
+            logger.addHandler(to_stderr)
+        for handler in logger.handlers:
+            handler.addFilter(_ErrorAndUp())
+        logger.addHandler(to_file)
+        logger.propagate = False
+    return debug
+
+
 def run(spec, args: list[str] | None = None) -> int:
     """Run a training stage; return the process exit code. Never raises. `args`: the command line the spec
     came from (SPEC.yaml key=value ...), which the workers of a launched run are started with."""
@@ -169,6 +215,8 @@ def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = Fal
     from backend.callbacks import StopSwitch
 
     threshold = None if allocator.loaded() else return_freed_memory()
+    if rank == 0:  # before the stage's heavy imports, which warn too; rank 0 alone writes the run directory
+        route_library_noise(out)
     stop = StopSwitch(run_dir)
     stop.install()
     try:

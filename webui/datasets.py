@@ -237,3 +237,68 @@ def write_entry(name: str, entry: dict, data_dir: Path | None = None) -> Path:
     tmp.write_text(json.dumps(current, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, target)
     return target
+
+
+# ------------------------------------------------------------------ which datasets fit a stage (the Train form)
+
+# The dataset kinds (backend.stages.DATA_KINDS) each stage's data kind can train on, best first. The stage's
+# kind comes from its declaration in backend/stages; a dataset's kind from its dataset_info.json entry
+# (entry_kind), as `validate` reads it: a ranking set only for ranking stages, a kto_tag column for kto.
+ACCEPTS: dict[str, tuple[str, ...]] = {
+    "text": ("text", "plain"),   # pt: a raw-text corpus, or any conversation read as text
+    "plain": ("plain",),         # sft: conversations / instructions with answers
+    "ranking": ("ranking",),     # rm, dpo, orpo, simpo: prompt + chosen + rejected
+    "kto": ("kto",),             # kto: conversations tagged desirable / undesirable
+    "prompts": ("plain", "text"),  # grpo: prompts (an answer, when there is one, is the reward's reference)
+}
+
+
+def entry_kind(entry) -> str:
+    """The data kind of one dataset_info.json entry: "ranking" (chosen / rejected pairs), "kto" (a kto_tag
+    column), "text" (an alpaca entry with only a text column, e.g. c4_demo's {"prompt": "text"}) or "plain"."""
+    if not isinstance(entry, dict):
+        return "plain"
+    columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
+    if entry.get("ranking") is True:
+        return "ranking"
+    if "kto_tag" in columns:
+        return "kto"
+    if entry.get("formatting", "alpaca") == "alpaca" and ("prompt" in columns or "text" in columns) \
+            and not {"response", "query", "history", "messages"} & set(columns):
+        return "text"
+    return "plain"
+
+
+def stage_data_kind(stage: str | None) -> str | None:
+    """The data kind a stage declares (backend/stages), None for an unknown stage."""
+    from backend.stages import get_stage  # light: the declarations only
+
+    try:
+        return get_stage(stage or "sft").data
+    except KeyError:
+        return None
+
+
+def fitting_datasets(stage: str | None, info: dict) -> list[str]:
+    """The names of `info` (a dataset_info.json mapping) a stage can train on: its best kind first, then in
+    file order. Every name of `info` for an unknown stage."""
+    kind = stage_data_kind(stage)
+    if kind is None:
+        return list(info)
+    accepted = ACCEPTS.get(kind, (kind,))
+    kinds = {name: entry_kind(entry) for name, entry in info.items()}
+    return [n for k in accepted for n, nk in kinds.items() if nk == k]
+
+
+def fit_dataset(stage: str | None, current: str | None, info: dict) -> tuple[str, list[str]]:
+    """The dataset value to keep after a stage change: (new value, the names that did not fit). The names of
+    `current` (comma-separated) that `info` registers with a kind the stage cannot use are dropped; names it
+    does not know are kept (a set registered later, or another dataset_dir: validate names them). When nothing
+    is left, the stage's first fitting set. ("" when none fits; the value unchanged when all fit.)"""
+    names = [n.strip() for n in str(current or "").split(",") if n.strip()]
+    fitting = fitting_datasets(stage, info)
+    misfits = [n for n in names if n in info and n not in fitting]
+    if not misfits:
+        return str(current or ""), []
+    kept = [n for n in names if n not in misfits]
+    return ",".join(kept) if kept else (fitting[0] if fitting else ""), misfits

@@ -34,18 +34,33 @@ def _thin(df: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([df.iloc[::stride], df.iloc[[-1]]]).drop_duplicates()
 
 
+SIGNIFICANT = 4  # digits a plotted value keeps: the plot's hover text and labels read "2.78", not "2.779534"
+
+
+def readable(value: float) -> float:
+    """A value rounded to SIGNIFICANT significant digits (the files keep the full value)."""
+    return float(f"{value:.{SIGNIFICANT}g}")
+
+
 def _long_frame(rows: list[tuple[int, float, str]]) -> pd.DataFrame:
     """(step, value, series) rows -> a frame with numeric columns even when empty: an untyped empty frame
     concatenated with others turns `value` into objects, and the plot then draws it as categories (a y
-    axis sorted as text, upside down)."""
-    return pd.DataFrame({"step": pd.Series([r[0] for r in rows], dtype="int64"),
-                         "value": pd.Series([r[1] for r in rows], dtype="float64"),
+    axis sorted as text, upside down). Steps are integers (the axis reads 1, not 1.000000), values readable."""
+    return pd.DataFrame({"step": pd.Series([int(r[0]) for r in rows], dtype="int64"),
+                         "value": pd.Series([readable(r[1]) for r in rows], dtype="float64"),
                          "series": pd.Series([r[2] for r in rows], dtype="str")})
 
 
-def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | None = None) -> pd.DataFrame:
-    """Long-format frame (step, value, series) for the loss plot: loss, its smoothed curve, eval loss.
-    Zero losses are real values and are kept (on a log axis they are drawn at 1e-8)."""
+def series_name(key: str, lang: str = "en") -> str:
+    """The legend name of one of the loss plot's own series (loss, smoothed, eval_loss) in `lang`; metric keys
+    logged by a stage (rewards/chosen, ...) are the trainer's own names and stay as they are."""
+    return tr(lang, f"plot.series_{key}")
+
+
+def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | None = None,
+               lang: str = "en") -> pd.DataFrame:
+    """Long-format frame (step, value, series) for the loss plot: loss, its smoothed curve, eval loss (series
+    named in `lang`). Zero losses are real values and are kept (on a log axis they are drawn at 1e-8)."""
     loss = [(int(r["step"]), _num(r.get("loss"))) for r in records if _num(r.get("step")) is not None]
     loss = [(s, v) for s, v in loss if v is not None]
     evals = [(int(r["step"]), _num(r.get("eval_loss"))) for r in records if _num(r.get("step")) is not None]
@@ -54,13 +69,13 @@ def loss_frame(records: list[dict], log_scale: bool = False, run_label: str | No
     prefix = f"{run_label} " if run_label else ""
     if loss:
         steps, values = zip(*loss)
-        rows += [(s, v, prefix + "loss") for s, v in loss]
+        rows += [(s, v, prefix + series_name("loss", lang)) for s, v in loss]
         if run_label is None:
-            rows += [(s, v, "smoothed") for s, v in zip(steps, smooth(list(values)))]
-    rows += [(s, v, prefix + "eval_loss") for s, v in evals]
+            rows += [(s, v, series_name("smoothed", lang)) for s, v in zip(steps, smooth(list(values)))]
+    rows += [(s, v, prefix + series_name("eval_loss", lang)) for s, v in evals]
+    if log_scale:
+        rows = [(s, math.log10(max(v, 1e-8)), name) for s, v, name in rows]
     df = _long_frame(rows)
-    if log_scale and len(df):
-        df["value"] = [math.log10(max(v, 1e-8)) for v in df["value"]]
     return _thin(df)
 
 
@@ -153,8 +168,11 @@ def metric_keys(records: list[dict]) -> list[str]:
 
 
 def lr_frame(records: list[dict]) -> pd.DataFrame:
+    """(step, lr) frame for the learning-rate plot: integer steps, readable values, typed even when empty."""
     rows = [(int(r["step"]), _num(r.get("lr"))) for r in records if _num(r.get("step")) is not None]
-    return _thin(pd.DataFrame([(s, v) for s, v in rows if v is not None], columns=["step", "lr"]))
+    rows = [(s, v) for s, v in rows if v is not None]
+    return _thin(pd.DataFrame({"step": pd.Series([s for s, _ in rows], dtype="int64"),
+                               "lr": pd.Series([readable(v) for _, v in rows], dtype="float64")}))
 
 
 def fmt_duration(seconds) -> str:

@@ -47,6 +47,9 @@ def test_lora_sft_on_tiny_llama(tiny_llama, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     st = status(out)
     assert st["state"] == "completed" and st["exit_code"] == 0 and st["step"] == 6
+    # the phases the trainer wrote into status.json as it went (what the progress card shows), in order
+    assert list(st["phase_started"]) == ["loading", "training", "saving"] and st["phase"] == "saving"
+    assert sorted(st["phase_started"].values()) == list(st["phase_started"].values())
     rows = log_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(isinstance(r["loss"], float) and r["loss"] > 0 for r in rows)
@@ -58,6 +61,13 @@ def test_lora_sft_on_tiny_llama(tiny_llama, tmp_path):
     first = next((name for name in allocator.LIBRARIES if allocator.find(name)), "glibc")
     assert f"memory allocator: {first}" in (out / "running_log.txt").read_text()
     assert "gradient checkpointing: selective" in (out / "running_log.txt").read_text()  # a tiny model: it fits
+    # third-party warnings (peft asks the model the deprecated is_gradient_checkpointing: a FutureWarning) are in
+    # the run's debug log, not in what the user reads (the process output, running_log.txt)
+    from backend.rundir import DEBUG_LOG
+
+    user_text = proc.stdout + proc.stderr + (out / "running_log.txt").read_text()
+    assert "FutureWarning" not in user_text and "UserWarning" not in user_text, user_text[-3000:]
+    assert "FutureWarning" in (out / DEBUG_LOG).read_text()
     assert (out / "checkpoint-3").is_dir() and (out / "checkpoint-6").is_dir()
     assert (out / "training_loss.png").stat().st_size > 1000
     # the adapter was saved and trained: LoRA B matrices start at zero, so any non-zero B moved

@@ -71,7 +71,7 @@ def test_errors_map_to_the_fields_that_caused_them():
     ups = T.error_updates(errors, TOP + NAMES)
     by_name = dict(zip(TOP + NAMES, ups))
     assert by_name["lora_rank"]["elem_classes"] == ["tb-field-error"]
-    assert "⛔" in by_name["lora_rank"]["info"]
+    assert by_name["lora_rank"]["info"].startswith("must be >= 1")  # the message, no emoji the fonts may lack
     assert by_name["learning_rate"]["elem_classes"] == []
 
 

@@ -15,9 +15,10 @@ import pandas as pd
 
 from backend import allowed, paths
 from backend.spec import SpecError, load_spec, read_spec_file, validate_spec
+from webui import choices, jobs, live, preflight
+from webui import datasets as D
 from webui import fields as F
-from webui import jobs, live, preflight
-from webui.i18n import field_help, refusal, tr
+from webui.i18n import choice_pairs, field_help, refusal, tr
 from webui.tailer import RunTail
 
 TICK_S = 1.5
@@ -47,9 +48,17 @@ def legend_update(series: list[str]):
     return gr.update(colors_in_legend=series)
 
 
+# Spec fields whose widget is a dropdown of the registered datasets that fit the stage, still taking a typed
+# value (a comma-separated list, a set registered later); its value stays the spec's string.
+DATASET_PICKERS = ("dataset",)
+
+
 def _widget(reg, row: F.FieldRow, value):
     kw = dict(help=(row.name, row.description),
               visible=row.visible_for(F.PRESET["stage"], F.PRESET["finetuning_type"]))
+    if row.name in DATASET_PICKERS:
+        return reg.comp(gr.Dropdown, row.elem_id, value=value, allow_custom_value=True,
+                        choices=D.fitting_datasets(F.PRESET["stage"], choices.dataset_info()), **kw)
     if row.kind == "checkbox":
         return reg.comp(gr.Checkbox, row.elem_id, value=value, **kw)
     if row.kind in ("dropdown", "tristate"):
@@ -64,6 +73,23 @@ def _widget(reg, row: F.FieldRow, value):
         return reg.comp(gr.Number, row.elem_id, value=value, **num, **kw)
     return reg.comp(gr.Textbox, row.elem_id, value=value, lines=1,
                     placeholder=F.OVERRIDES.get(row.name, {}).get("placeholder", ""), **kw)
+
+
+# The y axis title of each plot of the live view: the loss and lr plots by their own key, a stage plot (its name in
+# backend/stages) by the generic "value" (its label above it names what it draws)
+Y_TITLES = {"loss_plot": "plot.loss", "lr_plot": "plot.lr"}
+
+
+def plot_axes(plot: str, lang: str = "en") -> dict:
+    """A live-view plot's axis titles in `lang` and its tick formats: y ticks with 4 significant digits at most
+    (2.78, 0.0002, 1.5e-5), not Vega's full precision."""
+    return {"x_title": tr(lang, "plot.step"), "y_title": tr(lang, Y_TITLES.get(plot, "plot.value")),
+            "y_axis_format": ".4~g"}
+
+
+def plot_axes_updates(lang: str = "en") -> list:
+    """Outputs of a language switch for the live view's plots: loss, lr, then each stage plot."""
+    return [gr.update(**plot_axes(p, lang)) for p in ("loss_plot", "lr_plot", *live.plot_names())]
 
 
 def build(reg, top: dict) -> dict:
@@ -130,14 +156,14 @@ def build(reg, top: dict) -> dict:
             c["probe_timer"] = gr.Timer(2.0, active=False)
             c["progress"] = gr.HTML(live.progress_html(live.progress([], {}), "idle"), elem_id="train-progress")
             c["loss_plot"] = reg.comp(gr.LinePlot, "train-loss_plot", value=empty_loss(), x="step", y="value",
-                                      color="series", height=340, x_title="step", y_title="loss")
+                                      color="series", height=340, **plot_axes("loss_plot"))
             with gr.Row():
                 c["log_scale"] = reg.comp(gr.Checkbox, "train-log_scale", value=False, scale=1)
             # The stage's own curves (rewards, accuracy, kl, ...) as backend/stages declares them: one
             # plot per declared name, shown while the attached run's stage has it (none for pt / sft).
             c["stage_plots"] = {
                 name: reg.comp(gr.LinePlot, live.plot_elem_id(name), value=empty_loss(), x="step", y="value",
-                               color="series", height=300, x_title="step", y_title=name, visible=False,
+                               color="series", height=300, **plot_axes(name), visible=False,
                                elem_classes=["tb-plot"])
                 for name in live.plot_names()}
             # GRPO: what the model writes, with its rewards (the newest completions of the attached run)
@@ -145,7 +171,7 @@ def build(reg, top: dict) -> dict:
                                         interactive=False, wrap=True, visible=False, max_height=360,
                                         column_widths=["8%", "10%", "22%", "60%"])
             c["lr_plot"] = reg.comp(gr.LinePlot, "train-lr_plot", value=empty_lr(), x="step", y="lr",
-                                    height=200, x_title="step", y_title="learning rate")
+                                    height=200, **plot_axes("lr_plot"))
             c["log"] = reg.comp(gr.Textbox, "train-log", lines=12, max_lines=12, autoscroll=True,
                                 interactive=False, elem_classes=["tb-log"])
             c["final"] = gr.Markdown("", elem_id="train-final")
@@ -206,11 +232,39 @@ def error_updates(errors: list[tuple[str, str]], all_names: list[str], lang: str
     out = []
     for name in all_names:
         if name in by_field:
-            out.append(gr.update(info="⛔ " + "; ".join(by_field[name]), elem_classes=["tb-field-error"]))
+            # no glyph: the browser's fonts may lack it (a box); the red text and icon come from the CSS class
+            out.append(gr.update(info="; ".join(by_field[name]), elem_classes=["tb-field-error"]))
         else:
             out.append(gr.update(info="" if name in F.TOPBAR_FIELDS else field_help(lang, name, table[name].description),
                                  elem_classes=[]))
     return out
+
+
+def dataset_info_of(dataset_dir) -> dict:
+    """The dataset_info.json mapping of the form's dataset folder (the bundled one when empty); {} for a folder
+    outside the allowed roots (validate refuses it and says why)."""
+    if (dataset_dir or "").strip():
+        try:
+            allowed.check_read(dataset_dir, "dataset_dir")
+        except allowed.PathRefused:
+            return {}
+    return choices.dataset_info((dataset_dir or "").strip() or None)
+
+
+def dataset_for_stage(stage, dataset, dataset_dir, lang: str = "en") -> tuple:
+    """After a stage change: the dataset picker offers the sets that fit the stage (backend/stages declares
+    its data kind), and a current set that does not fit is switched to one that does, said in one line.
+    Inputs: stage, dataset, dataset folder, language. Outputs: dataset, message."""
+    info = dataset_info_of(dataset_dir)
+    value, misfits = D.fit_dataset(stage, dataset, info)
+    offered = D.fitting_datasets(stage, info)
+    if not misfits:
+        return gr.update(choices=offered), gr.skip()
+    kind = D.stage_data_kind(stage) or "plain"
+    stage_label = dict((i, label) for label, i in choice_pairs(lang, "train-stage", [stage])).get(stage, stage)
+    message = tr(lang, "msg.dataset_switched", stage=stage_label, kind=tr(lang, f"data_kind.{kind}"),
+                 old=", ".join(misfits), new=value or "–")
+    return gr.update(choices=offered, value=value), message
 
 
 def errors_md(errors: list[tuple[str, str]], lang: str = "en") -> str:
@@ -341,7 +395,7 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
     # a run attached a moment ago is drawn once even with no record yet (the plots still hold the last run's)
     changed = force_plot or len(tail.records) != before or st.get("plotted") != run_dir
     st["plotted"] = run_dir
-    loss = live.loss_frame(tail.records, log_scale) if changed else gr.skip()
+    loss = live.loss_frame(tail.records, log_scale, lang=lang) if changed else gr.skip()
     if changed:
         st.setdefault("series", {})["loss"] = series_of(loss)
     lr = live.lr_frame(tail.records) if changed else gr.skip()
@@ -585,6 +639,10 @@ def wire(c: dict, state) -> None:
                                                                       force_plot=True, lang=lang)[1:-1], gr.skip()),
                        [state, c["log_scale"], top["lang"]], live_outputs, show_progress="hidden")
 
+    # the plots' axis titles follow the language (the relabel changes only their labels)
+    top["lang"].change(plot_axes_updates, [top["lang"]], [c["loss_plot"], c["lr_plot"], *plot_comps],
+                       show_progress="hidden")
+
     # visible-when: stage / finetuning type
     cond = [n for n in names if F.rows_by_name()[n].stages or F.rows_by_name()[n].methods]
     table = F.rows_by_name()
@@ -596,6 +654,10 @@ def wire(c: dict, state) -> None:
     for trigger in (c["fields"]["stage"], top["finetuning_type"]):
         trigger.change(visibility, [c["fields"]["stage"], top["finetuning_type"]],
                        [c["fields"][n] for n in cond], show_progress="hidden")
+    # the dataset picker follows the stage: the sets of its data kind, and a switch when the current one does not fit
+    c["fields"]["stage"].change(dataset_for_stage, [c["fields"]["stage"], c["fields"]["dataset"],
+                                                    c["fields"]["dataset_dir"], top["lang"]],
+                                [c["fields"]["dataset"], c["message"]], show_progress="hidden")
 
     def do_save(path, overwrite, lang, *values):
         """Writes the validated spec as YAML to `path`: only under the allowed folders (backend.allowed), only

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from backend.engine import load_engines, stop_token_ids  # noqa: F401  (stop_token_ids: used by export/evaluate)
+from backend.engine import load_engines
 
 
 def _stderr(message: str) -> None:

@@ -21,27 +21,34 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import torch
+
+from backend import predict as prediction  # prediction.predict looked up at call time (tests wrap it)
+from backend.callbacks import StopSwitch
+from backend.data import load_examples, split_train_val
+from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
+from backend.paths import saves_dir
+from backend.predict import EvalError, predict, split_prompt  # noqa: F401  (public here as before)
+from backend.preprocess import PaddingCollator, build_sft_dataset
+from backend.resolve import pick_template
+from backend.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
+from backend.rundir import RunDir, write_json_atomic
+from backend.spec import load_or_report
+from backend.stages import get_stage
+
 PREDICTIONS_FILE = "generated_predictions.jsonl"
 RESULTS_FILE = "eval_results.json"
-
-
-class EvalError(ValueError):
-    pass
 
 
 def eval_output_dir(spec) -> Path:
     if spec.output_dir:
         return Path(spec.output_dir).expanduser().resolve()
-    from backend.paths import saves_dir
-
     return saves_dir() / spec.model_short_name() / "eval" / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:
     """The rows to evaluate: eval_dataset; else the validation split of dataset (same seed as training, so
     the same rows training held out); else all of dataset."""
-    from backend.data import load_examples, split_train_val
-
     common = dict(stage=stage, max_samples=spec.max_samples, identity_name=spec.identity_name,
                   identity_author=spec.identity_author, seed=spec.seed, default_system=spec.default_system,
                   mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs)
@@ -60,21 +67,8 @@ def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:
     return examples
 
 
-def split_prompt(example: dict) -> tuple[list[dict], str]:
-    """(messages up to the last assistant turn, that turn's content = the reference)."""
-    msgs = example["messages"]
-    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
-    if last is None:
-        raise EvalError(f"row {example.get('_row')} of {example.get('_source')}: no assistant turn to compare with")
-    return msgs[:last], msgs[last]["content"]
-
-
 def eval_loss(model, rows: list[dict], tokenizer, batch_size: int) -> dict:
     """Mean cross-entropy over the trained tokens (token-weighted, not batch-weighted) and its perplexity."""
-    import torch
-
-    from backend.preprocess import PaddingCollator
-
     collate = PaddingCollator(tokenizer)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -90,64 +84,12 @@ def eval_loss(model, rows: list[dict], tokenizer, batch_size: int) -> dict:
     return {"eval_loss": mean, "perplexity": math.exp(min(mean, 700)), "eval_tokens": count}
 
 
-def predict(model, tokenizer, template, examples: list[dict], out_file: Path, spec, progress=None,
-            stop=None) -> dict:
-    """Generate for every row, append one JSON line per row (flushed), return the corpus metrics.
-    `stop()` -> a reason or None, asked at every generated token: once it answers, the row being generated
-    is dropped and the metrics cover the rows finished before it."""
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class _Stop(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            return torch.full((input_ids.shape[0],), bool(stop and stop()), dtype=torch.bool)
-
-    from backend import metrics
-    from backend.chat import stop_token_ids
-
-    stop_ids = stop_token_ids(tokenizer, template)
-    sample = spec.do_sample if "do_sample" in spec.model_fields_set else False
-    kwargs = dict(max_new_tokens=spec.max_new_tokens, do_sample=sample, eos_token_id=stop_ids,
-                  pad_token_id=tokenizer.pad_token_id, repetition_penalty=spec.repetition_penalty,
-                  num_beams=spec.num_beams, stopping_criteria=StoppingCriteriaList([_Stop()]))
-    if sample:
-        kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
-    predictions, references = [], []
-    with open(out_file, "w", encoding="utf-8") as f:
-        for n, example in enumerate(examples, 1):
-            if stop and stop():
-                break
-            prompt_msgs, reference = split_prompt(example)
-            prompt = template.render_text(prompt_msgs, example.get("tools"), add_generation_prompt=True)
-            ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(model.device)
-            with torch.no_grad():
-                out = model.generate(**ids, **kwargs)
-            if stop and stop():
-                break  # cut short: not a real prediction
-            text = tokenizer.decode(out[0][ids.input_ids.shape[1]:], skip_special_tokens=True)
-            for word in template.stop_words:
-                text = text.split(word)[0]
-            text = text.strip()
-            predictions.append(text)
-            references.append(reference)
-            row = {"index": n - 1, "source": example.get("_source"), "row": example.get("_row"), "prompt": prompt,
-                   "label": reference, "predict": text, **metrics.row_scores(text, reference)}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            if progress:
-                progress(n, len(examples), row)
-    return {f"predict_{k}" if k != "num_rows" else "predict_rows": v
-            for k, v in metrics.compute(predictions, references).items()}
-
-
 def reward_eval(spec, resolved, template, out: Path, run_dir, stop=None) -> dict:
     """stage rm: a reward model (model_name_or_path, + adapter_name_or_path: the output_dir of an rm run) on
     held-out pairs: pairwise accuracy (chosen scored above rejected), mean margin and mean scores, as the
     training run's eval_ metrics name them, and one line per pair in generated_predictions.jsonl."""
-    from backend.stages.rm import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
-
     model, tokenizer = load_reward_model(spec, resolved, warn=run_dir.warn)
-    examples = eval_examples(spec, log=run_dir.log, stage="rm")
+    examples = eval_examples(spec, log=run_dir.log, stage=spec.stage)
     pairs = encode_pairs(examples, template, tokenizer, spec.cutoff_len, log=run_dir.warn)
     if not pairs:
         raise EvalError("no held-out pair could be encoded (see the warnings above)")
@@ -165,9 +107,6 @@ def reward_eval(spec, resolved, template, out: Path, run_dir, stop=None) -> dict
 
 def run(spec) -> int:
     """Evaluate; return the exit code. Never raises."""
-    from backend.callbacks import StopSwitch
-    from backend.rundir import RunDir, write_json_atomic
-
     parts = {"eval": spec.do_eval, "predict": spec.do_predict}
     if not any(parts.values()):
         parts = {"eval": True, "predict": True}
@@ -184,10 +123,6 @@ def run(spec) -> int:
     switch.install()
     started = time.time()
     try:
-        from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
-        from backend.preprocess import build_sft_dataset
-        from backend.resolve import pick_template
-
         resolved = resolve_model(spec.model_name_or_path)
         tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
         template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn,
@@ -195,7 +130,7 @@ def run(spec) -> int:
         run_dir.log(f"eval: model {spec.model_name_or_path}"
                     + (f" + adapter {spec.adapter_name_or_path}" if spec.adapter_name_or_path else "")
                     + f", template {template.name}, output {out}")
-        if spec.stage == "rm":  # a reward model: scores of held-out pairs instead of loss and generation
+        if get_stage(spec.stage).is_reward_model:  # scores of held-out pairs instead of loss and generation
             parts = {"eval": True, "predict": True}
             results = reward_eval(spec, resolved, template, out, run_dir, stop=lambda: switch.reason)
             if switch.reason:
@@ -224,7 +159,7 @@ def run(spec) -> int:
                 run_dir.update_status(step=n)
                 run_dir.log(f"predict {n}/{total}: rouge-l {row['rouge-l']:.1f}, bleu-4 {row['bleu-4']:.1f}")
 
-            results.update(predict(model, tokenizer, template, examples, out / PREDICTIONS_FILE, spec, progress,
+            results.update(prediction.predict(model, tokenizer, template, examples, out / PREDICTIONS_FILE, spec, progress,
                                    stop=lambda: switch.reason))
         if switch.reason:
             results["stopped"] = switch.reason
@@ -270,8 +205,6 @@ def main(args: list[str]) -> int:
               f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), status.json, "
               "running_log.txt")
         return 0 if args else 2
-    from backend.spec import load_or_report
-
     spec = load_or_report(args)
     if spec is None:
         return 1

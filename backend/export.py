@@ -36,7 +36,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import gguf
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from backend.engine import stop_token_ids
+from backend.gguf_export import GGUFExportError, check_supported, vocab_metadata, write_gguf
+from backend.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
+from backend.models import _split, load_tokenizer, model_folder, resize_vocab, resolve_model
 from backend.paths import REPO_ROOT, weights_note
+from backend.preference import build_preference_dataset
+from backend.refusals import reward_gguf_refusal
+from backend.resolve import pick_template
+from backend.reward_score import score_pairs, set_pad_token
+from backend.rundir import is_reward_model_dir, reward_model_folder, write_json_atomic
+from backend.spec import load_or_report
+from backend.templates import template_to_jinja
 
 REPORT_FILE = "export_report.json"
 MODELFILE = "Modelfile"
@@ -141,8 +157,6 @@ def _say(step: int, message: str) -> None:
 
 # ============================================================================ 1. the request
 def _adapters(spec) -> list[Path]:
-    from backend.models import _split
-
     return [Path(p).expanduser() for p in _split(spec.adapter_name_or_path)]
 
 
@@ -186,8 +200,6 @@ def check_request(spec) -> None:
 def _check_reward_request(spec, adapters: list[Path]) -> None:
     """A reward model exports as a sequence-classification folder; it cannot be GGUF, and its adapters
     cannot be mixed with causal LM ones (light file checks: backend.rundir.is_reward_model_dir)."""
-    from backend.rundir import is_reward_model_dir, reward_model_folder
-
     reward_adapters = [a for a in adapters if is_reward_model_dir(a)]
     if reward_adapters and len(reward_adapters) < len(adapters):
         raise ExportError("adapter_name_or_path: mixes reward model adapters (task_type SEQ_CLS: "
@@ -198,13 +210,6 @@ def _check_reward_request(spec, adapters: list[Path]) -> None:
     holder = reward_model_folder(spec.model_name_or_path, spec.adapter_name_or_path)
     if holder and spec.export_format == "gguf":
         raise ExportError("export_format: " + reward_gguf_refusal(holder))
-
-
-def reward_gguf_refusal(holder) -> str:
-    """Why a reward model has no GGUF export (also the `tuneboard validate` message)."""
-    return (f"gguf holds text-generating (causal LM) models for llama.cpp / Ollama, and {holder} is a reward model "
-            "(a one-output score head trained with stage rm): set export_format: safetensors to export it as a "
-            "merged AutoModelForSequenceClassification folder")
 
 
 def check_adapter_base(adapter: Path, resolved, model_name: str, folder: Path) -> None:
@@ -232,8 +237,6 @@ def check_adapter_base(adapter: Path, resolved, model_name: str, folder: Path) -
     if resolved.gguf_file and rec.parent == folder.parent and rec.name.startswith(Path(resolved.gguf_file).stem + "-"):
         return
     if not rec.exists():
-        from backend.models import model_folder, resolve_model
-
         try:
             if model_folder(resolve_model(recorded)).resolve() == folder.resolve():
                 return
@@ -248,8 +251,6 @@ def check_adapter_base(adapter: Path, resolved, model_name: str, folder: Path) -
 
 # ============================================================================ 2. source outputs
 def _save_dtype(spec, folder: Path):
-    import torch
-
     if spec.infer_dtype != "auto":
         return getattr(torch, spec.infer_dtype)
     try:
@@ -261,14 +262,10 @@ def _save_dtype(spec, folder: Path):
 
 
 def _device(spec) -> str:
-    import torch
-
     return "cuda" if spec.export_device == "auto" and torch.cuda.is_available() else "cpu"
 
 
 def _logits(model, prompts: list[list[int]]):
-    import torch
-
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -278,8 +275,6 @@ def _logits(model, prompts: list[list[int]]):
 
 
 def _greedy(model, prompts: list[list[int]], stop_ids: list[int], pad_id: int | None) -> list[list[int]]:
-    import torch
-
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -292,8 +287,6 @@ def _greedy(model, prompts: list[list[int]], stop_ids: list[int], pad_id: int | 
 
 def chat_template_for(template, tokenizer) -> str:
     """The jinja chat template to ship: the tokenizer's own for `auto`, our named template converted."""
-    from backend.templates import template_to_jinja
-
     if template.name == "auto":
         ct = tokenizer.chat_template
         return ct if isinstance(ct, str) else json.dumps(ct)
@@ -303,9 +296,6 @@ def chat_template_for(template, tokenizer) -> str:
 # ============================================================================ 3. verification (fresh process)
 def _verify_main(request_path: str) -> int:
     """Child process: load the export, compute what the parent compares, torch.save it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     req = json.loads(Path(request_path).read_text(encoding="utf-8"))
     if req.get("reward"):
         return _verify_reward_main(req)
@@ -331,11 +321,6 @@ def _verify_main(request_path: str) -> int:
 
 def _verify_reward_main(req: dict) -> int:
     """Child process, reward model export: reload it as a sequence classifier and score the probe pairs."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from backend.stages.rm import score_pairs
-
     folder = req["dir"]
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=getattr(torch, req["dtype"]))
     model = model.to(req["device"]).eval()
@@ -361,8 +346,6 @@ def _eos_ids(generation_config) -> list[int]:
 
 def read_gguf_metadata(path: Path) -> dict:
     """The tokenizer and chat keys of a GGUF file (what llama.cpp / Ollama read to template and stop)."""
-    import gguf
-
     reader = gguf.GGUFReader(str(path))
     out = {}
     for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template",
@@ -378,8 +361,6 @@ def read_gguf_metadata(path: Path) -> dict:
 
 
 def _run_verifier(request: dict, log) -> dict:
-    import torch
-
     with tempfile.TemporaryDirectory(prefix="tuneboard-verify-") as tmp:
         req_path = Path(tmp) / "request.json"
         request = dict(request, out=str(Path(tmp) / "result.pt"))
@@ -503,14 +484,6 @@ def compare_reward(src: dict, got: dict, *, stored: str, expected: dict) -> list
 def export(spec) -> dict:
     """Run the export; return the report (also written to export_dir). Raises ExportError for a refused
     request; a failed check is report["ok"] == False."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from backend.chat import stop_token_ids
-    from backend.models import load_tokenizer, model_folder, resolve_model
-    from backend.resolve import pick_template
-
     started = time.time()
     warnings: list[str] = []
 
@@ -528,7 +501,6 @@ def export(spec) -> dict:
     kind = spec.export_format
     if spec.quantization_bit is not None:
         warn(f"quantization_bit {spec.quantization_bit} ignored: adapters are merged into a full-precision reload")
-    from backend.rundir import is_reward_model_dir
 
     if is_reward_model_dir(adapters[-1] if adapters else folder):  # stage rm's output: a score head, no LM head
         return _export_reward_model(spec, resolved, folder, adapters, warn, warnings, started)
@@ -539,12 +511,8 @@ def export(spec) -> dict:
     device = _device(spec)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     if getattr(spec, "resize_vocab", False) or getattr(spec, "new_special_tokens", None):
-        from backend.models import resize_vocab
-
         resize_vocab(model, spec, resolved, warn)  # the shapes the adapter was trained with
     if kind == "gguf":
-        from backend.gguf_export import check_supported, vocab_metadata
-
         check_supported(model.config)
         vocab_metadata(tokenizer, model.config.vocab_size)  # refuse unsupported tokenizers before merging
     chat_template = chat_template_for(template, tokenizer)
@@ -596,9 +564,6 @@ def export(spec) -> dict:
         tokenizer.save_pretrained(out)
         request_extra: dict = {"dtype": stored}
     else:
-        from backend.gguf_export import write_gguf
-        from backend.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
-
         stored = spec.export_gguf_type
         name = f"{spec.model_short_name()}-{stored}.gguf"
         _say(4, f"writing GGUF ({stored}) for {final / name}")
@@ -657,15 +622,6 @@ def _export_reward_model(spec, resolved, folder: Path, adapters: list[Path], war
     """Steps 2-6 for a reward model: base with a one-output score head (+ the rm adapter, whose
     modules_to_save hold the trained head) -> scores of the probe pairs -> merge -> safetensors -> reload
     as AutoModelForSequenceClassification in a fresh process -> compare scores -> report."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForSequenceClassification
-
-    from backend.models import load_tokenizer
-    from backend.preference import build_preference_dataset
-    from backend.resolve import pick_template
-    from backend.stages.rm import score_pairs, set_pad_token
-
     _say(2, f"loading {resolved.model_id} with a one-output score head in float32 from {folder}")
     tokenizer = load_tokenizer(resolved, new_special_tokens=getattr(spec, "new_special_tokens", None))
     template = pick_template(spec.template, resolved, tokenizer, warn=warn)
@@ -674,8 +630,6 @@ def _export_reward_model(spec, resolved, folder: Path, adapters: list[Path], war
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=1)
     model = model.to(device).eval()
     if getattr(spec, "resize_vocab", False) or getattr(spec, "new_special_tokens", None):
-        from backend.models import resize_vocab
-
         resize_vocab(model, spec, resolved, warn)
     set_pad_token(model, tokenizer)
     chat_template = chat_template_for(template, tokenizer)
@@ -729,8 +683,6 @@ def _remove_partials(spec) -> None:
 
 
 def _write_report(out: Path, report: dict) -> None:
-    from backend.rundir import write_json_atomic
-
     write_json_atomic(out / REPORT_FILE, report)
 
 
@@ -746,7 +698,6 @@ def main(args: list[str]) -> int:
               "(f16|q8_0|f32|bf16), export_overwrite, infer_dtype\nwrites export_dir/export_report.json; exit 1 when a "
               "check fails")
         return 0 if args else 2
-    from backend.spec import load_or_report
 
     spec = load_or_report(args)
     if spec is None:
@@ -764,8 +715,6 @@ def main(args: list[str]) -> int:
         print(f"export FAILED: {exc}", flush=True)
         return 1
     except Exception as exc:  # GGUF/template refusals and load errors: one clear line
-        from backend.gguf_export import GGUFExportError
-
         if isinstance(exc, (GGUFExportError, ValueError, FileNotFoundError, NotImplementedError)):
             print(f"error: {exc}", file=sys.stderr, flush=True)
             print(f"export FAILED: {exc}", flush=True)

@@ -91,14 +91,24 @@ def chunk_tokens_for(vocab_size: int) -> int:
     return max(16, CHUNK_ELEMENTS // max(vocab_size, 1))
 
 
+def liger_usable() -> bool:
+    """Whether liger-kernel can run here (a CUDA GPU and the package importing)."""
+    # liger's own availability check says yes without a GPU, then the first forward fails.
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import liger_kernel.transformers  # noqa: F401  (optional dependency: only its import tells)
+    except Exception:
+        return False
+    return True
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          labels: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """Summed cross-entropy of (hidden [N, H] -> logits [N, V]) against labels [N] (all valid), never holding
     more than one chunk of logits. On a GPU with liger-kernel: Liger's fused kernel (same sum)."""
     if hidden.is_cuda:
-        from backend.models import _liger_usable
-
-        if _liger_usable():
+        if liger_usable():
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             kwargs = {"softcap": softcap} if softcap else {}

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from backend.losses import causal_lm_loss, liger_usable
+from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
 from backend.registry import RegistryEntry, load_registry, lookup_registry  # noqa: F401  (re-exported)
 
@@ -398,17 +400,6 @@ def attention_implementation(spec: Any, warn: Warn | None = None, *, supports_sd
     raise ValueError(f"flash_attn: unknown value '{choice}' (choose auto, sdpa, fa2, fa3, disabled)")
 
 
-def _liger_usable() -> bool:
-    # liger's own availability check says yes without a GPU, then the first forward fails.
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def _apply_liger(model, warn: Warn) -> None:
     """Patch this model instance with liger's kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)."""
     try:
@@ -501,7 +492,7 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
         resize_vocab(model, spec, resolved, warn)
 
     if _get(spec, "enable_liger_kernel", False):
-        if _liger_usable():
+        if liger_usable():
             _apply_liger(model, warn)
         else:
             warn("enable_liger_kernel requested but liger-kernel is not installed / no GPU: using plain ops")
@@ -608,8 +599,6 @@ def install_chunked_loss(model) -> str | None:
     on a few random tokens, so a family whose head does anything else (logit scaling, a hidden-state
     multiplier) keeps the plain path. Eval and generation (eval mode, no labels) always take the plain
     forward. A model patched by Liger (enable_liger_kernel on a GPU) already has its fused loss."""
-    from backend.losses import causal_lm_loss
-
     lm = _causal_lm(model)
     if lm is None:
         return f"{type(model).__name__} is not a causal LM"
@@ -771,8 +760,6 @@ def build_optimizer(spec: Any, model, args):
     from transformers import Trainer
 
     if _get(spec, "use_galore", False):
-        from backend.spec import GALORE_OPTIMIZERS
-
         galore = copy.copy(args)  # the TrainingArguments of transformers' own GaLore optimizers
         galore.optim = GALORE_OPTIMIZERS.get(args.optim, args.optim)
         targets = _split(_get(spec, "galore_target", "all")) or ["all"]

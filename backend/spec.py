@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import re
+import sys
 import types
 import typing
 from datetime import datetime
@@ -30,8 +31,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from backend import allowed, gguf_header, paths
+from backend.dataset_info import DatasetError, read_dataset_info
+from backend.launch import distributed_errors
+from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID
-from backend.stages import IMPLEMENTED, STAGE_IDS, get_stage, stages_using_field, stages_with_data
+from backend.refusals import REFUSED, reward_gguf_refusal
+from backend.rundir import reward_model_folder
+from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, stages_using_field, stages_where,
+                            stages_with_data)
 
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
 
@@ -499,7 +506,7 @@ class RunSpec(BaseModel):
         """packing, or on for pt and off otherwise when unset; neat_packing implies packing."""
         if self.neat_packing:
             return True
-        return self.packing if self.packing is not None else self.stage == "pt"
+        return self.packing if self.packing is not None else get_stage(self.stage).packs_by_default
 
     @property
     def dataset_names(self) -> list[str]:
@@ -821,48 +828,19 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         err("export_quantization_bit", "merge the adapter first, then quantize the merged model",
             "adapter_name_or_path")
     if spec.export_format == "gguf" and check_files:
-        from backend.export import reward_gguf_refusal
-        from backend.rundir import reward_model_folder
-
         holder = reward_model_folder(spec.model_name_or_path, spec.adapter_name_or_path)
         if holder:  # stage rm's output (adapter_config.json task_type SEQ_CLS, config.json, run_spec.yaml)
             err("export_format", reward_gguf_refusal(holder), "model_name_or_path", "adapter_name_or_path")
     if spec.interleave_probs and spec.mix_strategy == "concat":
         err("interleave_probs", "only used with mix_strategy interleave_under or interleave_over", "mix_strategy")
     errors.extend(_refusals(spec, check_files))
-    from backend.launch import distributed_errors
-
     errors.extend(distributed_errors(spec, check_files))
-    if spec.stage == "kto":
-        if spec.per_device_train_batch_size < 2:
-            err("per_device_train_batch_size", "KTO estimates its KL term by pairing each prompt with another row's "
-                "answer of the same batch: it needs 2 or more rows per batch (with 1 the KL term equals the reward)",
-                "stage")
-        if spec.pref_ftx > 0:
-            err("pref_ftx", "TRL's KTO trainer has no SFT loss term: set pref_ftx to 0 for stage kto "
-                "(stage dpo takes it)", "stage")
-        sampling = spec.passthrough.get("train_sampling_strategy", "sequential")
-        if sampling != "sequential":
-            err("train_sampling_strategy", f"KTO needs sequential sampling (got {sampling}): its KL pairs are built "
-                "within fixed batches of neighbouring rows", "stage")
-    if spec.stage in ("rm", "kto") or get_stage(spec.stage).module == "dpo":
-        if spec.resolved_packing:
-            err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "
-                "(set packing and neat_packing to false)", "stage", "neat_packing")
-        if spec.finetuning_type == "lora" and spec.lora_dropout:
-            err("lora_dropout", f"{REFUSED}: TRL's preference and reward trainers switch dropout off (the policy "
-                "and the reference must score the same sequence the same way), so lora_dropout would do nothing: "
-                "set it to 0", "stage", "finetuning_type")
-        if spec.train_on_prompt and get_stage(spec.stage).module != "dpo":  # dpo: _preference_errors says why
-            err("train_on_prompt", f"stage {spec.stage} scores the answer given the prompt: there is no prompt "
-                "loss to switch on", "stage")
-    if get_stage(spec.stage).module == "dpo":
-        errors.extend(_preference_errors(spec))
-    if spec.stage == "grpo":
-        errors.extend(_grpo_errors(spec, check_files))
-    elif spec.use_vllm:
-        err("use_vllm", f"{REFUSED}: only stage grpo generates while it trains (chat and the API pick their engine "
-            "with infer_backend)", "stage")
+    stage = get_stage(spec.stage)
+    for rule in stage.rules:  # the stage's own rules (backend/stages/rules.py), in its declared order
+        errors.extend(rule(spec, stage, check_files))
+    if spec.use_vllm and not stage.generates:
+        err("use_vllm", f"{REFUSED}: only stage {', '.join(stages_where('generates'))} generates while it trains "
+            "(chat and the API pick their engine with infer_backend)", "stage")
     if check_files:
         errors.extend(_template_errors(spec))
         errors.extend(_dataset_errors(spec))
@@ -972,133 +950,6 @@ def _output_dir_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     return [("output_dir", problem, frozenset({"output_dir"}))] if problem else []
 
 
-def _preference_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
-    """Stage dpo and its aliases (orpo, simpo): combinations that cannot run, and keys its loss would ignore."""
-    stage = get_stage(spec.stage)
-    loss = stage.pref_loss or spec.pref_loss
-    errors: list[tuple[str, str, frozenset]] = []
-
-    def err(field: str, message: str, *involved: str) -> None:
-        errors.append((field, message, frozenset((field, "stage", "pref_loss") + involved)))
-
-    default = RunSpec.model_fields
-    if stage.pref_loss and spec.pref_loss not in (default["pref_loss"].default, stage.pref_loss):
-        err("pref_loss", f"stage {spec.stage} trains with pref_loss {stage.pref_loss}: drop pref_loss, or use "
-            f"stage dpo with pref_loss {spec.pref_loss}")
-    if spec.pref_beta <= 0:
-        err("pref_beta", f"must be above 0 for pref_loss {loss} (it scales the preference margin)")
-    if spec.ref_model and loss in ("orpo", "simpo"):
-        err("ref_model", f"{REFUSED}: {loss} trains without a reference model (drop ref_model, or use pref_loss "
-            "sigmoid, hinge or ipo)")
-    if spec.dpo_label_smoothing and loss != "sigmoid":
-        err("dpo_label_smoothing", f"{REFUSED}: label smoothing (conservative DPO) is a variant of pref_loss "
-            f"sigmoid; the {loss} loss has none", "dpo_label_smoothing")
-    if spec.dpo_label_smoothing >= 0.5:
-        err("dpo_label_smoothing", "must be below 0.5 (at 0.5 chosen and rejected weigh the same: nothing is learnt)")
-    if spec.simpo_gamma != default["simpo_gamma"].default and loss != "simpo":
-        err("simpo_gamma", f"{REFUSED}: the SimPO target margin is used by pref_loss simpo only (this run uses {loss})")
-    if spec.pref_ftx and loss == "orpo":
-        err("pref_ftx", f"{REFUSED}: the ORPO loss has its SFT term built in (weight 1; pref_beta weighs the "
-            "odds-ratio term), and TRL's ORPO trainer takes no second SFT weight: set pref_ftx to 0")
-    if spec.train_on_prompt:
-        why = ("ORPO's SFT term always covers the prompt and the chosen answer (TRL's ORPOTrainer, as the ORPO "
-               "paper's code) and its odds ratio the answers only" if loss == "orpo" else
-               f"the {loss} loss scores the answers given the prompt: there is no prompt loss to switch on")
-        err("train_on_prompt", f"{REFUSED}: {why}")
-    if spec.mask_history:
-        err("mask_history", f"{REFUSED}: stage {spec.stage} always trains on the last turn only (the chosen and "
-            "rejected answers): drop mask_history")
-    if spec.do_predict:
-        err("do_predict", f"{REFUSED}: stage {spec.stage} writes no predictions: run `tuneboard chat` or "
-            "`tuneboard eval` (stage sft) with the trained adapter")
-    return errors
-
-
-def _grpo_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, frozenset]]:
-    """Stage grpo: reward functions that can be loaded, settings TRL's GRPOTrainer can run with, keys it ignores."""
-    from backend import rewards
-
-    errors: list[tuple[str, str, frozenset]] = []
-
-    def err(field: str, message: str, *involved: str) -> None:
-        errors.append((field, message, frozenset((field, "stage") + involved)))
-
-    names = rewards.split_names(spec.reward_funcs)
-    if not names:
-        err("reward_funcs", f"stage grpo needs at least one reward function ({', '.join(rewards.BUILTINS)}, or "
-            "module:function / path/to/file.py:function)")
-    for name in names:
-        problem = rewards.name_problem(name, check_files=check_files)
-        if problem:
-            err("reward_funcs", problem)
-    users = [n for n in names if n not in rewards.BUILTINS]
-    if spec.reward_weights:
-        try:
-            weights = [float(w) for w in _split(spec.reward_weights)]
-        except ValueError:
-            err("reward_weights", f"{spec.reward_weights!r}: expected numbers, comma-separated")
-        else:
-            if len(weights) != len(names):
-                err("reward_weights", f"{len(weights)} weights for {len(names)} reward functions: give one weight "
-                    "per function, in the order of reward_funcs", "reward_funcs")
-    if spec.reward_schema:
-        if "json_schema" not in names and not users:
-            err("reward_schema", f"{REFUSED}: only the json_schema reward (or your own function, as `schema`) reads "
-                "it: add json_schema to reward_funcs or drop reward_schema", "reward_funcs")
-        else:
-            try:
-                rewards.load_schema(spec.reward_schema)
-            except ValueError as exc:
-                err("reward_schema", str(exc))
-    if spec.reward_regex:
-        if "format_regex" not in names:
-            err("reward_regex", f"{REFUSED}: only the format_regex reward reads it: add format_regex to reward_funcs "
-                "or drop reward_regex", "reward_funcs")
-        else:
-            try:
-                re.compile(spec.reward_regex)
-            except re.error as exc:
-                err("reward_regex", f"not a valid regular expression: {exc}")
-    rows_per_step = spec.per_device_train_batch_size * spec.gradient_accumulation_steps
-    if rows_per_step % spec.num_generations:
-        err("num_generations", f"per_device_train_batch_size x gradient_accumulation_steps ({rows_per_step}) must be "
-            f"a multiple of num_generations ({spec.num_generations}): each step scores whole groups of completions "
-            "of one prompt", "per_device_train_batch_size", "gradient_accumulation_steps")
-    if spec.max_completion_length >= spec.cutoff_len:
-        err("max_completion_length", f"must be below cutoff_len ({spec.cutoff_len}): prompt and completion share it",
-            "cutoff_len")
-    if spec.temperature <= 0:
-        err("temperature", "GRPO samples its completions: temperature must be above 0", "stage")
-    if spec.use_vllm:
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            err("use_vllm", "vllm is not installed (pip install -e '.[vllm]', on a machine with a GPU): leave "
-                "use_vllm off to generate with transformers")
-        elif not Path("/dev/nvidiactl").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-            err("use_vllm", "vLLM generation needs a GPU and none is visible here: leave use_vllm off to generate "
-                "with transformers")
-    if spec.resolved_packing:
-        err("packing", f"{REFUSED}: GRPO generates completions for whole prompts: packing does not apply",
-            "neat_packing")
-    for name, why in (("train_on_prompt", "GRPO's loss covers the generated completions only"),
-                      ("mask_history", "GRPO trains on its own completions, not on the dataset's answers"),
-                      ("do_predict", "stage grpo writes no predictions: run `tuneboard eval` (stage sft) with the "
-                       "trained adapter")):
-        if getattr(spec, name):
-            err(name, f"{REFUSED}: {why}")
-    if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
-        field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
-        err(field, f"{REFUSED}: stage grpo does not evaluate while it trains (its rewards are the live measure): "
-            "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
-    return errors
-
-
-# Optimizers GaLore has a variant of (transformers' galore_* optimizers, package galore-torch). The 8-bit one is
-# not offered: galore-torch's GaLoreAdamW8bit calls torch.cuda.synchronize() in its step.
-GALORE_OPTIMIZERS = {"adamw_torch": "galore_adamw", "adamw_torch_fused": "galore_adamw", "adamw_hf": "galore_adamw",
-                     "adafactor": "galore_adafactor"}
-REFUSED = "not supported"  # every refusal starts with it (tests/backend/test_every_key.py looks for it)
 
 
 def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, frozenset]]:
@@ -1217,8 +1068,6 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         return [(first_field, f"cannot read {info_path}: {exc}", involved)]
     if not isinstance(info, dict):
         return [(first_field, f"malformed {info_path}: the top level must be an object of dataset entries", involved)]
-    from backend.dataset_info import DatasetError, read_dataset_info  # light: json only
-
     try:
         bad = read_dataset_info(info_path.parent).problems  # schema problems, names registered twice
     except DatasetError:
@@ -1251,8 +1100,9 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         if kind == "ranking" and not ranking:
             errors.append((field, f"stage {spec.stage} needs a ranking dataset (\"ranking\": true, with chosen and "
                                   f"rejected); {name!r} is not one", involved))
-        elif kind == "kto" and "kto_tag" not in columns:
-            errors.append((field, f"stage kto needs a dataset with a kto_tag column; {name!r} has none", involved))
+        elif NEEDED_COLUMN.get(kind) and NEEDED_COLUMN[kind] not in columns:
+            errors.append((field, f"stage {spec.stage} needs a dataset with a {NEEDED_COLUMN[kind]} column; {name!r} "
+                                  "has none", involved))
         elif kind != "ranking" and ranking:
             errors.append((field, f"{name!r} is a ranking dataset: stage {spec.stage} cannot use it "
                                   f"(use {', '.join(stages_with_data('ranking'))})", involved))
@@ -1397,8 +1247,6 @@ def split_spec_args(args: list[str]) -> tuple[str | None, list[str]]:
 def load_or_report(args: list[str]) -> RunSpec | None:
     """The validated spec of a command line, or None after printing every error (one per line) to
     stderr. Shared by every command that takes a spec (train, validate, api, export, eval)."""
-    import sys
-
     path, overrides = split_spec_args(args)
     try:
         return load_spec(path, overrides)

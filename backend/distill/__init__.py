@@ -37,6 +37,15 @@ REASONS = ("not JSON", "schema error", "empty", "duplicate", "too long", "teache
 STEPS = ("generate", "train", "score")
 
 
+class DistillError(ValueError):
+    """A user's mistake or a dead end, said in one line (no traceback)."""
+
+
+def student_prompt(task: str, chunk: str) -> str:
+    """What the student sees: the alpaca row's instruction and input joined as backend.data joins them."""
+    return f"{task.strip()}\n{chunk}"
+
+
 def read_progress(run_dir: str | Path | None) -> dict:
     """progress.json of a distill run ({} when missing or half-written: it is replaced atomically, so a
     reader only ever sees a whole file or none)."""

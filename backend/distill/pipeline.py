@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from backend import allowed, teacher_access
+from backend.atomic import write_text_atomic
 from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, REJECTED_FILE, SPEC_FILE,
-                             TEACHER_LOG, TRAIN_DIRNAME)
+                             TEACHER_LOG, TRAIN_DIRNAME, DistillError)
+from backend.distill.scorecard import score
 from backend.distill.spec import DistillSpec
 from backend.distill.teacher import CUT, reply_budget
 
@@ -38,24 +38,7 @@ RAW_SLACK_TOKENS = 16  # a ```json fence and blanks around an answer that is no 
 PROGRESS_EVERY_S = 0.5
 
 
-class DistillError(ValueError):
-    """A user's mistake or a dead end, said in one line (no traceback)."""
-
-
 # ------------------------------------------------------------------------------------- small helpers
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _jsonl(rows: list[dict]) -> str:
@@ -65,11 +48,6 @@ def _jsonl(rows: list[dict]) -> str:
 def _clip(text, limit: int):
     """`text` cut to `limit` characters (with an ellipsis); anything else as it is."""
     return text[:limit - 1] + "…" if isinstance(text, str) and len(text) > limit else text
-
-
-def student_prompt(task: str, chunk: str) -> str:
-    """What the student sees: the alpaca row's instruction and input joined as backend.data joins them."""
-    return f"{task.strip()}\n{chunk}"
 
 
 def cache_key(spec: DistillSpec, teacher_id: str, system_and_examples: list[dict], chunk: str) -> str:
@@ -192,7 +170,7 @@ class Progress:
         if force or now - self._written >= PROGRESS_EVERY_S:
             self.data["updated_at"] = now
             data = {k: _clip(v, FIELD_CHARS) for k, v in self.data.items()}  # the UI reads it every tick
-            _write_atomic(self.path, json.dumps(data, ensure_ascii=False, indent=1))
+            write_text_atomic(self.path, json.dumps(data, ensure_ascii=False, indent=1))
             self._written = now
 
 
@@ -380,7 +358,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                         progress.data["failed"] += 1
                     progress.count(rec, new=False, requests=budget.used)
                     return
-                _write_atomic(cache_dir / f"{keys[chunk.id]}.json",
+                write_text_atomic(cache_dir / f"{keys[chunk.id]}.json",
                               json.dumps({"chunk": chunk.id, "answer": answer.text, "finish_reason": answer.finish_reason,
                                           "prompt_tokens": answer.prompt_tokens,
                                           "completion_tokens": answer.completion_tokens,
@@ -433,8 +411,8 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     ordered = [records[c.id] for c in chunks if c.id in records]
     accepted = [r for r in ordered if r["reason"] is None]
     rejected = [r for r in ordered if r["reason"] is not None]
-    _write_atomic(out / REJECTED_FILE, _jsonl([rejected_row(r) for r in rejected]))
-    _write_atomic(out / PAIRS_FILE, _jsonl([{k: r[k] for k in ("chunk", "document", "split", "prompt", "answer")}
+    write_text_atomic(out / REJECTED_FILE, _jsonl([rejected_row(r) for r in rejected]))
+    write_text_atomic(out / PAIRS_FILE, _jsonl([{k: r[k] for k in ("chunk", "document", "split", "prompt", "answer")}
                                             for r in accepted]))
     reasons = {why: n for why in REASONS if (n := sum(r["reason"] == why for r in rejected))}
     summary = ", ".join(f"{n} {why}" for why, n in reasons.items()) or "none"
@@ -477,7 +455,7 @@ def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokeni
             continue
         data = [{"instruction": spec.task.strip(), "input": r["prompt"], "output": r["answer"],
                  "document": r["document"], "chunk": r["chunk"]} for r in rows]
-        _write_atomic(ddir / f"{name}.json", json.dumps(data, ensure_ascii=False, indent=1) + "\n")
+        write_text_atomic(ddir / f"{name}.json", json.dumps(data, ensure_ascii=False, indent=1) + "\n")
         entry = {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input",
                                                           "response": "output"}}
         try:
@@ -545,7 +523,7 @@ def run(spec: DistillSpec) -> int:
 
     out = spec.resolved_output_dir()
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / SPEC_FILE, spec.to_yaml())
+    write_text_atomic(out / SPEC_FILE, spec.to_yaml())
     run_dir = RunDir(out)
     run_dir.start()
     switch = StopSwitch(run_dir)
@@ -560,8 +538,6 @@ def run(spec: DistillSpec) -> int:
             elif step == "train":
                 code = train(spec, run_dir)
             else:
-                from backend.distill.scorecard import score
-
                 code = score(spec, run_dir, stop)
             if code == 130 or stop():
                 run_dir.finish("aborted", 130, stop_reason=switch.reason)

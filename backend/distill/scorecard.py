@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import time
 
-from backend.distill import PAIRS_FILE, REPORT_FILE, TRAIN_DIRNAME
+from backend import rewards
+from backend.atomic import write_text_atomic
+from backend.distill import PAIRS_FILE, REPORT_FILE, TRAIN_DIRNAME, DistillError, student_prompt
 from backend.distill.spec import DistillSpec
+from backend.engine import load_engines
+from backend.spec import validate_spec
 
 PREDICTIONS_FILE = "scorecard_predictions.jsonl"
 
@@ -34,8 +38,6 @@ def held_out_pairs(spec: DistillSpec, limit: int) -> list[dict]:
 
 def row_scores(prediction: str, reference: str, schema: dict | None, answer_format: str = "json") -> dict:
     """One answer's scores in [0, 1]; the JSON ones only for answer_format json."""
-    from backend import rewards
-
     one = dict(prompts=[""], completions=[prediction], reference=[reference])
     row = {"exact_match": rewards.exact_match(**one)[0]}
     if answer_format != "json":
@@ -58,10 +60,6 @@ def summarize(rows: list[dict], seconds: float, tokens: int) -> dict:
 
 
 def score(spec: DistillSpec, run_dir, stop) -> int:
-    from backend.distill.pipeline import DistillError, _write_atomic, student_prompt
-    from backend.engine import load_engines
-    from backend.spec import validate_spec
-
     out = spec.resolved_output_dir()
     pairs = held_out_pairs(spec, spec.score_max_rows)
     if not pairs:
@@ -102,10 +100,10 @@ def score(spec: DistillSpec, run_dir, stop) -> int:
             run_dir.update_status(step=done)
         results[label] = summarize(rows, seconds, tokens)
         run_dir.log(f"score {label}: " + ", ".join(f"{k} {v}" for k, v in results[label].items()))
-    _write_atomic(out / PREDICTIONS_FILE, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    write_text_atomic(out / PREDICTIONS_FILE, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
     report = {"student": spec.model_name_or_path, "adapter": adapter, "teacher": _teacher_name(spec),
               "dataset": spec.dataset_name, "rows": len(pairs), "answer_format": spec.answer_format, "schema": schema is not None, **results}
-    _write_atomic(out / REPORT_FILE, json.dumps(report, ensure_ascii=False, indent=1))
+    write_text_atomic(out / REPORT_FILE, json.dumps(report, ensure_ascii=False, indent=1))
     run_dir.log(f"wrote {out / REPORT_FILE}")
     return 0
 

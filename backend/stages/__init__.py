@@ -14,6 +14,11 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
   per-function rewards/<name>/mean|std, named after the user's functions).
 - `alias_of` + `pref_loss`: `stage: orpo` is `stage: dpo` with `pref_loss: orpo` (LLaMA-Factory has
   them as losses of dpo; the aliases keep older recipes running).
+- `rules`: the stage's own validation rules (backend/stages/rules.py), run in this order by backend.spec after
+  the rules of every stage; spec names no stage.
+- flags other modules read instead of naming a stage: `is_reward_model` (it trains a score head: eval scores
+  pairs, its run folder is a reward model), `packs_by_default` (packing is on unless the spec says),
+  `generates` (it generates while it trains: use_vllm applies).
 
 The heavy part (tokenizer -> rows -> model -> trainer) is `backend/stages/<module>.py` with
 `run(spec, run_dir, stop) -> StageResult`; `backend.train` imports it through `stage_module()`.
@@ -23,8 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Callable
+
+from backend.stages import rules
 
 DATA_KINDS = ("text", "plain", "ranking", "kto", "prompts")
+NEEDED_COLUMN = {"kto": "kto_tag"}  # a dataset kind that needs a column of dataset_info.json's `columns`
 
 # What TRL's DPOTrainer (sigmoid, hinge, ipo), ORPOTrainer (orpo: + nll_loss, log_odds_*) and CPOTrainer
 # (simpo: + nll_loss) log; aux_loss for Mixture-of-Experts models only.
@@ -59,6 +68,10 @@ class Stage:
     pref_loss: str | None = None  # an alias's fixed preference loss
     reason: str | None = None  # why a stage is not implemented (validate says it)
     shared_fields: tuple[str, ...] = ()
+    rules: tuple[Callable, ...] = ()  # rule(spec, stage, check_files) -> [(field, message, involved)]
+    is_reward_model: bool = False
+    packs_by_default: bool = False
+    generates: bool = False
 
     @property
     def module(self) -> str:
@@ -73,21 +86,22 @@ class Stage:
 _DPO_FIELDS = ("pref_loss", "pref_beta", "pref_ftx", "dpo_label_smoothing", "simpo_gamma", "ref_model")
 _DPO_PLOTS = (("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
               ("accuracy", ("rewards/accuracies",)))
+_DPO_RULES = (rules.whole_sequences, rules.preference)
 
 STAGES: dict[str, Stage] = {s.id: s for s in (
-    Stage("pt", "Pre-training", "text"),
+    Stage("pt", "Pre-training", "text", packs_by_default=True),
     Stage("sft", "Supervised fine-tuning", "plain"),
-    Stage("rm", "Reward model", "ranking",
+    Stage("rm", "Reward model", "ranking", is_reward_model=True, rules=(rules.whole_sequences, rules.no_prompt_loss),
           # TRL's RewardTrainer logs accuracy .. num_tokens; the rm stage adds the mean chosen / rejected scores
           metrics=("accuracy", "margin", "rewards/chosen", "rewards/rejected", "min_reward", "mean_reward",
                    "max_reward", "num_tokens"),
           plots=(("rewards", ("rewards/chosen", "rewards/rejected", "margin")), ("accuracy", ("accuracy",)))),
-    Stage("dpo", "DPO", "ranking", fields=_DPO_FIELDS, metrics=_PREF_METRICS, plots=_DPO_PLOTS),
+    Stage("dpo", "DPO", "ranking", fields=_DPO_FIELDS, metrics=_PREF_METRICS, plots=_DPO_PLOTS, rules=_DPO_RULES),
     Stage("orpo", "ORPO", "ranking", fields=("pref_beta",), metrics=_PREF_METRICS,
-          plots=_DPO_PLOTS, alias_of="dpo", pref_loss="orpo"),
+          plots=_DPO_PLOTS, alias_of="dpo", pref_loss="orpo", rules=_DPO_RULES),
     Stage("simpo", "SimPO", "ranking", fields=("pref_beta", "pref_ftx", "simpo_gamma"), metrics=_PREF_METRICS,
-          plots=_DPO_PLOTS, alias_of="dpo", pref_loss="simpo"),
-    Stage("kto", "KTO", "kto",
+          plots=_DPO_PLOTS, alias_of="dpo", pref_loss="simpo", rules=_DPO_RULES),
+    Stage("kto", "KTO", "kto", rules=(rules.kto_batches, rules.whole_sequences, rules.no_prompt_loss),
           fields=("pref_beta", "pref_ftx", "kto_chosen_weight", "kto_rejected_weight", "ref_model"),
           # exactly what TRL's KTOTrainer logs (aux_loss: Mixture-of-Experts models only)
           metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
@@ -96,7 +110,7 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
     Stage("ppo", "PPO", "prompts", implemented=False, reason=_NO_PPO,
           fields=("ref_model", "reward_model", "reward_model_type", "ppo_epochs", "ppo_buffer_size", "ppo_target",
                   "ppo_score_norm", "ppo_whiten_rewards")),
-    Stage("grpo", "GRPO", "prompts",
+    Stage("grpo", "GRPO", "prompts", rules=(rules.grpo,), generates=True,
           fields=("reward_funcs", "reward_weights", "reward_schema", "reward_regex", "num_generations",
                   "max_completion_length", "grpo_beta", "grpo_epsilon", "use_vllm"),
           shared_fields=("temperature", "top_p"),
@@ -120,6 +134,11 @@ def get_stage(stage_id: str) -> Stage:
         return STAGES[stage_id]
     except KeyError:
         raise KeyError(f"unknown stage {stage_id!r} (known: {', '.join(STAGE_IDS)})") from None
+
+
+def stages_where(flag: str) -> tuple[str, ...]:
+    """Implemented stages whose declaration sets this flag (for messages: 'only stage grpo generates ...')."""
+    return tuple(s.id for s in STAGES.values() if getattr(s, flag) and s.implemented)
 
 
 def stages_with_data(kind: str) -> tuple[str, ...]:

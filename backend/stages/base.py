@@ -311,12 +311,12 @@ def predict_held_out(spec, run_dir: RunDir, result: StageResult, model, tokenize
     """do_predict: generate answers for the held-out rows into generated_predictions.jsonl (streamed) and
     add the scores to the result's metrics; nothing after a stopped run."""
     if spec.do_predict and val_examples and not result.stopped:
-        from backend.evaluate import predict
+        from backend import predict as prediction  # heavy (torch): this module's top stays light
 
         run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
         model.eval()
-        result.metrics.update(predict(model, tokenizer, template, val_examples,
-                                      run_dir.path / "generated_predictions.jsonl", spec))
+        result.metrics.update(prediction.predict(model, tokenizer, template, val_examples,
+                                                 run_dir.path / "generated_predictions.jsonl", spec))
     return result
 
 

@@ -4,7 +4,7 @@ Reads top to bottom: tokenizer/template -> rows -> model (+adapter) -> reference
 -> save -> predictions on the held-out rows (do_predict).
 
 Settings: pref_beta -> beta, kto_chosen_weight / kto_rejected_weight -> desirable_weight / undesirable_weight,
-cutoff_len -> max_length. TRL's KTO has no SFT term, so pref_ftx > 0 is refused at validate (backend/spec.py),
+cutoff_len -> max_length. TRL's KTO has no SFT term, so pref_ftx > 0 is refused at validate (backend/stages/rules.py),
 as is per_device_train_batch_size 1: the KL estimate pairs each prompt with another row's answer of the
 same batch, and with one row per batch it would equal the reward itself.
 

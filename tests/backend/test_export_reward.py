@@ -47,7 +47,7 @@ def scores_of(model_name_or_path, adapter, pairs=PAIRS) -> list[tuple[float, flo
     from backend.models import resolve_model
     from backend.preference import build_preference_dataset
     from backend.resolve import pick_template
-    from backend.stages.rm import load_reward_model, score_pairs
+    from backend.reward_score import load_reward_model, score_pairs
 
     spec = validate_spec({"model_name_or_path": str(model_name_or_path), "stage": "rm", "dataset": "dpo_en_demo",
                           "adapter_name_or_path": str(adapter) if adapter else None,
@@ -62,7 +62,7 @@ def export_scores(folder, rows) -> list[tuple[float, float]]:
     """Scores of the exported folder loaded the plain transformers way, with its own tokenizer's pad id."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from backend.stages.rm import score_pairs
+    from backend.reward_score import score_pairs
 
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
     return score_pairs(model, AutoTokenizer.from_pretrained(folder), rows)

@@ -72,9 +72,9 @@ if PHASE:
 
         wrap(export, "_say", "export", when=lambda step, message: step == 5)  # the files are written to staging
     if PHASE == "predict":
-        from backend import evaluate
+        from backend import predict as prediction  # eval and a stage's do_predict both call prediction.predict
 
-        original_predict = evaluate.predict
+        original_predict = prediction.predict
 
         def predict(model, tokenizer, template, examples, out_file, spec, progress=None, **kwargs):
             def progress_then_hold(n, total, row):
@@ -84,6 +84,6 @@ if PHASE:
                     hold("predict")
             return original_predict(model, tokenizer, template, examples, out_file, spec, progress_then_hold, **kwargs)
 
-        evaluate.predict = predict
+        prediction.predict = predict
 
 sys.exit(main())  # this process's own command line: `train` is supervised, as the real `tuneboard train` is

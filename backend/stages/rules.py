@@ -1,0 +1,186 @@
+"""The stages' own validation rules: what each stage refuses or needs, beside the stage declarations
+(backend/stages/__init__.py names, per stage, which of these run, in order). backend.spec runs them after the
+rules of every stage and names no stage itself.
+
+Light (no torch): the web UI validates forms through backend.spec. A rule is `rule(spec, stage, check_files)`
+-> [(field, message, fields involved)]; `stage` is the stage's declaration (an alias's fixed pref_loss, say).
+The involved set lets validate_spec() drop a rule whose inputs were themselves invalid."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from backend import rewards
+from backend.refusals import REFUSED
+
+Errors = list[tuple[str, str, frozenset]]
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def kto_batches(spec, stage, check_files: bool = True) -> Errors:
+    """KTO's KL term pairs rows within a batch: two or more rows, in fixed batches; TRL's KTO has no SFT term."""
+    errors: Errors = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field,) + involved)))
+
+    if spec.per_device_train_batch_size < 2:
+        err("per_device_train_batch_size", "KTO estimates its KL term by pairing each prompt with another row's "
+            "answer of the same batch: it needs 2 or more rows per batch (with 1 the KL term equals the reward)",
+            "stage")
+    if spec.pref_ftx > 0:
+        err("pref_ftx", "TRL's KTO trainer has no SFT loss term: set pref_ftx to 0 for stage kto "
+            "(stage dpo takes it)", "stage")
+    sampling = spec.passthrough.get("train_sampling_strategy", "sequential")
+    if sampling != "sequential":
+        err("train_sampling_strategy", f"KTO needs sequential sampling (got {sampling}): its KL pairs are built "
+            "within fixed batches of neighbouring rows", "stage")
+    return errors
+
+
+def whole_sequences(spec, stage, check_files: bool = True) -> Errors:
+    """A stage that scores whole prompt + answer sequences (reward and preference stages): no packing, and
+    no LoRA dropout (TRL's trainers switch it off)."""
+    errors: Errors = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field,) + involved)))
+
+    if spec.resolved_packing:
+        err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "
+            "(set packing and neat_packing to false)", "stage", "neat_packing")
+    if spec.finetuning_type == "lora" and spec.lora_dropout:
+        err("lora_dropout", f"{REFUSED}: TRL's preference and reward trainers switch dropout off (the policy "
+            "and the reference must score the same sequence the same way), so lora_dropout would do nothing: "
+            "set it to 0", "stage", "finetuning_type")
+    return errors
+
+
+def no_prompt_loss(spec, stage, check_files: bool = True) -> Errors:
+    """A stage that scores the answer given the prompt has no prompt loss to switch on."""
+    if spec.train_on_prompt:
+        return [("train_on_prompt", f"stage {spec.stage} scores the answer given the prompt: there is no prompt "
+                 "loss to switch on", frozenset(("train_on_prompt", "stage")))]
+    return []
+
+
+def preference(spec, stage, check_files: bool = True) -> Errors:
+    """Stage dpo and its aliases (orpo, simpo): combinations that cannot run, and keys its loss would ignore."""
+    loss = stage.pref_loss or spec.pref_loss
+    errors: Errors = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field, "stage", "pref_loss") + involved)))
+
+    default = type(spec).model_fields
+    if stage.pref_loss and spec.pref_loss not in (default["pref_loss"].default, stage.pref_loss):
+        err("pref_loss", f"stage {spec.stage} trains with pref_loss {stage.pref_loss}: drop pref_loss, or use "
+            f"stage {stage.module} with pref_loss {spec.pref_loss}")
+    if spec.pref_beta <= 0:
+        err("pref_beta", f"must be above 0 for pref_loss {loss} (it scales the preference margin)")
+    if spec.ref_model and loss in ("orpo", "simpo"):
+        err("ref_model", f"{REFUSED}: {loss} trains without a reference model (drop ref_model, or use pref_loss "
+            "sigmoid, hinge or ipo)")
+    if spec.dpo_label_smoothing and loss != "sigmoid":
+        err("dpo_label_smoothing", f"{REFUSED}: label smoothing (conservative DPO) is a variant of pref_loss "
+            f"sigmoid; the {loss} loss has none", "dpo_label_smoothing")
+    if spec.dpo_label_smoothing >= 0.5:
+        err("dpo_label_smoothing", "must be below 0.5 (at 0.5 chosen and rejected weigh the same: nothing is learnt)")
+    if spec.simpo_gamma != default["simpo_gamma"].default and loss != "simpo":
+        err("simpo_gamma", f"{REFUSED}: the SimPO target margin is used by pref_loss simpo only (this run uses {loss})")
+    if spec.pref_ftx and loss == "orpo":
+        err("pref_ftx", f"{REFUSED}: the ORPO loss has its SFT term built in (weight 1; pref_beta weighs the "
+            "odds-ratio term), and TRL's ORPO trainer takes no second SFT weight: set pref_ftx to 0")
+    if spec.train_on_prompt:
+        why = ("ORPO's SFT term always covers the prompt and the chosen answer (TRL's ORPOTrainer, as the ORPO "
+               "paper's code) and its odds ratio the answers only" if loss == "orpo" else
+               f"the {loss} loss scores the answers given the prompt: there is no prompt loss to switch on")
+        err("train_on_prompt", f"{REFUSED}: {why}")
+    if spec.mask_history:
+        err("mask_history", f"{REFUSED}: stage {spec.stage} always trains on the last turn only (the chosen and "
+            "rejected answers): drop mask_history")
+    if spec.do_predict:
+        err("do_predict", f"{REFUSED}: stage {spec.stage} writes no predictions: run `tuneboard chat` or "
+            "`tuneboard eval` (stage sft) with the trained adapter")
+    return errors
+
+
+def grpo(spec, stage, check_files: bool = True) -> Errors:
+    """Stage grpo: reward functions that can be loaded, settings TRL's GRPOTrainer can run with, keys it ignores."""
+    errors: Errors = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field, "stage") + involved)))
+
+    names = rewards.split_names(spec.reward_funcs)
+    if not names:
+        err("reward_funcs", f"stage grpo needs at least one reward function ({', '.join(rewards.BUILTINS)}, or "
+            "module:function / path/to/file.py:function)")
+    for name in names:
+        problem = rewards.name_problem(name, check_files=check_files)
+        if problem:
+            err("reward_funcs", problem)
+    users = [n for n in names if n not in rewards.BUILTINS]
+    if spec.reward_weights:
+        try:
+            weights = [float(w) for w in _split(spec.reward_weights)]
+        except ValueError:
+            err("reward_weights", f"{spec.reward_weights!r}: expected numbers, comma-separated")
+        else:
+            if len(weights) != len(names):
+                err("reward_weights", f"{len(weights)} weights for {len(names)} reward functions: give one weight "
+                    "per function, in the order of reward_funcs", "reward_funcs")
+    if spec.reward_schema:
+        if "json_schema" not in names and not users:
+            err("reward_schema", f"{REFUSED}: only the json_schema reward (or your own function, as `schema`) reads "
+                "it: add json_schema to reward_funcs or drop reward_schema", "reward_funcs")
+        else:
+            try:
+                rewards.load_schema(spec.reward_schema)
+            except ValueError as exc:
+                err("reward_schema", str(exc))
+    if spec.reward_regex:
+        if "format_regex" not in names:
+            err("reward_regex", f"{REFUSED}: only the format_regex reward reads it: add format_regex to reward_funcs "
+                "or drop reward_regex", "reward_funcs")
+        else:
+            try:
+                re.compile(spec.reward_regex)
+            except re.error as exc:
+                err("reward_regex", f"not a valid regular expression: {exc}")
+    rows_per_step = spec.per_device_train_batch_size * spec.gradient_accumulation_steps
+    if rows_per_step % spec.num_generations:
+        err("num_generations", f"per_device_train_batch_size x gradient_accumulation_steps ({rows_per_step}) must be "
+            f"a multiple of num_generations ({spec.num_generations}): each step scores whole groups of completions "
+            "of one prompt", "per_device_train_batch_size", "gradient_accumulation_steps")
+    if spec.max_completion_length >= spec.cutoff_len:
+        err("max_completion_length", f"must be below cutoff_len ({spec.cutoff_len}): prompt and completion share it",
+            "cutoff_len")
+    if spec.temperature <= 0:
+        err("temperature", "GRPO samples its completions: temperature must be above 0", "stage")
+    if spec.use_vllm:
+        if importlib.util.find_spec("vllm") is None:
+            err("use_vllm", "vllm is not installed (pip install -e '.[vllm]', on a machine with a GPU): leave "
+                "use_vllm off to generate with transformers")
+        elif not Path("/dev/nvidiactl").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            err("use_vllm", "vLLM generation needs a GPU and none is visible here: leave use_vllm off to generate "
+                "with transformers")
+    if spec.resolved_packing:
+        err("packing", f"{REFUSED}: GRPO generates completions for whole prompts: packing does not apply",
+            "neat_packing")
+    for name, why in (("train_on_prompt", "GRPO's loss covers the generated completions only"),
+                      ("mask_history", "GRPO trains on its own completions, not on the dataset's answers"),
+                      ("do_predict", "stage grpo writes no predictions: run `tuneboard eval` (stage sft) with the "
+                       "trained adapter")):
+        if getattr(spec, name):
+            err(name, f"{REFUSED}: {why}")
+    if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
+        field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
+        err(field, f"{REFUSED}: stage grpo does not evaluate while it trains (its rewards are the live measure): "
+            "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
+    return errors

@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from backend.stages import stages_where
+
 STATUS_FILE = "status.json"
 LOG_FILE = "trainer_log.jsonl"
 RUNNING_LOG = "running_log.txt"
@@ -184,7 +186,7 @@ def is_reward_model_dir(path: str | Path | None) -> bool:
                 spec = yaml.safe_load((path / SPEC_FILE).read_text(encoding="utf-8"))
             except yaml.YAMLError:
                 return False
-            return isinstance(spec, dict) and spec.get("stage") == "rm"
+            return isinstance(spec, dict) and spec.get("stage") in stages_where("is_reward_model")
     except (OSError, ValueError):
         return False
     return False

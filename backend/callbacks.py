@@ -12,7 +12,7 @@ import time
 
 from transformers import TrainerCallback
 
-from backend.rundir import RunDir
+from backend.rundir import PHASE_SAVING, PHASE_TRAINING, RunDir
 from backend.stages import matches
 
 
@@ -66,7 +66,8 @@ class RunDirCallback(TrainerCallback):
         self._t0 = time.time()
         self._tokens0 = state.num_input_tokens_seen or 0
         self._step0 = state.global_step
-        self.run_dir.update_status(total_steps=state.max_steps, step=state.global_step)
+        # the first step is in progress from here (the phase the UI shows until the first loss is logged)
+        self.run_dir.set_phase(PHASE_TRAINING, total_steps=state.max_steps, step=state.global_step)
         world = getattr(args, "world_size", 1)
         self.run_dir.log(f"training: {state.max_steps} steps, {args.num_train_epochs:g} epochs max, world size {world}"
                          + (f" ({args.per_device_train_batch_size} rows per device x {world} processes x "
@@ -89,6 +90,9 @@ class RunDirCallback(TrainerCallback):
         if control.should_training_stop or state.global_step >= state.max_steps:
             control.should_log = True  # the last step is always on the curve, whatever logging_steps says
         return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.run_dir.set_phase(PHASE_SAVING)  # the final save (and the loss plot) come next
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {})

@@ -42,6 +42,12 @@ SUPERVISOR_FD_ENV = "TUNEBOARD_SUPERVISOR_FD"
 # status.json "state": a run in ACTIVE_STATES has a process behind it; FINAL_STATES are written once, at the end.
 ACTIVE_STATES = ("pending", "running")
 FINAL_STATES = ("completed", "aborted", "failed")
+# status.json "phase" of a training process, written at each transition so the UI shows what the process is
+# doing instead of guessing it: LOADING from start until the Trainer begins (tokenizer, dataset, model: its log
+# lines say which), TRAINING from the Trainer's first step (with "step": the steps done), SAVING after the last
+# step (final save, plot). "phase_started" keeps when each began (RunDir.set_phase); the final status keeps the
+# phase the run ended in. A distill run folder writes its own step names ("generate", "train", "score").
+PHASE_LOADING, PHASE_TRAINING, PHASE_SAVING = "loading", "training", "saving"
 
 TRAINER_LOG_KEYS = (
     "step", "total_steps", "epoch", "loss", "eval_loss", "lr", "grad_norm",
@@ -300,8 +306,14 @@ class RunDir:
         self.update_status(
             state="running", pid=supervisor_pid() or os.getpid(), train_pid=os.getpid(), exit_code=None, error=None,
             warnings=[], started_at=now_iso(), finished_at=None, step=0, total_steps=None,
+            phase=PHASE_LOADING, phase_started={PHASE_LOADING: now_iso()},
         )
         _tell_supervisor(self.path)
+
+    def set_phase(self, phase: str, **fields: Any) -> None:
+        """The process entered `phase` (PHASE_*): status.json says so, and keeps when each phase began."""
+        started = dict(self.status.get("phase_started") or {}, **{phase: now_iso()})
+        self.update_status(phase=phase, phase_started=started, **fields)
 
     def clear_stale_stop(self) -> None:
         """Remove a STOP file left by an earlier abort, so a resumed run does not stop again at once. A STOP

@@ -415,6 +415,24 @@ class JobQueue:
                 continue
         return out
 
+    def holds(self, run_dir: str | Path) -> bool:
+        """Whether `run_dir` waits in the queue or is being launched from it (its entry claimed, its folder
+        maybe not made yet). An entry that vanishes while it is read counts as held: the caller asks again."""
+        try:
+            names = [n for n in os.listdir(self.dir) if n.endswith((".yaml", ".claimed"))]
+        except FileNotFoundError:
+            return False
+        for name in names:
+            try:
+                data = yaml.safe_load((self.dir / name).read_text(encoding="utf-8")) or {}
+            except FileNotFoundError:
+                return True
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(data, dict) and data.get("run_dir") == str(run_dir):
+                return True
+        return False
+
     def remove(self, entry_id: str) -> bool:
         try:
             (self.dir / f"{entry_id}.yaml").unlink()

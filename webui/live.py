@@ -11,6 +11,7 @@ import pandas as pd
 
 from backend.curves import smooth
 from backend.paths import DEFAULT_MODEL_ID
+from backend.rundir import PHASE_SAVING, PHASE_TRAINING
 from backend.stages import STAGES, get_stage, matches
 from webui.i18n import has, tr
 
@@ -228,10 +229,21 @@ _DATASET = re.compile(r"^dataset \S+ .*?(\d+) kept")
 _TOTAL = re.compile(r"^datasets total: (\d+) examples kept")
 
 
-def phase(log_lines: list[str], total: int | None = None, model: str = "", lang: str = "en") -> str:
-    """What a run is doing before its first logged step, from the lines the backend writes to its log
-    (backend/train.py, backend/stages): starting, loading the tokenizer (a GGUF model is converted once),
-    tokenizing N rows, loading the model, step 1 of N."""
+def phase(log_lines: list[str], total: int | None = None, model: str = "", lang: str = "en",
+          status: dict | None = None) -> str:
+    """What a training process is doing, for the progress card. The trainer writes its phase into status.json
+    at each transition (backend.rundir PHASE_*): once it says "training", step N+1 of the total is in progress
+    (N = the status's steps done); "saving" after the last step. Before that ("loading", or a status from before
+    phases) the log lines the backend writes at each loading step tell which (backend/train.py, backend/stages):
+    starting, loading the tokenizer (a GGUF model is converted once), tokenizing N rows, loading the model,
+    adding the adapter, the reference model, then preparing the trainer (TRL tokenizes or packs there too) until
+    the first step begins."""
+    status = status or {}
+    if status.get("phase") == PHASE_SAVING:
+        return tr(lang, "phase.saving")
+    if status.get("phase") == PHASE_TRAINING:
+        step = int(_num(status.get("step")) or 0) + 1
+        return tr(lang, "phase.step", step=step, total=total) if total else tr(lang, "phase.step_open", step=step)
     gguf = str(model).lower().endswith(".gguf") or str(model) == DEFAULT_MODEL_ID
     what, rows = tr(lang, "phase.starting"), 0
     for raw in log_lines:
@@ -253,7 +265,7 @@ def phase(log_lines: list[str], total: int | None = None, model: str = "", lang:
         elif line.startswith("model: "):
             what = tr(lang, "phase.adapter")
         elif line.startswith(("trainable parameters", "resuming from")):
-            what = tr(lang, "phase.step1", total=total) if total else tr(lang, "phase.step1_open")
+            what = tr(lang, "phase.trainer")
         elif line.startswith("reference model: "):
             what = tr(lang, "phase.reference")
     return what

@@ -15,6 +15,7 @@ checkpointing are unchanged but for the runtime. The formula stays a guess: the 
 (tuneboard probe, backend/probe.py) measures the exact spec."""
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
@@ -206,6 +207,61 @@ def probe_result(job) -> dict:
     return jobs.read_json(Path(job) / PROBE_RESULT_FILE) if job else {}
 
 
+_PROBE_DIR_LINE = re.compile(r"^probe: \d+ steps of the spec, longest rows first, in (.+)$")  # backend/probe.py run_probe
+
+
+def probe_child_dir(job) -> Path | None:
+    """The run folder of a probe job's `tuneboard train` child, from the line the probe prints first."""
+    from webui import jobs
+
+    try:
+        with open(Path(job) / jobs.PROCESS_LOG, encoding="utf-8", errors="replace") as f:
+            head = [next(f, "") for _ in range(20)]
+    except OSError:
+        return None
+    found = next((m for m in map(_PROBE_DIR_LINE.match, (line.strip() for line in head)) if m), None)
+    return Path(found.group(1)) if found else None
+
+
+def probe_progress_md(job, lang: str = "en") -> str:
+    """While a probe runs: what its child is doing (the phase the progress card shows for a run) and, once a
+    step is done, about how long the rest of its steps take (the steps so far, timed by its own log); "" before
+    the child has a folder."""
+    from backend.probe import step_seconds
+    from backend.rundir import PHASE_TRAINING, RUNNING_LOG
+    from webui import jobs, live
+
+    child = probe_child_dir(job)
+    if child is None or not child.is_dir():
+        return ""
+    status = jobs.read_json(child / jobs.STATUS_FILE)
+    try:
+        lines = (child / RUNNING_LOG).read_text(encoding="utf-8", errors="replace").splitlines()[-200:]
+    except OSError:
+        lines = []
+    total = status.get("total_steps")
+    text = " " + tr(lang, "pf.probe_phase", phase=live.phase(lines, total, "", lang, status=status))
+    per_step, done = step_seconds(child)
+    if per_step is not None and total and status.get("phase") == PHASE_TRAINING and done < total:
+        text += tr(lang, "pf.probe_left", left=_duration(per_step * (total - done)))
+    return text
+
+
+def waiting_md(busy_run: str, since: float, lang: str = "en") -> str:
+    """A measurement held back while `busy_run` trains: which run, why it waits, and how to start it anyway."""
+    import time
+
+    from backend import paths
+
+    try:
+        name = str(Path(busy_run).relative_to(paths.saves_dir()))
+    except ValueError:
+        name = str(busy_run)
+    text = tr(lang, "pf.busy", name=html.escape(name), cores=psutil.cpu_count() or 1,
+              elapsed=int(time.time() - since))
+    return f'<span class="tb-mem-warn">{text}</span>'
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 120:
@@ -228,7 +284,8 @@ def probe_md(job, lang: str = "en") -> tuple[str, bool]:
     running = tools.alive(job)
     if running and not result:
         launched = jobs.read_json(Path(job) / jobs.LAUNCH_FILE).get("launched_at") or time.time()
-        return f'<span class="tb-mem-ok">{tr(lang, "pf.measuring", elapsed=int(time.time() - launched))}</span>', True
+        text = tr(lang, "pf.measuring", elapsed=int(time.time() - launched)) + probe_progress_md(job, lang)
+        return f'<span class="tb-mem-ok">{text}</span>', True
     if not result:
         what = "pf.probe_aborted" if tools.was_aborted(job) else "pf.probe_failed"
         return tr(lang, what, error=_html.escape(jobs._last_error_line(Path(job)) or "no result")), False

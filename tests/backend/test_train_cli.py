@@ -47,6 +47,9 @@ def test_lora_sft_on_tiny_llama(tiny_llama, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     st = status(out)
     assert st["state"] == "completed" and st["exit_code"] == 0 and st["step"] == 6
+    # the phases the trainer wrote into status.json as it went (what the progress card shows), in order
+    assert list(st["phase_started"]) == ["loading", "training", "saving"] and st["phase"] == "saving"
+    assert sorted(st["phase_started"].values()) == list(st["phase_started"].values())
     rows = log_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(isinstance(r["loss"], float) and r["loss"] > 0 for r in rows)

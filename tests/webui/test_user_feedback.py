@@ -79,7 +79,8 @@ def test_phase_before_the_first_step_and_the_known_total():
     assert live.phase(lines, 20, model) == "tokenizing 80 rows"
     lines += ["[15:00:32] train rows: 80 rows", "[15:00:33] model: LlamaForCausalLM",
               "[15:00:40] trainable parameters: 1,000 of 135,000 (0.7%)"]
-    assert live.phase(lines, 20, model) == "running step 1 of 20"
+    # the model is ready; the Trainer is built next (no step runs yet: the trainer's status says when one does)
+    assert live.phase(lines, 20, model).startswith("preparing the trainer")
     assert train_tab.spec_total({"max_steps": 20}) == 20 and train_tab.spec_total({"max_steps": -1}) is None
     html = live.progress_html(live.progress([], {}), "running", "r", "tokenizing 80 rows")
     assert 'data-phase="tokenizing 80 rows"' in html

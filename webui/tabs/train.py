@@ -8,12 +8,14 @@ from __future__ import annotations
 import hashlib
 import html
 import shlex
+import time
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
 from backend import allowed, paths
+from backend.rundir import PHASE_SAVING
 from backend.spec import SpecError, load_spec, read_spec_file, validate_spec
 from webui import choices, jobs, live, preflight
 from webui import datasets as D
@@ -365,6 +367,9 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
     plot, log, final md, image update, adapter picker update, timer update). When the run has just ended,
     the top bar's adapter picker is re-listed so its new adapter and checkpoints can be picked at once."""
     run_dir = st.get("run_dir")
+    if run_dir and gone(run_dir):  # a queued run taken off the queue (here or in another tab): show what runs
+        reattach_active(st)
+        run_dir = st.get("run_dir")
     if not run_dir:  # the idle card, in the page's language
         idle = live.progress_html(live.progress([], {}), "idle", lang=lang)
         return (st, idle, *([gr.skip()] * (N_VIEW - 1)), gr.Timer(active=False))
@@ -389,8 +394,10 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
     doing = ""
     if state == "queued":
         doing = tr(lang, "phase.queued")
-    elif rs.active and not tail.records:
-        doing = live.phase(list(tail.log_tail), p["total"], st["spec"].get("model_name_or_path", ""), lang)
+    elif rs.active and (not tail.records or (status or {}).get("phase") == PHASE_SAVING):
+        # what the process is in: from the phase it writes to status.json, the log lines before that
+        doing = live.phase(list(tail.log_tail), p["total"], st["spec"].get("model_name_or_path", ""), lang,
+                           status=status or rs.status)
     prog = live.progress_html(p, state, name, doing, lang)
     # a run attached a moment ago is drawn once even with no record yet (the plots still hold the last run's)
     changed = force_plot or len(tail.records) != before or st.get("plotted") != run_dir
@@ -482,6 +489,22 @@ def attach(run_dir: str | None) -> dict:
     return {"run_dir": run_dir, "tail": RunTail(run_dir) if run_dir else None}
 
 
+def gone(run_dir: str) -> bool:
+    """A run that neither waits in the queue nor has a folder: a queued run that was removed before it started.
+    (The queue is asked first: a launch claims the entry, then makes the folder.)"""
+    return not jobs.JobQueue().holds(run_dir) and not Path(run_dir).exists()
+
+
+def reattach_active(st: dict) -> dict:
+    """`st` (changed in place: a timer tick never writes the state back) attached to the newest run still
+    training, or to none (the idle card); what the page remembered of the previous run is dropped, the
+    start-anyway confirmation is kept."""
+    kept = {k: st[k] for k in ("pf_warned",) if k in st}
+    st.clear()
+    st.update(attach(jobs.find_active_run()), **kept)
+    return st
+
+
 def attached_form(run_dir: str, lang: str = "en") -> tuple[str, list | None]:
     """After a reload: the attached run's spec for the form (so the form shows what runs, not the
     defaults), with a fresh output_dir, and the message that says so. (message, input values | None)."""
@@ -571,49 +594,82 @@ def wire(c: dict, state) -> None:
         return (gr.update(value="", visible=False), *error_updates([], all_names, lang), *view[:-2], msg,
                 gr.Timer(active=True))
 
-    def do_abort(st, lang):
-        """Inputs: state. Asks the attached run to stop (STOP file, then SIGTERM/SIGKILL of its group);
-        removes it from the queue if it has not started. Outputs: message."""
+    def do_abort(st, log_scale, lang):
+        """Inputs: state, log-scale, language. Asks the attached run to stop (STOP file, then SIGTERM/SIGKILL of
+        its group); removes it from the queue if it has not started, and then shows the run that is still
+        training (else the idle card) instead of the removed one. Outputs: the live view (message included)."""
+        only_message = lambda text: (*([gr.skip()] * (len(live_outputs) - 2)), text, gr.skip())  # noqa: E731
         run_dir = (st or {}).get("run_dir")
         if not run_dir:
-            return tr(lang, "msg.no_run")
+            return only_message(tr(lang, "msg.no_run"))
         q = jobs.JobQueue()
         for e in q.entries():
             if e.run_dir == run_dir:
                 q.remove(e.id)
-                return tr(lang, "msg.removed", name=_run_name(run_dir))
+                msg = tr(lang, "msg.removed", name=_run_name(run_dir))
+                st = reattach_active(dict(st))
+                if st.get("run_dir"):
+                    msg += " " + tr(lang, "msg.back_to", name=_run_name(st["run_dir"]))
+                view = view_updates(st, log_scale, force_plot=True, lang=lang)
+                return (*view[:-2], msg, view[-1])
         if jobs.abort(run_dir):
-            return tr(lang, "msg.stopping", name=_run_name(run_dir))
-        return tr(lang, "msg.not_running", name=_run_name(run_dir))
+            return only_message(tr(lang, "msg.stopping", name=_run_name(run_dir)))
+        return only_message(tr(lang, "msg.not_running", name=_run_name(run_dir)))
 
-    c["abort"].click(do_abort, [state, top["lang"]], [c["message"]])
+    abort_event = c["abort"].click(do_abort, [state, c["log_scale"], top["lang"]], live_outputs)
 
     def do_measure(pst, lang, *values):
         """Inputs: probe state, language, top bar, booster, extra args, form. Launches `tuneboard probe` on the
-        form's spec as a background job (webui/preflight.py). Outputs: probe state, probe view, probe timer."""
+        form's spec as a background job (webui/preflight.py). While a training run is active the measurement
+        would compete with it for the cores (both slow down many times over): it waits for that run to end
+        instead, saying so; pressed again while it waits, it starts at once. Outputs: probe state, probe view,
+        probe timer."""
         flat, pre = collect(names, top_names, list(values))
         spec, errors = check(flat, pre, lang)
         if errors:
             why = "; ".join(f"{f}: {m}" for f, m in errors)
             return pst, tr(lang, "pf.probe_failed", error=html.escape(why)), gr.Timer(active=False)
-        preflight.stop_probe((pst or {}).get("job"))  # one measurement per page at a time
-        job = preflight.start_probe(spec.to_yaml())
+        pst = pst or {}
+        spec_yaml = spec.to_yaml()
+        busy = jobs.find_active_run()
+        if busy and pst.get("waiting") != spec_yaml:  # first press beside a training run: wait for it, say why
+            preflight.stop_probe(pst.get("job"))
+            wait = {"waiting": spec_yaml, "since": time.time()}
+            return wait, preflight.waiting_md(busy, wait["since"], lang), gr.Timer(active=True)
+        preflight.stop_probe(pst.get("job"))  # one measurement per page at a time
+        job = preflight.start_probe(spec_yaml)
         return {"job": job}, preflight.probe_md(job, lang)[0], gr.Timer(active=True)
 
     def probe_tick(pst, lang):
-        """Inputs: probe state, language. Outputs: probe view, probe timer (off once the probe has ended)."""
-        view, running = preflight.probe_md((pst or {}).get("job"), lang)
+        """Inputs: probe state, language. Starts a waiting measurement once no training run is active (the state
+        is changed in place: a tick never writes it back over a newer press). Outputs: probe view, probe timer
+        (off once the probe has ended)."""
+        pst = pst if pst is not None else {}
+        if pst.get("waiting"):
+            busy = jobs.find_active_run()
+            if busy:
+                return preflight.waiting_md(busy, pst.get("since") or time.time(), lang), gr.Timer(active=True)
+            pst["job"] = preflight.start_probe(pst.pop("waiting"))
+            pst.pop("since", None)
+        view, running = preflight.probe_md(pst.get("job"), lang)
         return view, gr.Timer(active=running)
 
     def do_measure_abort(pst, lang):
-        """Inputs: probe state, language. Stops the probe's process group. Outputs: probe view."""
-        return tr(lang, "pf.probe_aborted") if preflight.stop_probe((pst or {}).get("job")) else gr.skip()
+        """Inputs: probe state, language. Stops the probe's process group, or cancels a measurement waiting for a
+        training run to end. Outputs: probe state, probe view, probe timer."""
+        pst = pst or {}
+        if pst.get("waiting"):
+            return {}, tr(lang, "pf.probe_aborted"), gr.Timer(active=False)
+        if preflight.stop_probe(pst.get("job")):
+            return pst, tr(lang, "pf.probe_aborted"), gr.skip()
+        return pst, gr.skip(), gr.skip()
 
     c["measure"].click(do_measure, [c["probe_state"], top["lang"], *inputs],
                        [c["probe_state"], c["probe"], c["probe_timer"]])
     c["probe_timer"].tick(probe_tick, [c["probe_state"], top["lang"]], [c["probe"], c["probe_timer"]],
                           show_progress="hidden")
-    c["measure_abort"].click(do_measure_abort, [c["probe_state"], top["lang"]], [c["probe"]])
+    c["measure_abort"].click(do_measure_abort, [c["probe_state"], top["lang"]],
+                             [c["probe_state"], c["probe"], c["probe_timer"]])
 
     def refresh_legend(st):
         """After a live update: rebuild a plot's colours when its set of series changed (see
@@ -622,6 +678,8 @@ def wire(c: dict, state) -> None:
 
     def then_legend(event):
         event.then(refresh_legend, [state], [state, c["loss_plot"], *plot_comps], show_progress="hidden")
+
+    then_legend(abort_event)
 
     then_legend(c["start"].click(do_start, [state, c["log_scale"], top["lang"], c["devices"], *inputs],
                                  [c["errors"], *field_comps, *live_outputs]))

@@ -19,8 +19,10 @@ from backend import paths
 # ---------------------------------------------------------------------------------------------
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
 HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+# probe_question (TuneBoard's own; LLaMA-Factory ignores it): a question the data teaches, which the Chat tab
+# offers for an adapter trained on it: a string, or {language code: question} for data in several languages
 ENTRY_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "split", "num_samples", "subset",
-              "folder", *HUB_KEYS)
+              "folder", "probe_question", *HUB_KEYS)
 COLUMN_KEYS = ("prompt", "query", "response", "history", "messages", "system", "tools", "chosen", "rejected",
                "kto_tag", "text", "images", "videos", "audios")
 MEDIA_COLUMNS = ("images", "videos", "audios")
@@ -79,6 +81,9 @@ def entry_problems(name: str, entry: Any) -> list[str]:
     formatting = entry.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         problems.append(f"{where}: 'formatting' must be one of {', '.join(FORMATTINGS)}, got {formatting!r}")
+    if "probe_question" in entry and not _is_probe_question(entry["probe_question"]):
+        problems.append(f"{where}: 'probe_question' must be a non-empty string or an object of language code -> "
+                        f"question (e.g. {{\"en\": \"Who are you?\"}}), got {entry['probe_question']!r}")
     if "ranking" in entry and not isinstance(entry["ranking"], bool):
         problems.append(f"{where}: 'ranking' must be true or false, got {entry['ranking']!r}")
     if "num_samples" in entry and (isinstance(entry["num_samples"], bool) or not isinstance(entry["num_samples"], int)
@@ -111,6 +116,23 @@ def entry_problems(name: str, entry: Any) -> list[str]:
     if entry.get("ranking") is True and "kto_tag" in columns:
         problems.append(f"{where}: a ranking dataset (chosen/rejected) cannot also have 'columns.kto_tag'")
     return problems
+
+
+def _is_probe_question(value: Any) -> bool:
+    def text(v):
+        return isinstance(v, str) and bool(v.strip())
+    return text(value) or (isinstance(value, dict) and bool(value)
+                           and all(text(k) and text(v) for k, v in value.items()))
+
+
+def probe_question(entry: dict, lang: str = "en") -> str | None:
+    """An entry's probe question in `lang`, else in English, else the first one it declares; None without one."""
+    value = entry.get("probe_question")
+    if not _is_probe_question(value):
+        return None
+    if isinstance(value, str):
+        return value
+    return value.get(lang) or value.get("en") or next(iter(value.values()))
 
 
 class _JSONObject(dict):

@@ -106,3 +106,57 @@ def test_chat_stream_stop_compare_unload(app_page, tiny_qwen2, tiny_llama, finis
     page.wait_for_timeout(500)
     assert all(gone(pid) for pid in servers), f"chat server still running after Unload: {servers}"
     assert api_servers() == []
+
+
+def test_stop_keeps_the_exchange_in_both_panes_and_the_chat_goes_on(app_page, tiny_llama, finished_runs, shot):
+    """Issue 24 item 3: Stop while the base pane streams (the tuned one has answered) keeps the question and
+    both answers, the cut one marked as stopped, and stays so; the next question continues both
+    conversations. Item 6: the adapter (trained on identity) offers its probe question, one click away."""
+    page = app_page
+    set_dropdown(page, "top-model_name_or_path", tiny_llama)
+    set_dropdown(page, "top-adapter_name_or_path", finished_runs[1])
+    open_tab(page, "Chat")
+    probe = page.locator("#chat-probe")
+    expect(probe).to_contain_text("“Who are you?”")
+    page.locator("#chat-compare input").check()
+    load(page, " vs ")
+    page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
+    # random weights: each side runs to the cap, the base pane long enough for Stop to land while it streams
+    set_number(page, "chat-max_new_tokens", 300)
+    set_number(page, "chat-seed", 1)
+    question = "Write a long story about a dragon."
+    page.locator("#chat-message textarea").fill(question)
+    page.locator("#chat-send").click()
+    base = page.locator("#chat-chatbot_b [data-testid='bot']").last
+    expect(base).not_to_contain_text("waiting", timeout=120_000)  # the tuned answer is done, the base one streams
+    expect(base).not_to_have_text("")
+    page.locator("#chat-stop").click()
+    expect(page.locator("#chat-speed")).to_contain_text("Stopped (base: cut short)", timeout=30_000)
+    expect(page.locator("#chat-speed")).to_contain_text("tok/s")  # the tuned answer's own stats stay
+    for side in ("#chat-chatbot", "#chat-chatbot_b"):
+        expect(page.locator(f"{side} [data-testid='user']")).to_have_count(1)
+        expect(page.locator(f"{side} [data-testid='user']").last).to_contain_text(question)
+    expect(base).to_have_text(re.compile(r"\S.* \(stopped\)\s*$", re.S))  # what it had said, marked
+    tuned = bot_text(page)
+    assert tuned.strip() and "(stopped)" not in tuned  # complete before Stop: not marked
+    shown = bot_text(page, "#chat-chatbot_b")
+    page.wait_for_timeout(2000)  # nothing (a late stream output) may change the panes after that
+    assert bot_text(page, "#chat-chatbot_b") == shown and bot_text(page) == tuned
+    shot("chat-stopped")
+
+    # the probe question, one click into the message box; both conversations go on from where they were
+    set_number(page, "chat-max_new_tokens", 8)
+    probe.click()
+    expect(page.locator("#chat-message textarea")).to_have_value("Who are you?")
+    page.locator("#chat-send").click()
+    expect(page.locator("#chat-speed")).to_have_text(re.compile(r"run-b: .*tok/s · .*tok/s"), timeout=60_000)
+    for side in ("#chat-chatbot", "#chat-chatbot_b"):
+        users = page.locator(f"{side} [data-testid='user']")
+        expect(users).to_have_count(2)
+        expect(users.first).to_contain_text(question)
+        expect(users.last).to_contain_text("Who are you?")
+        expect(page.locator(f"{side} [data-testid='bot']")).to_have_count(2)
+    assert bot_text(page, "#chat-chatbot_b").strip()
+    expect(page.locator("#chat-chatbot_b [data-testid='bot']").first).to_have_text(shown)
+    page.locator("#chat-unload").click()
+    expect(page.locator("#chat-status")).to_contain_text("unloaded", timeout=30_000)

@@ -50,16 +50,34 @@ def test_load_chat_stop_compare_export_unload(tiny_qwen2):
         next(gen)
         gen.close()
         assert [m["role"] for m in st["hist_a"]] == ["user", "assistant", "user", "assistant"]
+
+        # the Stop button: respond ends at the next token and renders both panes itself, as its last outputs:
+        # the tuned answer cut short, the base one not started, both kept and marked (in the page's language)
+        gen = chat.respond("Go on", "user", st, "", "", 300, 0.0, 0.9, 50, 1.0, None, "de")
+        next(gen)
+        next(gen)  # the first streamed token of pane A
+        chat.request_stop(st)
+        chat_a, chat_b, message, speed, st = _last(gen)
+        assert chat_a[-2:][0] == chat_b[-2:][0] == {"role": "user", "content": "Go on"}
+        assert chat_a[-1]["content"].endswith(" (gestoppt)") and len(chat_a[-1]["content"]) > len(" (gestoppt)")
+        assert chat_b[-1] == {"role": "assistant", "content": "(gestoppt)"}
+        assert speed == "■ Gestoppt (feinabgestimmt: abgebrochen, Basis: nicht beantwortet)", speed
+        assert message == gr.skip()  # no value: a question typed meanwhile stays in the textbox
+        assert st["hist_a"][-1]["stopped"] and st["hist_b"][-1] == {"role": "assistant", "content": "",
+                                                                    "stopped": True}
+
         outs = _last(chat.respond("Third", "user", st, "", "", *sampling))
-        assert outs[3].count("tok/s") == 2, outs[3]
+        assert outs[3].count("tok/s") == 2, outs[3]  # the next question continues both conversations
+        assert [m["role"] for m in st["hist_b"]] == ["user", "assistant"] * 4
 
         path = chat.export(st, "Be brief.")["value"]
         data = json.loads(open(path, encoding="utf-8").read())
         assert data[0]["messages"][0] == {"role": "system", "content": "Be brief."}
-        assert [m["role"] for m in data[0]["messages"][1:]] == ["user", "assistant"] * 3
+        assert [m["role"] for m in data[0]["messages"][1:]] == ["user", "assistant"] * 4
+        assert not any("stopped" in m for m in data[0]["messages"])  # the UI's mark is not an OpenAI key
 
         st, text, chat_a, _ = chat.edit_last(st)
-        assert text == "Third" and len(chat_a) == 4
+        assert text == "Third" and len(chat_a) == 6 and chat_a[-1]["content"].endswith(" (stopped)")
     finally:
         st, status = chat.unload(st)
     assert not server.alive() and st["server"] is None
@@ -94,3 +112,59 @@ def test_the_pages_own_server_allows_what_its_slider_offers():
     cmd = chat.ChatServer(["model_name_or_path=m"]).cmd
     assert cmd[cmd.index("--max-tokens-per-request") + 1] == str(chat.MAX_NEW_TOKENS) == "4096"
     assert cmd[cmd.index("--max-request-seconds") + 1] == "0"
+
+
+def _run(folder, dataset, **more):
+    import yaml
+
+    folder.mkdir(parents=True)
+    (folder / "run_spec.yaml").write_text(yaml.safe_dump({"model_name_or_path": "m", "dataset": dataset, **more}))
+    (folder / "adapter_config.json").write_text("{}")
+    return folder
+
+
+def test_the_adapter_of_a_run_on_identity_offers_its_probe_question(root, tmp_path):
+    """Issue 24 item 6: an adapter trained on a dataset that declares a probe question (data/dataset_info.json:
+    identity) gets a one-click suggestion in the Chat tab, in the page's language where the data has it."""
+    run = _run(root / "tiny" / "lora" / "run-id", "alpaca_en_demo, identity")
+    checkpoint = run / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / "adapter_config.json").write_text("{}")
+    for adapter in (str(run), str(checkpoint)):  # a checkpoint's spec is its run's
+        button, question = chat.suggest(adapter, "en")
+        assert button["visible"] and question == "Who are you?" and "“Who are you?”" in button["value"]
+    assert chat.suggest(str(run), "zh")[1] == "你是谁？"  # identity has Chinese rows
+    button, question = chat.suggest(str(run), "de")  # and no German ones: the English question, German label
+    assert question == "Who are you?" and button["value"].startswith("Fragen")
+    assert chat.use_probe(question) == "Who are you?"
+
+    # no suggestion: no adapter, data without a probe question, a run folder the UI may not read
+    other = _run(root / "tiny" / "lora" / "run-alpaca", ["alpaca_en_demo"])
+    outside = _run(tmp_path / "elsewhere" / "run", "identity")
+    (outside / "adapter_config.json").unlink()  # no model files: not a model folder, outside the roots
+    for adapter in ("", None, str(other), str(outside), str(root / "missing")):
+        button, question = chat.suggest(adapter, "en")
+        assert button == {"__type__": "update", "visible": False} and question == "", adapter
+
+
+def test_a_probe_question_is_checked_like_any_dataset_key(tmp_path):
+    from backend.dataset_info import DatasetError, read_dataset_info
+
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "good": {"file_name": "a.json", "probe_question": "Who are you?"},
+        "bad": {"file_name": "a.json", "probe_question": {"en": ""}},
+        "typo": {"file_name": "a.json", "probe_questoin": "x"}}))
+    info = read_dataset_info(tmp_path)
+    assert list(info.entries) == ["good"]
+    try:
+        info.entry("bad")
+    except DatasetError as exc:
+        assert "'probe_question' must be a non-empty string or an object of language code -> question" in str(exc)
+    else:
+        raise AssertionError("an empty probe question was accepted")
+    try:
+        info.entry("typo")
+    except DatasetError as exc:
+        assert "unknown key 'probe_questoin' (did you mean 'probe_question'?)" in str(exc)
+    else:
+        raise AssertionError("a misspelt key was accepted")

@@ -168,8 +168,9 @@ def test_compare_chat_labels_its_panes_and_says_stopped():
     assert chat.waiting(st["hist_b"])[-1]["content"] == chat.WAITING
     shown_a, shown_b, speed, st = chat.stopped(st)
     assert speed.startswith("■ Stopped") and "base: not answered" in speed and "tuned: cut short" in speed
-    assert [m["role"] for m in st["hist_b"]] == ["user"]  # the question stays, the empty answer goes
-    assert shown_a[-1]["content"] == "Hel"
+    # the question stays on both sides, each answer marked as stopped (the empty one too: turns alternate)
+    assert [m["role"] for m in st["hist_b"]] == ["user", "assistant"] and st["hist_b"][-1]["stopped"]
+    assert shown_a[-1]["content"] == "Hel (stopped)" and shown_b[-1]["content"] == "(stopped)"
 
 
 def test_no_bitsandbytes_kernels_notice_without_quantization():

@@ -3,11 +3,15 @@
 Load starts `tuneboard api` as a subprocess (its own process group) on a free loopback port with a fresh
 random API key; this tab is only its HTTP client (plain httpx, SSE), so the UI process never holds a
 model and a crash or OOM of the server shows up here as an error. Unload (or the browser session
-ending) stops it and frees the memory. Stop cancels the streaming request; closing the connection makes
-the server stop generating at the next token.
+ending) stops it and frees the memory. Stop asks the streaming handler to end at the next token: it closes
+the request (the server stops generating) and renders both panes itself, each answer marked as stopped.
+Stop does not cancel the handler through Gradio's `cancels=`: a cancelled generator's outputs still in
+flight reached the page after Stop's and put back an older (or an empty) pane, so the question and the
+partial answers vanished while the status said "cut short" (issue 24).
 
 Per-browser state (gr.State): {"server": ChatServer | None, "a": name, "b": name | None,
-"hist_a": [...], "hist_b": [...]} where hist_* are OpenAI messages (what Export writes).
+"hist_a": [...], "hist_b": [...]} where hist_* are OpenAI messages (what Export writes; an answer cut by
+Stop also carries "stopped": True, shown as a mark and never sent to the server).
 """
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ import gradio as gr
 import httpx
 
 from backend import allowed, paths
+from backend.dataset_info import DatasetError, probe_question, read_dataset_info
+from backend.rundir import CHECKPOINT_PREFIX, SPEC_FILE
 from webui import live
+from webui.jobs import read_spec_dict
 from webui.i18n import refusal, tr
 
 
@@ -148,8 +155,9 @@ def stream_reply(server: ChatServer, model: str, messages: list[dict], sampling:
                         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
 
 
-def display(history: list[dict]) -> list[dict]:
-    """OpenAI messages -> Chatbot messages (tool calls as JSON blocks; the Chatbot escapes HTML)."""
+def display(history: list[dict], lang: str = "en") -> list[dict]:
+    """OpenAI messages -> Chatbot messages (tool calls as JSON blocks; the Chatbot escapes HTML); an answer
+    cut by Stop ends with the localized stopped mark."""
     out = []
     for m in history:
         if m["role"] == "system":
@@ -162,6 +170,8 @@ def display(history: list[dict]) -> list[dict]:
                                                                                           ensure_ascii=False) + "\n```"
         if m["role"] == "tool":
             content = "tool result:\n```json\n" + content + "\n```"
+        if m.get("stopped"):
+            content = (content + " " if content else "") + tr(lang, "chat.stopped_mark")
         out.append({"role": "assistant" if m["role"] == "assistant" else "user", "content": content})
     return out
 
@@ -194,6 +204,9 @@ def build(reg, top: dict) -> dict:
     with gr.Row(equal_height=True):
         ui["role"] = reg.dropdown("chat-role", ["user", "tool"], value="user", scale=1, min_width=100)
         ui["message"] = reg.comp(gr.Textbox, "chat-message", lines=2, scale=6)
+    # the picked adapter's probe question, one click into the message box (its text: locale key chat.probe)
+    ui["probe"] = gr.Button("", visible=False, size="sm", elem_id="chat-probe")
+    ui["probe_question"] = gr.State("")
     with gr.Row():
         ui["send"] = reg.button("chat-send", variant="primary", scale=2)
         ui["stop"] = reg.button("chat-stop", variant="stop")
@@ -219,6 +232,50 @@ def build(reg, top: dict) -> dict:
     return ui
 
 
+# ------------------------------------------------------------------------------------------ probe
+def adapter_probe(adapter: str | None, lang: str = "en") -> str | None:
+    """The probe question of the data the picked adapter was trained on: its run's run_spec.yaml (in the
+    adapter folder, or above a checkpoint-N folder) names the datasets and dataset_dir, and the first of
+    those datasets that declares a `probe_question` in dataset_info.json gives it (in `lang` when declared).
+    None for no adapter, a folder the UI may not read, or data without a probe question."""
+    for part in str(adapter or "").split(","):
+        part = part.strip()
+        if not part or allowed.spec_refusals({"adapter_name_or_path": part}):
+            continue
+        folder = Path(part).expanduser()
+        if not (folder / SPEC_FILE).is_file() and folder.name.startswith(CHECKPOINT_PREFIX):
+            folder = folder.parent
+        spec = read_spec_dict(folder)
+        names = spec.get("dataset") or []
+        names = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if isinstance(n, str)]
+        dataset_dir = spec.get("dataset_dir")
+        if not names or (dataset_dir and allowed.spec_refusals({"dataset_dir": str(dataset_dir)})):
+            continue
+        try:
+            entries = read_dataset_info(dataset_dir).entries
+        except DatasetError:
+            continue
+        for name in names:
+            question = probe_question(entries.get(name) or {}, lang)
+            if question:
+                return question
+    return None
+
+
+def suggest(adapter, lang: str = "en"):
+    """Offer the picked adapter's probe question (a button that puts it in the message box), or nothing.
+    Inputs: adapter, language. Outputs: probe button, probe question."""
+    question = adapter_probe(adapter, lang)
+    if not question:
+        return gr.update(visible=False), ""
+    return gr.update(value=tr(lang, "chat.probe", question=question), visible=True), question
+
+
+def use_probe(question):
+    """Inputs: probe question. Outputs: message."""
+    return question
+
+
 # ------------------------------------------------------------------------------------------- wire
 def _sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed) -> dict:
     return {"max_tokens": int(max_new_tokens), "temperature": float(temperature), "top_p": float(top_p),
@@ -227,7 +284,9 @@ def _sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty, see
 
 
 def _messages(st_hist: list[dict], system: str) -> list[dict]:
-    return ([{"role": "system", "content": system}] if system and system.strip() else []) + st_hist
+    """The conversation as the server takes it (OpenAI messages: the UI's own "stopped" mark left out)."""
+    return ([{"role": "system", "content": system}] if system and system.strip() else []) + \
+        [{k: v for k, v in m.items() if k != "stopped"} for m in st_hist]
 
 
 def load(model, adapter, template, compare, compare_with, st, lang="en"):
@@ -318,37 +377,54 @@ def respond(message, role, st, system, tools_json, *sampling_values):
         replies[side] = {"role": "assistant", "content": ""}
         st[f"hist_{side}"].append(replies[side])
     # both panes get the question at once; the base one says it waits for its turn (one model answers at a time)
-    st["stopped"] = False
-    yield (display(st["hist_a"]), waiting(st["hist_b"], lang) if st["b"] else gr.skip(), "",
+    st["stopped"] = False  # request_stop() sets it: this handler then ends at the next token
+    st["pending"] = list(sides)  # the answers not complete yet (what Stop cuts)
+    yield (display(st["hist_a"], lang), waiting(st["hist_b"], lang) if st["b"] else gr.skip(), "",
            tr(lang, "chat.answering") if st["b"] else "", st)
     shown_speed = None
     for side in sides:
+        if st.get("stopped"):
+            break
         hist, request, reply = st[f"hist_{side}"], requests[side], replies[side]
+        stream = stream_reply(server, st[side], request, sampling)
         try:
-            for text, calls, stats in stream_reply(server, st[side], request, sampling):
-                if st.get("stopped"):  # Stop said so; nothing more may overwrite what it showed
-                    return
+            for text, calls, stats in stream:
+                if st.get("stopped"):  # the token that arrived after Stop is not shown
+                    break
                 reply["content"] = text
                 if calls:
                     reply["tool_calls"] = calls
-                shown = display(hist)
+                shown = display(hist, lang)
                 outputs = (shown, waiting(st["hist_b"], lang) if st["b"] else gr.skip()) if side == "a" \
                     else (gr.skip(), shown)
                 # the speed line and the textbox only when they change (a question typed meanwhile stays)
                 speed = " · ".join(speeds)
                 yield *outputs, gr.skip(), speed if speed != shown_speed else gr.skip(), st
                 shown_speed = speed
-            speeds.append(tr(lang, "chat.speed", name=st[side], n=stats["completion_tokens"],
-                             tps=f"{stats['tokens_per_s']:.1f}"))
+            else:
+                st["pending"].remove(side)
+                speeds.append(tr(lang, "chat.speed", name=st[side], n=stats["completion_tokens"],
+                                 tps=f"{stats['tokens_per_s']:.1f}"))
         except (httpx.HTTPError, RuntimeError) as exc:
+            if st.get("stopped"):  # the stream broke after Stop (e.g. Unload): what Stop asked for wins
+                break
             for other in sides:
                 if not replies[other]["content"] and st[f"hist_{other}"][-1] is replies[other]:
                     st[f"hist_{other}"].pop()
+            st["pending"] = []
             cut = isinstance(exc, httpx.TransportError)  # the connection broke (not an error the server answered)
             why = server.failure(lang) if server.ended(3.0 if cut else 0.0) else str(exc)
             yield gr.skip(), gr.skip(), "", "⛔ " + why.replace("\n", "  \n"), st
             return
-    yield display(st["hist_a"]), display(st["hist_b"]), "", " · ".join(speeds), st
+        finally:
+            stream.close()  # closes the request: after Stop, the server stops generating at its next token
+    if st.get("stopped"):
+        # this handler renders the stopped panes itself, as its last outputs: nothing it sent earlier can
+        # arrive after them (a question typed meanwhile stays in the textbox)
+        shown_a, shown_b, said, st = stopped(st, lang, speeds)
+        yield shown_a, shown_b, gr.skip(), said, st
+        return
+    yield display(st["hist_a"], lang), display(st["hist_b"], lang), "", " · ".join(speeds), st
 
 
 WAITING = "⏳ waiting: the other pane answers first"  # locale key chat.waiting
@@ -357,32 +433,42 @@ N_SAMPLING = 6  # respond()'s sampling values: max_new_tokens, temperature, top_
 
 def waiting(history: list[dict], lang: str = "en") -> list[dict]:
     """display() of a pane whose reply has not started: its empty last answer reads as waiting."""
-    shown = display(history)
+    shown = display(history, lang)
     if history and history[-1]["role"] == "assistant" and not history[-1].get("content") \
             and not history[-1].get("tool_calls"):
         shown[-1] = {"role": "assistant", "content": tr(lang, "chat.waiting")}
     return shown
 
 
-def stopped(st, lang: str = "en"):
-    """After Stop: partial answers stay; an answer that had not started is taken out of its history (the
-    question stays, so both panes still hold the same questions), and the speed line says what happened.
+def request_stop(st) -> None:
+    """Stop: the streaming handler (respond) ends at its next token and renders the stopped panes itself.
+    Inputs: state. Outputs: none."""
+    if st:
+        st["stopped"] = True
+
+
+def stopped(st, lang: str = "en", speeds: list[str] = ()):
+    """The panes after Stop, from the history: every answer not complete yet stays, partial or empty, marked
+    as stopped (an empty one keeps the turns alternating, so the next question continues the conversation
+    on both sides); the speed line says what happened (`speeds`: those of the answers that completed).
     Inputs: state, language. Outputs: chat_a, chat_b, speed, state."""
     st = st or empty_state()
-    st["stopped"] = True  # the reply being streamed yields nothing more
+    st["stopped"] = True
+    pending = st.pop("pending", None)
     notes = []
     for side, name in (("a", tr(lang, "chat.tuned" if st.get("b") else "chat.the_reply")),
                        ("b", tr(lang, "chat.base"))):
         hist = st.get(f"hist_{side}") or []
         if side == "b" and not st.get("b"):
             continue
-        if hist and hist[-1]["role"] == "assistant" and not hist[-1].get("content") and not hist[-1].get("tool_calls"):
-            hist.pop()
-            notes.append(tr(lang, "chat.not_answered", name=name))
-        elif hist and hist[-1]["role"] == "assistant":
-            notes.append(tr(lang, "chat.cut_short", name=name))
-    return (display(st["hist_a"]), display(st["hist_b"]) if st.get("b") else gr.skip(),
-            tr(lang, "chat.stopped") + (f" ({', '.join(notes)})" if notes else ""), st)
+        if not hist or hist[-1]["role"] != "assistant" or (pending is not None and side not in pending):
+            continue  # no answer here, or a complete one
+        hist[-1]["stopped"] = True
+        started = hist[-1].get("content") or hist[-1].get("tool_calls")
+        notes.append(tr(lang, "chat.cut_short" if started else "chat.not_answered", name=name))
+    said = tr(lang, "chat.stopped") + (f" ({', '.join(notes)})" if notes else "")
+    return (display(st["hist_a"], lang), display(st["hist_b"], lang) if st.get("b") else gr.skip(),
+            " · ".join([said, *speeds]), st)
 
 
 def drop_last_reply(st):
@@ -393,9 +479,9 @@ def drop_last_reply(st):
     return st
 
 
-def edit_last(st):
+def edit_last(st, lang: str = "en"):
     """Take the last user turn (and its replies) back into the textbox.
-    Inputs: state. Outputs: state, message, chat_a, chat_b."""
+    Inputs: state, language. Outputs: state, message, chat_a, chat_b."""
     text = ""
     for key in ("hist_a", "hist_b"):
         hist = st[key]
@@ -403,7 +489,7 @@ def edit_last(st):
             hist.pop()
         if hist and hist[-1]["role"] in ("user", "tool"):
             text = hist.pop()["content"]
-    return st, text, display(st["hist_a"]), display(st["hist_b"])
+    return st, text, display(st["hist_a"], lang), display(st["hist_b"], lang)
 
 
 def export(st, system):
@@ -423,13 +509,13 @@ def wire(ui: dict) -> None:
     sampling = [ui[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")]
     outputs = [ui["chat_a"], ui["chat_b"], ui["message"], ui["speed"], st]
     inputs = [ui["message"], ui["role"], st, ui["system"], ui["tools"], *sampling, top["lang"]]
-    send = ui["send"].click(respond, inputs, outputs)
-    submit = ui["message"].submit(respond, inputs, outputs)
-    regen = ui["regenerate"].click(drop_last_reply, [st], [st]).then(
+    ui["send"].click(respond, inputs, outputs)
+    ui["message"].submit(respond, inputs, outputs)
+    ui["regenerate"].click(drop_last_reply, [st], [st]).then(
         respond, [gr.State(""), ui["role"], st, ui["system"], ui["tools"], *sampling, top["lang"]], outputs)
-    ui["stop"].click(stopped, [st, top["lang"]], [ui["chat_a"], ui["chat_b"], ui["speed"], st],
-                     cancels=[send, submit, regen])
-    ui["edit"].click(edit_last, [st], [st, ui["message"], ui["chat_a"], ui["chat_b"]])
+    # no `cancels=`: respond() ends itself at the next token and renders the stopped panes (see the module doc)
+    ui["stop"].click(request_stop, [st], None)
+    ui["edit"].click(edit_last, [st, top["lang"]], [st, ui["message"], ui["chat_a"], ui["chat_b"]])
 
     def clear(s):
         """Inputs: state. Outputs: state, chat_a, chat_b, speed."""
@@ -437,5 +523,8 @@ def wire(ui: dict) -> None:
         return s, [], [], ""
 
     ui["clear"].click(clear, [st], [st, ui["chat_a"], ui["chat_b"], ui["speed"]])
+    for source in (top["adapter_name_or_path"], top["lang"]):
+        source.change(suggest, [top["adapter_name_or_path"], top["lang"]], [ui["probe"], ui["probe_question"]])
+    ui["probe"].click(use_probe, [ui["probe_question"]], [ui["message"]])
     ui["export"].click(export, [st, ui["system"]], [ui["export_file"]])
     ui["compare"].change(lambda on: gr.update(visible=bool(on)), [ui["compare"]], [ui["chat_b"]])

@@ -107,7 +107,7 @@ def test_measure_beside_a_training_run_says_so_and_waits_for_it(demo, root, busy
     args[0] = {}
     pst, view, timer = measure.fn(*args)
     assert "job" not in pst and pst.get("waiting"), view  # nothing started beside the run
-    assert "`tiny/lora/busy` is training now" in view and "CPU cores" in view and "Measure memory" in view
+    assert "<b>tiny/lora/busy</b> is training now" in view and "CPU cores" in view and "Measure memory" in view
     assert timer.active and _probe_jobs(root) == []
     view, timer = tick.fn(pst, "en")  # still training: still waiting, still saying why
     assert "is training now" in view and timer.active and "job" not in pst

@@ -45,6 +45,11 @@ def _header_html(tagline: str) -> str:
     )
 
 
+# The model box shows its whole value: the bundled model's label ("HuggingFaceTB/SmolLM2-135M-Instruct · bundled
+# Q4_1 GGUF") is about 460 px wide; on a narrower page the bar wraps rather than cut it.
+MODEL_BOX_MIN_WIDTH = 500
+
+
 def build_topbar(reg: Registry) -> dict:
     """The bar shared by all tabs: language, model, method, adapter, quantization, template, booster."""
     top: dict = {}
@@ -54,8 +59,8 @@ def build_topbar(reg: Registry) -> dict:
                                    min_width=130)
         top["model_name_or_path"] = reg.dropdown(
             "top-model_name_or_path", choices.model_ids(), value=paths.DEFAULT_MODEL_ID,
-            fixed_labels={paths.DEFAULT_MODEL_ID: paths.DEFAULT_MODEL_LABEL}, allow_custom_value=True, scale=3,
-            min_width=220)
+            fixed_labels={paths.DEFAULT_MODEL_ID: paths.DEFAULT_MODEL_LABEL}, allow_custom_value=True, scale=5,
+            min_width=MODEL_BOX_MIN_WIDTH)
         ft = table["finetuning_type"]
         top["finetuning_type"] = reg.dropdown("top-finetuning_type", F.dropdown_ids(ft),
                                               value=F.PRESET["finetuning_type"], scale=1, min_width=115)

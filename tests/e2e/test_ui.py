@@ -1,5 +1,6 @@
 """The web UI in headless Chromium: tabs and screenshots, language switch, dataset preview with coloured
 spans, dataset registration, a training run from the form (live plot, reload, abort), run overlay."""
+import re
 import json
 import time
 
@@ -52,7 +53,8 @@ def test_validation_error_shown_next_to_field(app_page):
     box.press("Tab")
     app_page.locator("#train-preview").click()
     expect(app_page.locator("#train-errors")).to_contain_text("cutoff_len")
-    expect(app_page.locator("#train-cutoff_len")).to_contain_text("⛔")
+    expect(app_page.locator("#train-cutoff_len")).to_have_class(re.compile(r"\btb-field-error\b"))
+    expect(app_page.locator("#train-cutoff_len .info-text")).to_contain_text("must be")
 
 
 def _step(page):

@@ -30,6 +30,7 @@ def test_loss_series_are_named_in_the_page_language():
 def test_plot_axis_titles_come_from_the_locale(lang, step, loss):
     loss_plot, lr_plot, *stage_plots = T.plot_axes_updates(lang)
     assert loss_plot["x_title"] == step and loss_plot["y_title"] == loss
+    assert loss_plot["color_title"] == T.tr(lang, "plot.series_title") != T.tr("en" if lang != "en" else "de", "plot.series_title")
     assert lr_plot["x_title"] == step and lr_plot["y_title"] == T.tr(lang, "plot.lr")
     assert len(stage_plots) == len(live.plot_names())
     assert all(p["x_title"] == step and p["y_axis_format"] == ".4~g" for p in stage_plots)

@@ -35,12 +35,14 @@ EXTRA_ARGS_ID = "train-extra_args"
 NONE_ID = "none"     # the id of "unset" in a dropdown of an optional choice
 AUTO_ID = "auto"     # the id of "unset" in a tri-state (optional bool) dropdown
 
-# The first-open preset: finishes in a few minutes on 2 CPU cores with the bundled model.
+# The first-open preset: the demo recipe (examples/sft_lora_identity.yaml, same teaching values; a test holds
+# the two together). With the bundled model it finishes in a few minutes on 2 CPU cores, and the tuned model
+# answers "Who are you?" with identity_name (the old 30 steps at 2e-4 left it answering as before).
 PRESET: dict[str, Any] = {
     "stage": "sft", "finetuning_type": "lora", "dataset": "identity", "cutoff_len": 256,
-    "max_steps": 30, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
-    "learning_rate": 2.0e-4, "logging_steps": 1, "save_steps": 10, "save_total_limit": 2,
-    "lora_rank": 8, "lora_target": "all", "warmup_steps": 2, "plot_loss": True,
+    "num_train_epochs": 3.0, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+    "learning_rate": 1.0e-3, "logging_steps": 1, "save_steps": 10, "save_total_limit": 2,
+    "lora_rank": 8, "lora_target": "all", "warmup_steps": 2, "gradient_checkpointing": False, "plot_loss": True,
 }
 
 BOOSTERS = ("auto", "disabled", "sdpa", "fa2", "fa3", "liger")

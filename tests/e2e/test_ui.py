@@ -13,7 +13,7 @@ from ui_actions import open_tab
 def test_tabs_render_and_screenshots(app_page, shot):
     expect(app_page.locator("#tb-header")).to_contain_text("TuneBoard")
     expect(app_page.locator("#train-start")).to_be_visible()
-    expect(app_page.locator("#train-max_steps input")).to_have_value("30")
+    expect(app_page.locator("#train-max_steps input")).to_have_value("-1")  # the preset trains by epochs (the demo recipe)
     shot("train")
     open_tab(app_page, "Runs")
     expect(app_page.locator("#runs-table")).to_be_visible()

@@ -21,7 +21,7 @@ def form_values(overrides=None, booster="auto", extra=""):
 def test_preset_is_a_valid_quick_run():
     flat, pre = T.collect(NAMES, TOP, form_values())
     spec, errors = T.check(flat, pre)
-    assert errors == [] and spec.max_steps == 30 and spec.cutoff_len == 256
+    assert errors == [] and spec.max_steps == -1 and spec.num_train_epochs == 3.0 and spec.cutoff_len == 256
     assert spec.dataset == "identity" and spec.finetuning_type == "lora"
 
 

@@ -23,6 +23,7 @@ TOKENS_PER_TURN tokens from its StoppingCriteria, so a short request is never st
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import sys
@@ -33,7 +34,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+import yaml
+
+from backend.resolve import pick_template
+from backend.rundir import SPEC_FILE
 from backend.scheduler import TOKENS_PER_TURN, TurnLock
+from backend.templates import get_template
 
 Warn = Callable[[str], None]
 
@@ -418,6 +424,7 @@ class HFEngine:
 
     def _generate_kwargs(self, s: Sampling, prompt_len: int, stops: list[str], stop_event,
                          time_limit: float | None = None):
+        # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
         from transformers import GenerationConfig, StoppingCriteriaList
 
         tok = self.tokenizer
@@ -454,6 +461,7 @@ class HFEngine:
         """generate() in turns on the shared model. None when the request ended (stop_event set: the client
         left; or its time limit ran out) while it waited for its first turn: nothing was generated. Once
         started, `criteria` hands the turn on every TOKENS_PER_TURN tokens while others wait."""
+        # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
         import torch
 
         inputs = torch.tensor([ids], device=self.model.device)
@@ -491,6 +499,7 @@ class HFEngine:
 
     def stream(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
                **sampling) -> Stream:
+        # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
         from transformers import TextIteratorStreamer
 
         make_sampling(self.defaults, sampling)
@@ -567,6 +576,7 @@ class _Criteria:
         return self.aborted or self.timed_out
 
     def __call__(self, input_ids, scores=None, **kwargs):
+        # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
         import torch
 
         self.generated = input_ids.shape[1] - self.prompt_len
@@ -607,6 +617,7 @@ class _Turns:
 
 def _rng_state(device) -> tuple:
     """The default generators' states used when sampling on `device` (the CPU's, and the accelerator's)."""
+    # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
     import torch
 
     accel = getattr(torch, device.type, None) if device.type != "cpu" else None
@@ -614,6 +625,7 @@ def _rng_state(device) -> tuple:
 
 
 def _set_rng_state(device, state: tuple) -> None:
+    # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
     import torch
 
     torch.set_rng_state(state[0])
@@ -625,7 +637,7 @@ def _set_rng_state(device, state: tuple) -> None:
 def vllm_unavailable() -> str | None:
     """Why vLLM cannot run here, or None when it can."""
     try:
-        import torch
+        import torch  # heavy: the module top stays light (chat, API, distill import it)
 
         if not torch.cuda.is_available():
             return "no CUDA GPU"
@@ -659,6 +671,7 @@ class VLLMEngine:
 
     def chat(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
              **sampling) -> Reply:
+        # optional (vllm extra, GPU only) and heavy: imported only when vLLM serves
         from vllm import SamplingParams
 
         make_sampling(self.defaults, sampling)
@@ -729,10 +742,6 @@ def adapter_display_name(path: str) -> str:
 def trained_template(adapter: str) -> str | None:
     """The template named in the adapter's run_spec.yaml (or its run dir's, for checkpoint-N): chat then
     renders exactly as training did even when the tokenizer's own template differs."""
-    import yaml
-
-    from backend.rundir import SPEC_FILE
-
     for folder in (Path(adapter), Path(adapter).parent):
         f = folder / SPEC_FILE
         if f.is_file():
@@ -790,8 +799,8 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
             return _load_vllm(spec, served, warn, log)
         warn(f"infer_backend vllm: {why}: using transformers (huggingface) instead")
 
+    # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
     from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
-    from backend.resolve import pick_template
 
     resolved = resolve_model(spec.model_name_or_path)
     log(f"loading {resolved.model_id} ...")
@@ -806,8 +815,6 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
         if spec.template == "auto" and entry.adapters:
             name = trained_template(entry.adapters[-1])
             if name:
-                from backend.templates import get_template
-
                 return get_template(name, tokenizer)
         return base_template
 
@@ -818,6 +825,7 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
         model = load_model(spec, resolved, for_training=False, warn=warn)
         keys = {}
         for i, entry in enumerate(e for e in singles if e.adapters):
+            # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
             from peft import PeftModel
 
             keys[entry.name] = f"adapter_{i}"
@@ -850,8 +858,6 @@ def replace_spec(spec, **changes):
     try:
         return replace(spec, **changes)
     except TypeError:
-        import copy
-
         new = copy.copy(spec)
         for k, v in changes.items():
             setattr(new, k, v)
@@ -859,11 +865,11 @@ def replace_spec(spec, **changes):
 
 
 def _load_vllm(spec, served: list[Served], warn: Warn, log) -> dict[str, Engine]:
+    # optional (vllm extra, GPU only) and heavy: imported only when vLLM serves
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
     from backend.models import load_tokenizer, model_folder, resolve_model
-    from backend.resolve import pick_template
 
     if any(len(e.adapters) > 1 for e in served):
         raise ValueError("infer_backend vllm serves one adapter per model: merge stacked adapters first "

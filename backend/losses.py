@@ -109,7 +109,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     more than one chunk of logits. On a GPU with liger-kernel: Liger's fused kernel (same sum)."""
     if hidden.is_cuda:
         if liger_usable():
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # optional dependency (GPU)
 
             kwargs = {"softcap": softcap} if softcap else {}
             return LigerFusedLinearCrossEntropyLoss(reduction="sum", **kwargs)(weight, hidden, labels, bias).float()

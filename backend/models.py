@@ -15,20 +15,32 @@ field names works (backend.spec.RunSpec, or a SimpleNamespace in tests).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft.optimizers import create_loraplus_optimizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          BitsAndBytesConfig)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.pytorch_utils import Conv1D
 
+from backend.checkpointing import checkpoint_kwargs, choose
 from backend.losses import causal_lm_loss, liger_usable
 from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
@@ -36,19 +48,6 @@ from backend.registry import RegistryEntry, load_registry, lookup_registry  # no
 
 logger = logging.getLogger("tuneboard.models")
 Warn = Callable[[str], None]
-
-
-class _NoKernelsNotice(logging.Filter):
-    """peft imports bitsandbytes whenever it is installed (peft/helpers.py, also through TRL's trainers), and
-    bitsandbytes' CPU backend then logs "Failed to load CPU gemm_4bit_forward from kernels-community" (the
-    optional `kernels` package). That import cannot be made lazy from here, and the notice is about a 4-bit
-    kernel: it is dropped, so a run (or chat server) without quantization does not open with it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "gemm_4bit_forward" not in str(record.msg)
-
-
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelsNotice())
 
 
 # Methods the spec accepts (LLaMA-Factory names) that a later issue implements.
@@ -111,8 +110,6 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 def _family_from_gguf(path: Path) -> str | None:
     """general.architecture from the GGUF header. Read by hand because gguf.GGUFReader indexes every
     tensor and vocabulary entry first (~10 s for the default model); this reads a few hundred bytes."""
-    import struct
-
     def read(f, fmt):
         size = struct.calcsize(fmt)
         data = f.read(size)
@@ -206,8 +203,6 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
         raise ValueError(f"model path '{name}' does not exist")
 
     # A hub id: only what is already in the local Hugging Face cache.
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
 
     try:
         snapshot = Path(snapshot_download(name, local_files_only=True))
@@ -255,8 +250,6 @@ def materialize_gguf(gguf_path: str | os.PathLike) -> Path:
     if target.exists():  # damaged by hand (our own writes are atomic): convert again
         shutil.rmtree(target, ignore_errors=True)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -296,8 +289,6 @@ def load_tokenizer(resolved: ResolvedModel, *, trust_remote_code: bool = False, 
     labels come from explicit spans, never from pad ids, so pad == eos does not unlearn the stop token.
     new_special_tokens (a comma list) are added as special tokens (never split); load_model() then grows the
     embeddings to match (see resize_vocab)."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_folder(resolved), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -362,9 +353,6 @@ def compute_dtype(spec: Any, warn: Warn | None = None) -> torch.dtype:
 def _supports_sdpa(folder: Path, trust_remote_code: bool = False) -> bool:
     """Whether the model class behind config.json has an SDPA path (Gemma 2, for one, has not)."""
     try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True))
     except Exception:  # remote code or an unknown class: let transformers decide when loading
@@ -418,7 +406,6 @@ def quantization_config(spec: Any, dtype: torch.dtype):
     bits = _get(spec, "quantization_bit", None)
     if bits in (None, 0):
         return None
-    from transformers import BitsAndBytesConfig
 
     bits = int(bits)
     if bits == 8:
@@ -457,8 +444,6 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
     for QLoRA, gradient checkpointing. GGUF models load from their materialized folder.
     reward_head: the model with a one-output score head instead of the LM head (a reward model: stage rm);
     the head is new (random) unless the folder is a saved reward model."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     warn = warn or _default_warn
     folder = model_folder(resolved)
     remote = bool(_get(spec, "trust_remote_code", False))
@@ -503,14 +488,11 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
 
     model.config.use_cache = False  # caching is for generation; with checkpointing it is an error
     checkpointing = gradient_checkpointing_on(spec)
-    from backend.checkpointing import checkpoint_kwargs, choose
 
     if checkpointing:
         choose(spec, model)  # selective or plain, from the memory it would take (backend/checkpointing.py)
 
     if quant is not None:
-        from peft import prepare_model_for_kbit_training
-
         keep_4bit_layout_trainable(model)
         model = prepare_model_for_kbit_training(
             model,
@@ -704,10 +686,6 @@ def rope_scaled_config(spec: Any, folder: Path, remote: bool, warn: Warn):
     rescaling past max_position_embeddings), the original length kept for dynamic / yarn / llama3
     (llama3 with Meta's low/high frequency factors 1 and 4). Only where cutoff_len exceeds the model's
     positions (else nothing would change: an error, as validate says for local folders)."""
-    import math
-
-    from transformers import AutoConfig
-
     kind = str(_get(spec, "rope_scaling"))
     config = AutoConfig.from_pretrained(folder, trust_remote_code=remote)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -755,9 +733,7 @@ def install_optimizer(trainer, spec: Any) -> None:
 
 def build_optimizer(spec: Any, model, args):
     """The LoRA+ or GaLore optimizer for this model and these TrainingArguments (see install_optimizer)."""
-    import copy
-
-    from transformers import Trainer
+    from transformers import Trainer  # the trainer stack (accelerate): only a training run pays for it
 
     if _get(spec, "use_galore", False):
         galore = copy.copy(args)  # the TrainingArguments of transformers' own GaLore optimizers
@@ -776,8 +752,6 @@ def build_optimizer(spec: Any, model, args):
         optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(galore, model)
         params = kwargs.pop("params")
         return optimizer_cls(params, **kwargs)
-
-    from peft.optimizers import create_loraplus_optimizer
 
     optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     kwargs = {k: v for k, v in kwargs.items() if k != "lr"}
@@ -801,8 +775,6 @@ def find_all_linear_modules(model) -> list[str]:
     """Short names of every linear layer (nn.Linear, bitsandbytes Linear4bit/8bitLt, GPT-2 Conv1D) except
     the output head, found by identity (model.get_output_embeddings()) so tied or renamed heads are
     excluded too. Our own rather than peft's "all-linear": we also need the list for error messages."""
-    from transformers.pytorch_utils import Conv1D
-
     head = model.get_output_embeddings()
     names = set()
     for name, module in model.named_modules():
@@ -887,8 +859,6 @@ def _check_adapter(path: str) -> str:
 
 
 def _setup_lora(model, spec: Any, for_training: bool):
-    from peft import LoraConfig, PeftModel, get_peft_model
-
     adapters = [_check_adapter(p) for p in _split(_get(spec, "adapter_name_or_path", None))]
     create_new = bool(_get(spec, "create_new_adapter", False))
     quantized = _is_quantized(model)

@@ -2,18 +2,28 @@
 `fit()` (the Trainer with our logging callback, resume, save, plot).
 
 Stage modules (backend/stages/<id>.py) import these; backend.train (the run life cycle) imports the
-stage modules, never the other way round.
+stage modules, never the other way round. The top of this module stays light (no torch, transformers,
+datasets): backend.train imports it at its own top and has written the run's status before the heavy stack
+loads; the functions import that stack where they need it.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend import paths
+from backend import paths, probe
+from backend.checkpointing import checkpoint_kwargs, described, given_by_spec
 from backend.curves import loss_summary
+from backend.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
+from backend.plot import plot_loss
+from backend.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
+from backend.resolve import pick_template
 from backend.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, RunDir, checkpoint_step, checkpoints,
                             is_complete_checkpoint)
+from backend.stages import get_stage
 
 
 @dataclass
@@ -39,8 +49,6 @@ STAGING_PREFIX = ".saving-"  # out/.saving-N/checkpoint-N while the Trainer writ
 
 def remove_staged_checkpoints(out: Path, log=print) -> None:
     """Drop staging folders a killed save left behind (never a checkpoint: it was not renamed into place)."""
-    import shutil
-
     for stale in Path(out).glob(f"{STAGING_PREFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
         log(f"removed {stale.name}, an unfinished checkpoint save of an earlier process")
@@ -56,9 +64,7 @@ def save_checkpoints_atomically(trainer) -> None:
     the Trainer's own code (and a TRL subclass's override) does the writing; the best-checkpoint path and the
     save_total_limit rotation, which the Trainer does inside the staging folder, are redone for the real
     folder here."""
-    import os
-    import shutil
-
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
     original = trainer._save_checkpoint  # bound: a TRL override calls Trainer._save_checkpoint via super()
@@ -160,6 +166,7 @@ def fit_to_installed(kwargs: dict, args_class) -> dict:
 def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extra: dict | None = None):
     """TrainingArguments (or a TRL config built on them: args_class, with its own keys in `extra`)
     from the spec, with the settings our run directory relies on."""
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from transformers import TrainingArguments
 
     from backend.models import gradient_checkpointing_on
@@ -168,7 +175,6 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     kwargs = fit_to_installed(spec.training_arguments(), args_class)
     if "gradient_checkpointing" in args_class.__dataclass_fields__:  # TRL configs default it to True
         kwargs["gradient_checkpointing"] = gradient_checkpointing_on(spec)
-    from backend.checkpointing import checkpoint_kwargs, given_by_spec
 
     if gradient_checkpointing_on(spec) and not given_by_spec(spec):  # the Trainer enables checkpointing again
         kwargs.update(fit_to_installed({"activation_checkpointing_kwargs": checkpoint_kwargs()}, args_class))
@@ -177,6 +183,7 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     kwargs.setdefault("include_num_input_tokens_seen", "non_padding")  # for tokens/s
     kwargs.setdefault("disable_tqdm", True)  # the run log says the progress, line by line
     kwargs["remove_unused_columns"] = False  # our rows carry exactly what the collator needs
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     import torch
 
     from backend.models import compute_dtype
@@ -200,9 +207,8 @@ def distributed_arguments(spec) -> dict:
     """TrainingArguments of the spec's sharding engine: deepspeed (the config file's path; on a CPU-only
     machine DeepSpeed runs on its CPU accelerator, which transformers only picks with use_cpu, else each rank
     trains alone and the "auto" batch sizes assert), or fsdp + fsdp_config from an accelerate FSDP config."""
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     import torch
-
-    from backend.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
 
     out: dict = {}
     if (spec.deepspeed or world_size(spec) > 1) and not torch.cuda.is_available():
@@ -221,12 +227,12 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     """Train with a Trainer (the HF one, or a stage's TRL trainer: trainer_class + args_class with its
     `config` keys and extra `trainer_kwargs` such as ref_model) and our callback, save, plot: the shared
     tail of every stage. The callback logs the metric keys the stage declares (backend/stages)."""
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from transformers import EarlyStoppingCallback, Trainer
     from transformers.trainer_callback import PrinterCallback
 
     from backend.callbacks import RunDirCallback, agreed_stop
     from backend.models import install_optimizer
-    from backend.stages import get_stage
 
     out = run_dir.path
     checkpoint = resume_checkpoint(spec, out, log=run_dir.log)
@@ -244,7 +250,6 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     if eval_dataset is not None and getattr(spec, "early_stopping_patience", None):
         early = EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience)
         callbacks.append(early)
-    from backend import probe
 
     if probe.active():  # a `tuneboard probe` child: longest rows first, measured (backend/probe.py)
         train_dataset, collator = probe.instrument(train_dataset, collator, callbacks)
@@ -281,8 +286,6 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         eval_metrics = done[-1] if done else trainer.evaluate()  # no second point at the same step
         metrics.update({k: v for k, v in eval_metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))})
     if spec.plot_loss and run_dir.writer:
-        from backend.plot import plot_loss
-
         path = plot_loss(out)
         if path:
             run_dir.log(f"loss plot: {path}")
@@ -295,8 +298,8 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
 def tokenizer_and_template(spec, run_dir: RunDir):
     """(resolved model, tokenizer, template): step 1 of every conversation stage, so new_special_tokens,
     the template and enable_thinking mean the same in sft, dpo, kto and rm."""
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.models import load_tokenizer, resolve_model
-    from backend.resolve import pick_template
 
     resolved = resolve_model(spec.model_name_or_path)
     tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
@@ -322,6 +325,7 @@ def predict_held_out(spec, run_dir: RunDir, result: StageResult, model, tokenize
 
 def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
     """Examples of the named datasets, with the data report in the run log."""
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.data import load_examples
 
     examples, report = load_examples(
@@ -336,6 +340,7 @@ def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
 
 def train_and_eval_rows(spec, run_dir: RunDir, stage: str) -> tuple[list[dict], list[dict]]:
     """Training rows and held-out rows: `eval_dataset` if given, else the `val_size` split."""
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.data import split_train_val
 
     train, held_out = split_train_val(load_rows(spec, run_dir, spec.dataset, stage), spec.val_size, spec.seed)
@@ -349,10 +354,8 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
     padding-free batches (each batch's rows concatenated: the same rows per step as padding, no pad token
     computed) where they are exact for its attention (backend.models.padding_free_problem); else padded rows.
     TUNEBOARD_PADDING_FREE=0 in the environment keeps padding (for side-by-side measurements: bench/)."""
-    import os
-
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.models import padding_free_problem
-    from backend.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 
     if not rows:
         raise RunError("no training rows left after preprocessing (see the warnings above)")
@@ -380,8 +383,7 @@ def _use_varlen(model) -> str | None:
     """Switch a model that passed the padding-free probe to the varlen SDPA (backend/attention.py: one causal
     SDPA per row of a concatenated batch, rows from the collator's cu_seq_lens): None when switched, else why
     not. TUNEBOARD_VARLEN=0 keeps SDPA."""
-    import os
-
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.attention import use_varlen_attention
 
     if os.environ.get("TUNEBOARD_VARLEN", "1") == "0":
@@ -398,8 +400,7 @@ def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = Fal
     load_model, e.g. reward_head=True for stage rm). chunked_loss (sft, pt): the training loss is computed
     from the last hidden state in chunks, never the full logits (backend.losses), where that is exact for
     this model; TUNEBOARD_CHUNKED_LOSS=0 in the environment keeps the plain loss (for bench/)."""
-    import os
-
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.models import (apply_finetuning, count_parameters, describe_model, gradient_checkpointing_on,
                                 install_chunked_loss, load_model)
 
@@ -408,8 +409,6 @@ def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = Fal
     if paths.weights_note(spec.model_name_or_path):
         run_dir.log(f"model: {paths.weights_note(spec.model_name_or_path)}")
     if gradient_checkpointing_on(spec):
-        from backend.checkpointing import described
-
         run_dir.log(f"gradient checkpointing: {described()}")
     model = apply_finetuning(model, spec, warn=run_dir.warn)
     trainable, total = count_parameters(model)
@@ -444,6 +443,7 @@ def reference_model(spec, run_dir: RunDir, resolved, policy):
       ("ref": a continued adapter_name_or_path, PiSSA). LLaMA-Factory disables the adapter instead, which makes
       the base model the reference even after SFT (its issue #8459 reports that as a bug); we keep TRL's choice.
     - full / freeze: a frozen copy of the base model (the training changes the weights themselves)."""
+    # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.models import load_model, resolve_model
 
     if spec.ref_model:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-# backend.models first: it silences bitsandbytes' "kernels-community" notice, which importing trl would print
-import backend.models  # noqa: F401  # isort: skip
 from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer

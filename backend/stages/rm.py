@@ -15,6 +15,11 @@ rule), so the model config carries the tokenizer's pad token, here and when relo
 """
 from __future__ import annotations
 
+import torch
+from datasets import Dataset
+from transformers import set_seed
+from trl import RewardConfig, RewardTrainer
+
 from backend.models import _upcast_trainable, load_tokenizer, resolve_model
 from backend.preference import build_preference_dataset
 from backend.resolve import pick_template
@@ -25,10 +30,6 @@ PREDICTIONS_FILE = "generated_predictions.jsonl"
 
 
 def run(spec, run_dir, stop) -> StageResult:
-    from datasets import Dataset
-    from transformers import set_seed
-    from trl import RewardConfig
-
     # 1. tokenizer and template
     resolved = resolve_model(spec.model_name_or_path)
     tokenizer = load_tokenizer(resolved)
@@ -66,9 +67,6 @@ def run(spec, run_dir, stop) -> StageResult:
 
 
 def _reward_trainer_class(spec):
-    import torch
-    from trl import RewardTrainer
-
     class _RewardTrainer(RewardTrainer):
         """TRL's RewardTrainer (it logs accuracy, margin, min/mean/max_reward), plus the mean score of the
         chosen and of the rejected answers (rewards/chosen, rewards/rejected), as the DPO stages name them."""

@@ -22,13 +22,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from jsonschema import Draft202012Validator
+
 from backend import allowed, teacher_access
 from backend.atomic import write_text_atomic
 from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, REJECTED_FILE, SPEC_FILE,
-                             TEACHER_LOG, TRAIN_DIRNAME, DistillError)
+                             TEACHER_LOG, TRAIN_DIRNAME, DistillError, read_progress)
+from backend.distill.documents import (DocumentError, chunk_documents, load_documents, near_duplicates,
+                                       split_documents)
 from backend.distill.scorecard import score
-from backend.distill.spec import DistillSpec
-from backend.distill.teacher import CUT, reply_budget
+from backend.distill.spec import DistillSpec, DistillSpecError, distill_fields, load_distill
+from backend.distill.teacher import (CUT, Budget, BudgetExhausted, LocalTeacher, Teacher, TeacherError, TeacherFatal,
+                                     read_api_key, reply_budget, teacher_messages)
+from backend.metrics import parse_json
+from backend.resolve import pick_template
+from backend.rundir import RunDir
 
 LATEST = 20          # pairs shown in the UI's table (progress.json keeps this many, each field clipped)
 LATEST_CHARS = 300   # of a pair's prompt, answer and detail in progress.json (the table shows 300)
@@ -74,8 +82,6 @@ class Validator:
         self.spec, self.tokenizer = spec, tokenizer
         schema = spec.schema_dict()
         if schema is not None:
-            from jsonschema import Draft202012Validator
-
             self.schema = Draft202012Validator(schema)
         else:
             self.schema = None
@@ -84,8 +90,6 @@ class Validator:
         """Length before format: a reply past its byte budget, a teacher that hit max_tokens, an answer that is
         no JSON and longer than answer_tokens are "too long", not "not JSON". The detail never repeats the
         answer (rejected.jsonl keeps an excerpt of it beside)."""
-        from backend.metrics import parse_json
-
         n = self.spec.answer_tokens
         if finish_reason == CUT:
             return None, "too long", (f"the reply passed {reply_budget(n)} bytes (the budget for answer_tokens {n}: "
@@ -217,11 +221,7 @@ def guarded(spec: DistillSpec) -> bool:
 def generate(spec: DistillSpec, run_dir, stop) -> int:
     """The generate step; returns the exit code (0 ok, 1 failed, 130 stopped). Never raises for a user's
     mistake: the status and the log say what went wrong."""
-    from backend.distill.documents import (chunk_documents, load_documents, near_duplicates, split_documents)
-    from backend.distill.teacher import (Budget, BudgetExhausted, LocalTeacher, Teacher, TeacherError,
-                                         TeacherFatal, read_api_key, teacher_messages)
-    from backend.models import load_tokenizer, resolve_model
-    from backend.resolve import pick_template
+    from backend.models import load_tokenizer, resolve_model  # heavy (torch): the UI imports this module
 
     check_teacher_access(spec)
     out = spec.resolved_output_dir()
@@ -438,7 +438,7 @@ def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokeni
     """<dataset_dir>/<name>.json (+ <name>_eval.json) in LLaMA-Factory's alpaca format, registered in
     dataset_info.json through backend.data.register_dataset (checked, written atomically). A name already
     registered for another file is refused (dataset_name)."""
-    from backend.data import DatasetError, load_dataset_info, register_dataset
+    from backend.data import DatasetError, load_dataset_info, register_dataset  # heavy (datasets): UI imports this
 
     ddir = spec.resolved_dataset_dir()
     ddir.mkdir(parents=True, exist_ok=True)
@@ -488,8 +488,6 @@ def train_overrides(spec: DistillSpec, dataset: dict | None, output_dir: Path | 
 
 def train(spec: DistillSpec, run_dir) -> int:
     """`tuneboard train` on the dataset (a child process: its own run folder, status and log)."""
-    from backend.distill import read_progress
-
     dataset = read_progress(spec.resolved_output_dir()).get("dataset")
     if not dataset:
         raise DistillError("step train: no registered dataset in this run folder yet (run step generate first)")
@@ -518,8 +516,7 @@ def _cli(value) -> str:
 # --------------------------------------------------------------------------------------------- run
 def run(spec: DistillSpec) -> int:
     """Every step of spec.steps in order, in one run folder; returns the exit code."""
-    from backend.callbacks import StopSwitch
-    from backend.rundir import RunDir
+    from backend.callbacks import StopSwitch  # heavy (transformers): the UI imports this module
 
     out = spec.resolved_output_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -546,9 +543,6 @@ def run(spec: DistillSpec) -> int:
                 run_dir.finish("failed", code)
                 return code
     except Exception as exc:  # noqa: BLE001 - the status and the log say why
-        from backend.distill.documents import DocumentError
-        from backend.distill.teacher import TeacherFatal
-
         known = (DistillError, DocumentError, TeacherFatal, FileNotFoundError, ValueError)
         message = str(exc) if isinstance(exc, known) else f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, known):
@@ -574,8 +568,6 @@ keys:
 
 
 def main(args: list[str]) -> int:
-    from backend.distill.spec import DistillSpecError, distill_fields, load_distill
-
     if not args or args[0] in ("-h", "--help"):
         lines = [f"  {f['name']:<24} {f['description']}" + ("" if f["required"] else f" (default: {f['default']!r})")
                  for f in distill_fields()]

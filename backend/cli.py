@@ -7,6 +7,7 @@ heavy is imported.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 
@@ -33,7 +34,8 @@ Run `tuneboard <command> --help` for a command's options.
 
 
 from backend import allocator, supervise  # light: no torch
-from backend.spec import load_or_report  # light: no torch
+from backend.launch import launch_commands, visible_accelerators  # light: no torch
+from backend.spec import load_or_report, spec_fields  # light: no torch
 
 
 def _offline_env() -> None:
@@ -43,8 +45,6 @@ def _offline_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     if not os.environ.get("DS_ACCELERATOR"):  # DeepSpeed (imported by transformers) warns when it has to guess
-        from backend.launch import visible_accelerators
-
         if not visible_accelerators():
             os.environ["DS_ACCELERATOR"] = "cpu"
 
@@ -73,26 +73,22 @@ def cmd_train(args: list[str]) -> int:
     if spec is None:
         return 1
     if print_launch:
-        from backend.launch import launch_commands
-
         for node, line in enumerate(launch_commands(args, spec)):
             print(f"# node {node}" + (" (main: writes the run folder)" if node == 0 else ""))
             print(line)
         return 0
-    from backend.train import run
+    from backend.train import run  # lazy: a command loads only what it runs
 
     return run(spec, args)
 
 
 def cmd_probe(args: list[str]) -> int:
-    from backend.probe import main as probe_main
+    from backend.probe import main as probe_main  # lazy: a command loads only what it runs
 
     return probe_main(args)
 
 
 def cmd_fields(args: list[str]) -> int:
-    from backend.spec import spec_fields
-
     for f in spec_fields():
         choices = f" [{' | '.join(map(str, f['choices']))}]" if f.get("choices") else ""
         print(f"{f['name']:<32} {f['description']}{choices} (default: {f['default']!r})")
@@ -100,7 +96,7 @@ def cmd_fields(args: list[str]) -> int:
 
 
 def cmd_preview(args: list[str]) -> int:
-    from backend.preview import main as preview_main
+    from backend.preview import main as preview_main  # lazy: a command loads only what it runs
 
     return preview_main(args)
 
@@ -113,13 +109,13 @@ def cmd_chat(args: list[str]) -> int:
     spec = load_or_report(opts.spec)
     if spec is None:
         return 1
-    from backend.chat import main as chat_main
+    from backend.chat import main as chat_main  # lazy: a command loads only what it runs
 
     return chat_main(spec, query=opts.query)
 
 
 def cmd_api(args: list[str]) -> int:
-    from backend.api import main as api_main
+    from backend.api import main as api_main  # lazy: a command loads only what it runs
 
     return api_main(args)
 
@@ -133,14 +129,14 @@ def cmd_not_yet(name: str):
 
 
 def cmd_distill(args: list[str]) -> int:
-    from backend.distill.pipeline import main as distill_main
+    from backend.distill.pipeline import main as distill_main  # lazy: a command loads only what it runs
 
     return distill_main(args)
 
 
 def cmd_webui(args: list[str]) -> int:
     try:
-        from webui.app import main as webui_main
+        from webui.app import main as webui_main  # lazy: a command loads only what it runs
     except ImportError as exc:
         print(f"error: the web UI is not available: {exc}", file=sys.stderr)
         return 2
@@ -148,13 +144,13 @@ def cmd_webui(args: list[str]) -> int:
 
 
 def cmd_export(args: list[str]) -> int:
-    from backend.export import main as export_main
+    from backend.export import main as export_main  # lazy: a command loads only what it runs
 
     return export_main(args)
 
 
 def cmd_eval(args: list[str]) -> int:
-    from backend.evaluate import main as eval_main
+    from backend.evaluate import main as eval_main  # lazy: a command loads only what it runs
 
     return eval_main(args)
 
@@ -183,8 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None:
-        import difflib
-
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"error: unknown command '{argv[0]}'{hint}\n\n{USAGE}", file=sys.stderr, end="")

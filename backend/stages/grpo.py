@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import json
 
-# backend.models first: it silences bitsandbytes' "kernels-community" notice, which importing trl would print
-from backend.models import _upcast_trainable  # isort: skip
+import torch
+from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from backend.engine import stop_token_ids
+from backend.models import _upcast_trainable
 from backend.rewards import RewardError, build_reward_funcs, load_schema, split_names
 from backend.rundir import COMPLETIONS_FILE
 from backend.stages.base import (RunError, StageResult, adapter_is_identity, fit, load_rows, tokenizer_and_template,
@@ -41,9 +43,6 @@ SAMPLES_PER_LOG = 8  # completions written to completions.jsonl per logging step
 
 
 def run(spec, run_dir, stop) -> StageResult:
-    import torch
-    from datasets import Dataset
-
     if spec.use_vllm and not torch.cuda.is_available():
         raise RunError("use_vllm: vLLM generation needs a GPU and torch sees none: leave use_vllm off to generate "
                        "with transformers")
@@ -65,8 +64,6 @@ def run(spec, run_dir, stop) -> StageResult:
     run_dir.log("rewards: " + ", ".join(f"{name} x {w:g}" for name, w in zip(split_names(spec.reward_funcs), weights)))
 
     # 4. model and adapters; generation ends at the template's end of turn
-    from backend.engine import stop_token_ids
-
     model = trainable_model(spec, run_dir, resolved)
     model.generation_config.eos_token_id = stop_token_ids(tokenizer, template)
     if spec.grpo_beta == 0:

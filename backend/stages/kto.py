@@ -16,15 +16,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from accelerate.utils import is_peft_model
+from datasets import Dataset
+from trl import KTOConfig, KTOTrainer
+
+from backend.models import _upcast_trainable
 from backend.preference import build_kto_dataset
 from backend.stages.base import (StageResult, adapter_is_identity, fit, predict_held_out, reference_model,
                                  tokenizer_and_template, train_and_eval_rows, trainable_model)
 
 
 def run(spec, run_dir, stop) -> StageResult:
-    from datasets import Dataset
-    from trl import KTOConfig
-
     # 1. tokenizer and template
     resolved, tokenizer, template = tokenizer_and_template(spec, run_dir)
 
@@ -57,11 +59,6 @@ def run(spec, run_dir, stop) -> StageResult:
 
 
 def _kto_trainer_class(spec):
-    from accelerate.utils import is_peft_model
-    from trl import KTOTrainer
-
-    from backend.models import _upcast_trainable
-
     class _KTOTrainer(KTOTrainer):
         """TRL's KTOTrainer on our pre-tokenized rows, and with no copy of an adapter that is still the identity."""
 

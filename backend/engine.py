@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import yaml
 
+from backend.methods import method_of_adapter
 from backend.resolve import pick_template
 from backend.rundir import SPEC_FILE
 from backend.scheduler import TOKENS_PER_TURN, TurnLock
@@ -729,7 +730,7 @@ def check_adapter(path: str) -> str:
     if not _is_adapter(path):
         if (p / "config.json").is_file():
             raise ValueError(f"'{path}' is a full model, not a LoRA adapter: serve it with --model {path}")
-        raise ValueError(f"adapter '{path}' is not a LoRA adapter folder (no adapter_config.json)")
+        raise ValueError(f"adapter '{path}' is not an adapter folder (no adapter_config.json)")
     return str(p.resolve())
 
 
@@ -800,7 +801,8 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
         warn(f"infer_backend vllm: {why}: using transformers (huggingface) instead")
 
     # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
-    from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
+    from backend.adapters import apply_finetuning
+    from backend.models import load_model, load_tokenizer, resolve_model
 
     resolved = resolve_model(spec.model_name_or_path)
     log(f"loading {resolved.model_id} ...")
@@ -842,7 +844,8 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
                                            default_system=system)
     for entry in stacks:
         log(f"loading {resolved.model_id} + {len(entry.adapters)} merged adapters as '{entry.name}'")
-        one = replace_spec(spec, adapter_name_or_path=",".join(entry.adapters), finetuning_type="lora")
+        one = replace_spec(spec, adapter_name_or_path=",".join(entry.adapters),
+                           finetuning_type=method_of_adapter(entry.adapters[-1]) or "lora")
         model = apply_finetuning(load_model(one, resolved, for_training=False, warn=warn), one,
                                  for_training=False, warn=warn)
         model.eval()

@@ -26,7 +26,8 @@ import torch
 from backend import predict as prediction  # prediction.predict looked up at call time (tests wrap it)
 from backend.callbacks import StopSwitch
 from backend.data import load_examples, split_train_val
-from backend.models import apply_finetuning, load_model, load_tokenizer, resolve_model
+from backend.adapters import apply_finetuning
+from backend.models import load_model, load_tokenizer, resolve_model
 from backend.paths import saves_dir
 from backend.predict import EvalError, predict, split_prompt  # noqa: F401  (public here as before)
 from backend.preprocess import PaddingCollator, build_sft_dataset

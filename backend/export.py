@@ -43,8 +43,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from backend.engine import stop_token_ids
 from backend.gguf_export import GGUFExportError, check_supported, vocab_metadata, write_gguf
+from backend.methods import method
 from backend.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
-from backend.models import _split, load_tokenizer, model_folder, resize_vocab, resolve_model
+from backend.adapters import _split
+from backend.models import load_tokenizer, model_folder, resize_vocab, resolve_model
 from backend.paths import REPO_ROOT, weights_note
 from backend.preference import build_preference_dataset
 from backend.refusals import reward_gguf_refusal
@@ -178,13 +180,13 @@ def check_request(spec) -> None:
         raise ExportError("export_hub_model_id: pushing to the hub is not available (no network); upload "
                           "export_dir yourself")
     adapters = _adapters(spec)
-    if spec.finetuning_type == "lora" and not adapters:
-        raise ExportError("adapter_name_or_path is required to merge a LoRA adapter (finetuning_type: lora); "
+    if method(spec.finetuning_type).adapter and not adapters:
+        raise ExportError(f"adapter_name_or_path is required to merge an adapter (finetuning_type: {spec.finetuning_type}); "
                           "to export a model as it is (full or freeze fine-tuning, or a plain conversion), set "
                           "finetuning_type: full")
     for path in adapters:
         if not (path / "adapter_config.json").is_file():
-            raise ExportError(f"adapter_name_or_path: {path} is not a LoRA adapter folder (no adapter_config.json)")
+            raise ExportError(f"adapter_name_or_path: {path} is not an adapter folder (no adapter_config.json)")
     _check_reward_request(spec, adapters)
     out = Path(spec.export_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():

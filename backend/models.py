@@ -4,8 +4,7 @@
     materialize_gguf(path)               GGUF -> a cached plain HF folder (dequantized once, then ~1 s loads)
     load_tokenizer(resolved)             tokenizer with a pad token
     load_model(spec, resolved, ...)      dtype, attention, liger, bitsandbytes quantization, checkpointing
-    apply_finetuning(model, spec, ...)   lora / freeze / full (+ existing adapters)
-    count_parameters(model)              (trainable, total)
+    (applying a fine-tuning method: backend/adapters.py; the methods: backend/methods.py)
 
 Nothing here is ever downloaded: a hub id only resolves if it is already in the local Hugging Face cache.
 Requested accelerations this machine cannot provide (bf16, flash-attn, liger) are not errors: they go to
@@ -33,25 +32,24 @@ from typing import Any, Callable
 import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError
-from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft import prepare_model_for_kbit_training
 from peft.optimizers import create_loraplus_optimizer
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           BitsAndBytesConfig)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-from transformers.pytorch_utils import Conv1D
 
+from backend.adapters import _check_names, _split, find_all_linear_modules, is_reward_model
 from backend.checkpointing import checkpoint_kwargs, choose
 from backend.losses import causal_lm_loss, liger_usable
+from backend.methods import method, quantizable_methods
 from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
-from backend.registry import RegistryEntry, load_registry, lookup_registry  # noqa: F401  (re-exported)
+from backend.registry import lookup_registry
 
 logger = logging.getLogger("tuneboard.models")
 Warn = Callable[[str], None]
 
 
-# Methods the spec accepts (LLaMA-Factory names) that a later issue implements.
-_NOT_YET = ("use_apollo", "use_badam", "use_adam_mini", "use_muon", "use_llama_pro", "use_unsloth")
 
 
 def _get(spec: Any, name: str, default: Any = None) -> Any:
@@ -450,10 +448,10 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
     dtype = compute_dtype(spec, warn)
     attn = attention_implementation(spec, warn, supports_sdpa=_supports_sdpa(folder, remote))
     quant = quantization_config(spec, dtype)
-    if quant is not None and str(_get(spec, "finetuning_type", "lora")) != "lora" and for_training:
+    if quant is not None and not method(_get(spec, "finetuning_type", None)).quantized_base and for_training:
         raise ValueError(
-            f"quantization_bit={_get(spec, 'quantization_bit')} needs finetuning_type: lora (QLoRA); "
-            f"got '{_get(spec, 'finetuning_type')}'"
+            f"quantization_bit={_get(spec, 'quantization_bit')} needs finetuning_type: "
+            f"{' or '.join(quantizable_methods())} (QLoRA); got '{_get(spec, 'finetuning_type')}'"
         )
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
     if reward_head:
@@ -758,234 +756,6 @@ def build_optimizer(spec: Any, model, args):
     return create_loraplus_optimizer(model, optimizer_cls, lr=args.learning_rate,
                                      loraplus_lr_ratio=float(_get(spec, "loraplus_lr_ratio")),
                                      loraplus_weight_decay=args.weight_decay, **kwargs)
-
-
-# --------------------------------------------------------------------------------------------- finetuning
-def _split(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        items = value
-    else:
-        items = str(value).split(",")
-    return [s.strip() for s in items if str(s).strip()]
-
-
-def find_all_linear_modules(model) -> list[str]:
-    """Short names of every linear layer (nn.Linear, bitsandbytes Linear4bit/8bitLt, GPT-2 Conv1D) except
-    the output head, found by identity (model.get_output_embeddings()) so tied or renamed heads are
-    excluded too. Our own rather than peft's "all-linear": we also need the list for error messages."""
-    head = model.get_output_embeddings()
-    names = set()
-    for name, module in model.named_modules():
-        if module is head or not name:
-            continue
-        if isinstance(module, (torch.nn.Linear, Conv1D)) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
-            names.add(name.rsplit(".", 1)[-1])
-    head_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head and n}
-    return sorted(names - head_names)
-
-
-def _module_short_names(model) -> set[str]:
-    return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
-
-
-def _check_names(field: str, wanted: list[str], available: list[str] | set[str]) -> None:
-    unknown = [w for w in wanted if w not in available]
-    if unknown:
-        raise ValueError(
-            f"{field}: unknown module{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}; "
-            f"available: {', '.join(sorted(available))}"
-        )
-
-
-def _check_not_yet(spec: Any) -> None:
-    for name in _NOT_YET:
-        if _get(spec, name, False):
-            raise NotImplementedError(f"not implemented yet: {name}")
-
-
-def _upcast_trainable(model, spec: Any) -> None:
-    """fp32 master weights for what we train (the frozen rest may stay bf16/fp16 under autocast),
-    unless pure_bf16 asks to train in bf16 itself."""
-    if _get(spec, "pure_bf16", False):
-        return
-    for param in model.parameters():
-        if param.requires_grad and param.dtype != torch.float32:
-            param.data = param.data.float()
-
-
-def apply_finetuning(model, spec: Any, *, for_training: bool = True, warn: Warn | None = None):
-    """Make the right parameters trainable for spec.finetuning_type and return the (maybe wrapped) model.
-    `lora` returns a peft model; `freeze` and `full` return the model itself."""
-    warn = warn or _default_warn
-    _check_not_yet(spec)
-    method = str(_get(spec, "finetuning_type", "lora")).lower()
-    if method == "lora":
-        model = _setup_lora(model, spec, for_training)
-    elif method == "freeze":
-        if _get(spec, "adapter_name_or_path", None):
-            raise ValueError("adapter_name_or_path needs finetuning_type: lora")
-        if for_training:
-            _setup_freeze(model, spec)
-    elif method == "full":
-        if _get(spec, "adapter_name_or_path", None):
-            raise ValueError("adapter_name_or_path needs finetuning_type: lora")
-        if for_training:
-            for param in model.parameters():
-                param.requires_grad_(True)
-            _upcast_trainable(model, spec)
-    elif method in ("oft",):
-        raise NotImplementedError(f"not implemented yet: finetuning_type={method}")
-    else:
-        raise ValueError(f"finetuning_type: unknown value '{method}' (choose lora, freeze, full)")
-    if for_training:
-        trainable, total = count_parameters(model)
-        logger.info("trainable params: %s || all params: %s || trainable%%: %.4f", f"{trainable:,}", f"{total:,}",
-                    100 * trainable / max(total, 1))
-    return model
-
-
-def _is_quantized(model) -> bool:
-    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-                or getattr(model, "quantization_method", None))
-
-
-def _check_adapter(path: str) -> str:
-    folder = Path(path).expanduser()
-    if not (folder / "adapter_config.json").is_file():
-        raise ValueError(f"adapter_name_or_path: '{path}' is not a LoRA adapter folder (no adapter_config.json)")
-    return str(folder)
-
-
-def _setup_lora(model, spec: Any, for_training: bool):
-    adapters = [_check_adapter(p) for p in _split(_get(spec, "adapter_name_or_path", None))]
-    create_new = bool(_get(spec, "create_new_adapter", False))
-    quantized = _is_quantized(model)
-    if quantized and adapters and (len(adapters) > 1 or (for_training and create_new)):
-        raise ValueError(
-            "a quantized model takes a single adapter, to resume or to run (merging into a 4/8-bit base is "
-            "lossy): merge the adapters into a full-precision model first (tuneboard export)"
-        )
-    if adapters and ((for_training and not create_new) or quantized):
-        to_merge, to_resume = adapters[:-1], adapters[-1]  # keep training (or run) the last one
-    else:
-        to_merge, to_resume = adapters, None  # bake them all into the base
-    for path in to_merge:
-        model = PeftModel.from_pretrained(model, path).merge_and_unload()
-    if to_resume is not None:
-        model = PeftModel.from_pretrained(model, to_resume, is_trainable=for_training)
-        return model
-    if not for_training:
-        return model
-
-    target = _split(_get(spec, "lora_target", "all")) or ["all"]
-    available = find_all_linear_modules(model)
-    reward = is_reward_model(model)
-    if reward:  # the score head is trained in full and saved with the adapter (modules_to_save), not LoRA'd
-        available = [name for name in available if name != "score"]
-    if target == ["all"]:
-        target = available
-    else:
-        _check_names("lora_target", target, available)
-    modules_to_save = _split(_get(spec, "additional_target", None)) or None
-    if modules_to_save:
-        _check_names("additional_target", modules_to_save, _module_short_names(model))
-    if reward:
-        modules_to_save = sorted(set(modules_to_save or []) | {"score"})
-    if getattr(model, "tuneboard_resized_vocab", False):  # the new tokens' rows are trained and saved with the adapter
-        modules_to_save = sorted(set(modules_to_save or []) | set(_embedding_names(model)))
-
-    rank = int(_get(spec, "lora_rank", 8))
-    init: Any = True
-    if _get(spec, "pissa_init", False):
-        niter = int(_get(spec, "pissa_iter", 16))
-        init = f"pissa_niter_{niter}" if niter > 0 else "pissa"
-    config = LoraConfig(
-        task_type="SEQ_CLS" if reward else "CAUSAL_LM",
-        r=rank,
-        lora_alpha=int(_get(spec, "lora_alpha", None) or 2 * rank),
-        lora_dropout=float(_get(spec, "lora_dropout", 0.0)),
-        target_modules=target,
-        modules_to_save=modules_to_save,
-        use_dora=bool(_get(spec, "use_dora", False)),
-        use_rslora=bool(_get(spec, "use_rslora", False)),
-        init_lora_weights=init,
-    )
-    return get_peft_model(model, config)
-
-
-def is_reward_model(model) -> bool:
-    """A sequence-classification model with one output (what load_model(reward_head=True) builds)."""
-    return type(model).__name__.endswith("ForSequenceClassification") and getattr(model.config, "num_labels", 0) == 1
-
-
-def _embedding_names(model) -> list[str]:
-    """Short module names of the input and output embeddings (embed_tokens, lm_head for most families)."""
-    wanted = [model.get_input_embeddings(), model.get_output_embeddings()]
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if name and any(module is w for w in wanted if w is not None)})
-
-
-def _decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
-    """The ModuleList of decoder layers (name, list): the first one as long as num_hidden_layers."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n = getattr(config, "num_hidden_layers", None)
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            return name, module
-    raise ValueError(f"freeze: cannot find the {n} decoder layers of {type(model).__name__}")
-
-
-def _setup_freeze(model, spec: Any) -> None:
-    """Train the last N decoder layers (freeze_trainable_layers > 0) or the first N (< 0), only their
-    freeze_trainable_modules ("all" or e.g. "mlp,self_attn"), plus freeze_extra_modules outside the
-    layers (e.g. "embed_tokens,norm"). Everything else is frozen."""
-    layers_name, layers = _decoder_layers(model)
-    n = len(layers)
-    count = int(_get(spec, "freeze_trainable_layers", 2))
-    if count == 0:
-        raise ValueError("freeze_trainable_layers: 0 trains nothing; give N > 0 (last N layers) or N < 0 (first N)")
-    ids = range(max(0, n - count), n) if count > 0 else range(min(-count, n))
-
-    inner = sorted({name.split(".", 1)[0] for name, _ in layers[0].named_children()})
-    wanted = _split(_get(spec, "freeze_trainable_modules", "all")) or ["all"]
-    if wanted != ["all"]:
-        _check_names("freeze_trainable_modules", wanted, inner)
-        inner = wanted
-    prefixes = [f"{layers_name}.{i}.{m}." for i in ids for m in inner]
-
-    outer: dict[str, list[str]] = {}
-    for name, module in model.named_modules():
-        if not name or name == layers_name or name.startswith(layers_name + "."):
-            continue
-        if any(True for _ in module.parameters(recurse=False)):
-            outer.setdefault(name.rsplit(".", 1)[-1], []).append(name + ".")
-    extra = _split(_get(spec, "freeze_extra_modules", None))
-    _check_names("freeze_extra_modules", extra, set(outer))
-    prefixes += [p for e in extra for p in outer[e]]
-    if is_reward_model(model):  # a new score head must learn whatever layers train
-        prefixes += outer.get("score", [])
-    if getattr(model, "tuneboard_resized_vocab", False):  # new tokens' rows must learn too
-        prefixes += [p for e in _embedding_names(model) for p in outer.get(e, [])]
-
-    for name, param in model.named_parameters():
-        param.requires_grad_(any(name.startswith(p) for p in prefixes))
-    _upcast_trainable(model, spec)
-
-
-def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; 4-bit packed weights count as the values they hold."""
-    trainable = total = 0
-    for param in model.parameters():
-        num = param.numel()
-        if type(param).__name__ == "Params4bit":
-            storage = getattr(param, "quant_storage", None)
-            num = num * 2 * (getattr(storage, "itemsize", 1) or 1)
-        total += num
-        if param.requires_grad:
-            trainable += num
-    return trainable, total
 
 
 def describe_model(model) -> str:

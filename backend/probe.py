@@ -39,6 +39,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from backend.methods import method
 from backend.rundir import LOG_FILE, PROBE_MEASURE_FILE, PROBE_RESULT_FILE, SPEC_FILE
 
 ENV = "TUNEBOARD_PROBE"  # in the child's environment: the file it writes its own measurements to
@@ -225,7 +226,7 @@ def suggestions(spec, measured: dict, available_mib: float) -> list[dict]:
                 break
     frozen = measured.get("frozen_weights_mib") or 0.0
     params = measured.get("params") or 0
-    if spec.finetuning_type == "lora" and not spec.quantization_bit and frozen and params:
+    if method(spec.finetuning_type).quantized_base and not spec.quantization_bit and frozen and params:
         add({"quantization_bit": 4}, peak - frozen + params * QLORA_BYTES_PER_PARAM / MIB)
     longest = max(measured.get("first_batch_lengths") or [0])
     cutoff = spec.cutoff_len

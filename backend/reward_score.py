@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from backend.models import apply_finetuning, load_model, load_tokenizer, model_folder, resolve_model
+from backend.adapters import apply_finetuning
+from backend.models import load_model, load_tokenizer, model_folder, resolve_model
 from backend.preference import build_preference_dataset
 from backend.rundir import is_reward_model_dir  # the one light check (the web UI uses it too)
 

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from backend import allowed, gguf_header, paths
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors
+from backend.methods import adapter_methods, method, method_errors, quantizable_methods
 from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID
 from backend.refusals import REFUSED, reward_gguf_refusal
@@ -43,9 +44,9 @@ from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, st
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
 
 STAGES = STAGE_IDS  # declared in backend/stages (the stage contract); kept here for readers of the spec
-GROUPS = ("model", "method", "lora", "freeze", "quantization", "data", "train", "distributed", "logging", "eval",
+GROUPS = ("model", "method", "lora", "oft", "freeze", "quantization", "data", "train", "distributed", "logging", "eval",
           "export", "generation", "advanced")
-GROUP_TITLES = {"model": "Model", "method": "Method", "lora": "LoRA", "freeze": "Freeze",
+GROUP_TITLES = {"model": "Model", "method": "Method", "lora": "LoRA", "oft": "OFT", "freeze": "Freeze",
                 "quantization": "Quantization", "data": "Data", "train": "Train",
                 "distributed": "Devices and distribution", "logging": "Logging",
                 "eval": "Eval", "export": "Export", "generation": "Generation", "advanced": "Advanced"}
@@ -210,7 +211,7 @@ class RunSpec(BaseModel):
 
     # ---------------------------------------------------------------- model
     model_name_or_path: str = _f(DEFAULT_MODEL_ID, "Model to tune: a hub id, a local HF folder or a .gguf file.", "model")
-    adapter_name_or_path: Optional[str] = _f(None, "Adapter folder(s) to load on top of the model, comma-separated.", "model", methods=["lora"])
+    adapter_name_or_path: Optional[str] = _f(None, "Adapter folder(s) to load on top of the model, comma-separated.", "model", methods=list(adapter_methods()))
     template: str = _f("auto", "Chat template: 'auto' (the tokenizer's own) or a name from templates/.", "model")
     trust_remote_code: bool = _f(False, "Allow model code from the hub repository to run.", "model")
     cache_dir: Optional[str] = _f(None, "Where downloaded models are cached (default: the HF cache).", "model", refused="nothing is downloaded here: give a local folder or .gguf file, or a hub id already in the local Hugging Face cache (set HF_HOME to use another cache folder)")
@@ -228,7 +229,7 @@ class RunSpec(BaseModel):
     # ---------------------------------------------------------------- method (stage + finetuning type)
     stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), or online RL with reward functions (GRPO).", "method", choices=IMPLEMENTED)
     do_train: bool = _f(True, "Run training.", "method", refused="`tuneboard train` always trains: to only evaluate or predict, run `tuneboard eval` with this spec (do_eval / do_predict pick the parts)")
-    finetuning_type: Literal["lora", "freeze", "full"] = _f("lora", "What is trained: LoRA adapters, the last layers (freeze), or every weight (full).", "method")
+    finetuning_type: Literal["lora", "oft", "freeze", "full"] = _f("lora", "What is trained: LoRA or OFT adapters, the last layers (freeze), or every weight (full).", "method")
     pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")
     pref_beta: float = _f(0.1, "Beta of the preference loss (strength of the reference-model constraint).", "method", ge=0)
     pref_ftx: float = _f(0.0, "Weight of the SFT loss added to the preference loss.", "method", ge=0)
@@ -259,13 +260,17 @@ class RunSpec(BaseModel):
     lora_rank: int = _f(8, "LoRA rank r (adapter size).", "lora", methods=["lora"], ge=1)
     lora_alpha: Optional[int] = _f(None, "LoRA scale numerator alpha (scale = alpha / rank); empty = 2 x rank.", "lora", methods=["lora"], ge=1)
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input, 0 to 1.", "lora", methods=["lora"], ge=0, le=1)
-    additional_target: Optional[str] = _f(None, "Extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head).", "lora", methods=["lora"])
+    additional_target: Optional[str] = _f(None, "Extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head).", "lora", methods=list(adapter_methods()))
     use_dora: bool = _f(False, "Use DoRA (weight-decomposed LoRA).", "lora", methods=["lora"])
     use_rslora: bool = _f(False, "Use rank-stabilised LoRA scaling (alpha / sqrt(rank)).", "lora", methods=["lora"])
     pissa_init: bool = _f(False, "Initialise LoRA with PiSSA (principal singular vectors).", "lora", methods=["lora"])
     pissa_iter: int = _f(16, "Fast-SVD iterations for PiSSA; -1 = exact SVD.", "lora", methods=["lora"], ge=-1)
     loraplus_lr_ratio: Optional[float] = _f(None, "LoRA+ learning-rate ratio lr_B / lr_A (empty = off).", "lora", methods=["lora"], gt=0)
-    create_new_adapter: bool = _f(False, "Train a new adapter on top of adapter_name_or_path instead of continuing it.", "lora", methods=["lora"])
+    create_new_adapter: bool = _f(False, "Train a new adapter on top of adapter_name_or_path instead of continuing it.", "lora", methods=list(adapter_methods()))
+    oft_target: str = _f("all", "Modules that get OFT rotations: 'all' (every linear layer but the head) or names, comma-separated.", "oft", methods=["oft"])
+    oft_block_size: int = _f(32, "OFT block size (each block rotates this many output features); 0 = set oft_rank instead.", "oft", methods=["oft"], ge=0)
+    oft_rank: int = _f(0, "OFT rank: the number of blocks per layer; 0 = set oft_block_size instead.", "oft", methods=["oft"], ge=0)
+    module_dropout: float = _f(0.0, "OFT multiplicative dropout: the share of blocks replaced by the identity in a step, 0 to 1.", "oft", methods=["oft"], ge=0, le=1)
 
     # ---------------------------------------------------------------- freeze (and GaLore, which trains full weights)
     freeze_trainable_layers: int = _f(2, "Layers to train: positive = the last N, negative = the first N.", "freeze", methods=["freeze"])
@@ -279,10 +284,10 @@ class RunSpec(BaseModel):
     galore_scale: float = _f(2.0, "GaLore gradient scale.", "freeze", methods=["full", "freeze"], gt=0)
 
     # ---------------------------------------------------------------- quantization
-    quantization_bit: Optional[Literal[4, 8]] = _f(None, "Load the base model in 4 or 8 bits for QLoRA (bitsandbytes).", "quantization", methods=["lora"])
-    quantization_method: Literal["bnb"] = _f("bnb", "Quantization backend: only bitsandbytes (bnb) for now.", "quantization", methods=["lora"])
-    quantization_type: Literal["nf4", "fp4"] = _f("nf4", "4-bit data type: NormalFloat4 or FP4.", "quantization", methods=["lora"])
-    double_quantization: bool = _f(True, "Also quantize the 4-bit quantization constants (saves memory).", "quantization", methods=["lora"])
+    quantization_bit: Optional[Literal[4, 8]] = _f(None, "Load the base model in 4 or 8 bits for QLoRA (bitsandbytes).", "quantization", methods=list(quantizable_methods()))
+    quantization_method: Literal["bnb"] = _f("bnb", "Quantization backend: only bitsandbytes (bnb) for now.", "quantization", methods=list(quantizable_methods()))
+    quantization_type: Literal["nf4", "fp4"] = _f("nf4", "4-bit data type: NormalFloat4 or FP4.", "quantization", methods=list(quantizable_methods()))
+    double_quantization: bool = _f(True, "Also quantize the 4-bit quantization constants (saves memory).", "quantization", methods=list(quantizable_methods()))
 
     # ---------------------------------------------------------------- data
     dataset: Optional[str] = _f("identity", "Training dataset name(s) from dataset_info.json, comma-separated.", "data")
@@ -798,8 +803,9 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     def err(field: str, message: str, *involved: str) -> None:
         errors.append((field, message, frozenset((field,) + involved)))
 
-    if spec.quantization_bit is not None and spec.finetuning_type != "lora":
-        err("quantization_bit", f"QLoRA needs finetuning_type lora (got {spec.finetuning_type})", "finetuning_type")
+    if spec.quantization_bit is not None and not method(spec.finetuning_type).quantized_base:
+        err("quantization_bit", f"a 4/8-bit base trains only adapters that keep it frozen: finetuning_type "
+            f"{' or '.join(quantizable_methods())} (got {spec.finetuning_type})", "finetuning_type")
     if spec.quantization_bit is not None and spec.pissa_init:
         err("pissa_init", "PiSSA initialisation cannot run on a quantized model (drop quantization_bit or pissa_init)",
             "quantization_bit")
@@ -809,10 +815,14 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         err("fp16", "pure_bf16 and fp16 cannot both be true", "pure_bf16")
     if spec.use_dora and spec.pissa_init:
         err("use_dora", "use_dora and pissa_init cannot be combined", "pissa_init")
-    if spec.use_galore and spec.finetuning_type == "lora":
-        err("use_galore", "GaLore trains full weights: use finetuning_type full or freeze (got lora)", "finetuning_type")
-    if spec.adapter_name_or_path and spec.finetuning_type != "lora":
-        err("adapter_name_or_path", f"adapters need finetuning_type lora (got {spec.finetuning_type})", "finetuning_type")
+    if spec.use_galore and not method(spec.finetuning_type).full_weights:
+        err("use_galore", f"GaLore trains full weights: use finetuning_type full or freeze (got {spec.finetuning_type})",
+            "finetuning_type")
+    if spec.adapter_name_or_path and not method(spec.finetuning_type).adapter:
+        err("adapter_name_or_path", f"adapters need finetuning_type {' or '.join(adapter_methods())} "
+            f"(got {spec.finetuning_type})", "finetuning_type")
+    for field, message, involved in method_errors(spec):
+        err(field, message, *involved)
     has_eval_data = spec.val_size > 0 or bool(spec.eval_dataset)
     if spec.eval_strategy != "no" and not has_eval_data:
         err("eval_strategy", f"evaluating ({spec.eval_strategy}) needs val_size > 0 or an eval_dataset",

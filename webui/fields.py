@@ -23,7 +23,7 @@ BOOSTER_FIELDS = ("flash_attn", "enable_liger_kernel")
 # Groups that belong to other tools (export, chat), not to a training run.
 SKIPPED_GROUPS = ("export", "generation")
 # Accordion order on the Train tab, and which start open (none: the first screen is the basic fields).
-ACCORDIONS = ("method", "train", "distributed", "data", "lora", "freeze", "quantization", "logging", "eval", "model")
+ACCORDIONS = ("method", "train", "distributed", "data", "lora", "oft", "freeze", "quantization", "logging", "eval", "model")
 OPEN_ACCORDIONS: tuple[str, ...] = ()
 # Always visible above the accordions, in this order (model and method are in the top bar): what a user
 # changes on almost every run. Everything else waits in a closed accordion.

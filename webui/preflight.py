@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from backend import checkpointing, launch, stages
+from backend.methods import METHODS, is_adapter
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import uses_reference
 from webui.i18n import tr
@@ -60,7 +61,7 @@ def reference_copy(flat: dict) -> bool:
             return False
     except KeyError:
         return False
-    return bool(flat.get("ref_model")) or flat.get("finetuning_type", "lora") != "lora"
+    return bool(flat.get("ref_model")) or not is_adapter(flat.get("finetuning_type"))
 
 
 def pairwise(flat: dict) -> bool:
@@ -102,8 +103,7 @@ def estimate(flat: dict) -> dict:
     qbit = flat.get("quantization_bit")
     half = bool(flat.get("bf16") or flat.get("fp16"))
     weight_b = {4: 0.55, 8: 1.05}.get(qbit, 2.0 if half else 4.0)
-    method = flat.get("finetuning_type", "lora")
-    trainable = {"full": 1.0, "freeze": 0.15, "lora": 0.02}.get(method, 1.0)
+    trainable = METHODS.get(flat.get("finetuning_type") or "lora", METHODS["full"]).trainable_share
     weights = n * weight_b
     state = n * trainable * 16
     hidden = max(512.0, (n / 1e6) ** 0.5 * 60)

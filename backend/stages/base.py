@@ -18,6 +18,7 @@ from backend import paths, probe
 from backend.checkpointing import checkpoint_kwargs, described, given_by_spec
 from backend.curves import loss_summary
 from backend.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
+from backend.methods import method
 from backend.plot import plot_loss
 from backend.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 from backend.resolve import pick_template
@@ -213,8 +214,8 @@ def distributed_arguments(spec) -> dict:
     out: dict = {}
     if (spec.deepspeed or world_size(spec) > 1) and not torch.cuda.is_available():
         out["use_cpu"] = True  # without it accelerate sees the process group but trains each CPU rank alone
-    if world_size(spec) > 1 and spec.finetuning_type == "lora" and "ddp_find_unused_parameters" not in spec.passthrough:
-        out["ddp_find_unused_parameters"] = False  # every LoRA weight takes part in the forward (as LLaMA-Factory)
+    if world_size(spec) > 1 and method(spec.finetuning_type).adapter and "ddp_find_unused_parameters" not in spec.passthrough:
+        out["ddp_find_unused_parameters"] = False  # every adapter weight takes part in the forward (as LLaMA-Factory)
     if spec.deepspeed:
         out["deepspeed"] = str(resolve_config(spec.deepspeed))
     if spec.accelerate_config:
@@ -401,8 +402,8 @@ def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = Fal
     from the last hidden state in chunks, never the full logits (backend.losses), where that is exact for
     this model; TUNEBOARD_CHUNKED_LOSS=0 in the environment keeps the plain loss (for bench/)."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.models import (apply_finetuning, count_parameters, describe_model, gradient_checkpointing_on,
-                                install_chunked_loss, load_model)
+    from backend.adapters import apply_finetuning, count_parameters
+    from backend.models import describe_model, gradient_checkpointing_on, install_chunked_loss, load_model
 
     model = load_model(spec, resolved, for_training=True, warn=run_dir.warn, **load_kwargs)
     run_dir.log(f"model: {describe_model(model)}")
@@ -458,14 +459,14 @@ def reference_model(spec, run_dir: RunDir, resolved, policy):
                            f"{spec.model_name_or_path} (its log-probabilities cannot be compared token by token)")
         run_dir.log(f"reference model: {spec.ref_model} (a second model in memory)")
         return ref.requires_grad_(False)
-    if spec.finetuning_type == "lora":
+    if method(spec.finetuning_type).adapter:
         if spec.adapter_name_or_path:
             run_dir.log(f"reference model: the adapter from {spec.adapter_name_or_path} (a frozen copy of its "
                         "starting weights on the shared base weights; no second model in memory)")
         elif adapter_is_identity(policy):
             run_dir.log("reference model: the base model (the new adapter disabled; no second model in memory)")
         else:
-            run_dir.log("reference model: the starting adapter (a frozen copy of its LoRA weights on the shared "
+            run_dir.log("reference model: the starting adapter (a frozen copy of its weights on the shared "
                         "base weights; no second model in memory)")
         return None
     run_dir.log(f"reference model: a frozen copy of {spec.model_name_or_path} ({spec.finetuning_type} training "

@@ -31,8 +31,9 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from backend.adapters import _upcast_trainable
 from backend.engine import stop_token_ids
-from backend.models import _upcast_trainable
+from backend.methods import method
 from backend.rewards import RewardError, build_reward_funcs, load_schema, split_names
 from backend.rundir import COMPLETIONS_FILE
 from backend.stages.base import (RunError, StageResult, adapter_is_identity, fit, load_rows, tokenizer_and_template,
@@ -68,7 +69,7 @@ def run(spec, run_dir, stop) -> StageResult:
     model.generation_config.eos_token_id = stop_token_ids(tokenizer, template)
     if spec.grpo_beta == 0:
         run_dir.log("reference model: none (grpo_beta 0)")
-    elif spec.finetuning_type == "lora":
+    elif method(spec.finetuning_type).adapter:
         run_dir.log("reference model: " + ("the adapter from " + spec.adapter_name_or_path + " (a frozen copy of its "
                                            "starting weights)" if spec.adapter_name_or_path else
                                            "the base model (the new adapter disabled; no copy in memory)"))

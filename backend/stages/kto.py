@@ -20,7 +20,7 @@ from accelerate.utils import is_peft_model
 from datasets import Dataset
 from trl import KTOConfig, KTOTrainer
 
-from backend.models import _upcast_trainable
+from backend.adapters import _upcast_trainable
 from backend.preference import build_kto_dataset
 from backend.stages.base import (StageResult, adapter_is_identity, fit, predict_held_out, reference_model,
                                  tokenizer_and_template, train_and_eval_rows, trainable_model)

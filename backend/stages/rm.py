@@ -20,7 +20,8 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import RewardConfig, RewardTrainer
 
-from backend.models import _upcast_trainable, load_tokenizer, resolve_model
+from backend.adapters import _upcast_trainable
+from backend.models import load_tokenizer, resolve_model
 from backend.preference import build_preference_dataset
 from backend.resolve import pick_template
 from backend.reward_score import encode_pairs, pair_metrics, score_pairs, sequences, set_pad_token, write_scores

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from backend import rewards
+from backend.methods import field_applies
 from backend.refusals import REFUSED
 
 Errors = list[tuple[str, str, frozenset]]
@@ -54,7 +55,7 @@ def whole_sequences(spec, stage, check_files: bool = True) -> Errors:
     if spec.resolved_packing:
         err("packing", f"stage {spec.stage} scores whole prompt + answer sequences: packing does not apply "
             "(set packing and neat_packing to false)", "stage", "neat_packing")
-    if spec.finetuning_type == "lora" and spec.lora_dropout:
+    if spec.lora_dropout and field_applies(spec, "lora_dropout"):
         err("lora_dropout", f"{REFUSED}: TRL's preference and reward trainers switch dropout off (the policy "
             "and the reference must score the same sequence the same way), so lora_dropout would do nothing: "
             "set it to 0", "stage", "finetuning_type")

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backend.models import (apply_finetuning, compute_dtype, cpu_bf16_supported, install_chunked_loss, load_model,
-                            resolve_model)
+from backend.adapters import apply_finetuning
+from backend.models import compute_dtype, cpu_bf16_supported, install_chunked_loss, load_model, resolve_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (a GPU decides bf16 by itself)")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.models import apply_finetuning, gradient_checkpointing_on, load_model, resolve_model
+from backend.adapters import apply_finetuning
+from backend.models import gradient_checkpointing_on, load_model, resolve_model
 from backend.spec import RunSpec, training_args_fields
 
 CKPT_KEY = "activation_checkpointing" if "activation_checkpointing" in training_args_fields() else "gradient_checkpointing"

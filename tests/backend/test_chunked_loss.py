@@ -130,7 +130,8 @@ def test_lora_model_and_liger_gate(tiny_llama):
     """Through the peft wrapper the LM inside is patched; a model Liger already patched is left alone."""
     from types import SimpleNamespace
 
-    from backend.models import apply_finetuning, load_model, resolve_model
+    from backend.adapters import apply_finetuning
+    from backend.models import load_model, resolve_model
 
     spec = SimpleNamespace(model_name_or_path=str(tiny_llama), lora_rank=4, gradient_checkpointing=False)
     model = apply_finetuning(load_model(spec, resolve_model(str(tiny_llama))), spec)

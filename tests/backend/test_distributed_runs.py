@@ -142,7 +142,8 @@ def test_qlora_with_zero3_matches_one_process_and_saves_a_loadable_adapter(runs,
     import torch
     from safetensors.torch import load_file
 
-    from backend.models import apply_finetuning, load_model, resolve_model
+    from backend.adapters import apply_finetuning
+    from backend.models import load_model, resolve_model
     from backend.spec import load_spec
 
     one, zero = ok(runs["qlora-one"]), ok(runs["qlora-zero3"])

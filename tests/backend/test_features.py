@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from backend.data import load_examples
-from backend.models import apply_finetuning, build_optimizer, install_optimizer, load_model, load_tokenizer, resolve_model
+from backend.adapters import apply_finetuning
+from backend.models import build_optimizer, install_optimizer, load_model, load_tokenizer, resolve_model
 from backend.preference import build_kto_dataset, build_preference_dataset
 from backend.preprocess import build_pt_dataset, build_sft_dataset
 from backend.spec import SpecError, validate_spec

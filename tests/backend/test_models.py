@@ -7,18 +7,11 @@ import time
 import pytest
 import torch
 
-from backend import models
-from backend.models import (
-    apply_finetuning,
-    count_parameters,
-    find_all_linear_modules,
-    load_model,
-    load_tokenizer,
-    lookup_registry,
-    materialize_gguf,
-    resolve_model,
-)
+from backend import models, registry
+from backend.adapters import apply_finetuning, count_parameters, find_all_linear_modules
+from backend.models import load_model, load_tokenizer, materialize_gguf, resolve_model
 from backend.paths import DEFAULT_MODEL_ID, default_model_file
+from backend.registry import lookup_registry
 from backend.spec import RunSpec
 
 FAMILIES = ["llama", "qwen2", "gemma2", "mistral"]
@@ -67,7 +60,7 @@ def test_registry_lookup_by_id_and_by_file_name():
 def test_registry_templates_exist_as_names():
     known = {"qwen", "qwen3", "llama3", "llama2", "mistral", "gemma", "phi3", "phi4", "deepseek3", "glm4", "yi",
              "zephyr", "smollm2", "cohere", "falcon", "olmo", "granite3", "chatml", None}
-    entries = models.load_registry().values()
+    entries = registry.load_registry().values()
     assert len(entries) > 100
     assert {e.template for e in entries} <= known
 
@@ -292,7 +285,7 @@ def test_resume_and_stack_adapters(tmp_path, tiny_llama):
     assert {n.rsplit(".", 1)[-1] for n, m in fresh.named_modules() if hasattr(m, "lora_A")} >= {"q_proj", "down_proj"}
 
     model, _, s = load(tiny_llama, adapter_name_or_path=str(tmp_path / "nope"))
-    with pytest.raises(ValueError, match="is not a LoRA adapter folder"):
+    with pytest.raises(ValueError, match="is not an adapter folder"):
         apply_finetuning(model, s)
 
 

@@ -15,7 +15,8 @@ bnb = pytest.importorskip("bitsandbytes")
 
 
 def _model(tiny_llama):
-    from backend.models import apply_finetuning, load_model, resolve_model
+    from backend.adapters import apply_finetuning
+    from backend.models import load_model, resolve_model
     from backend.spec import RunSpec
 
     spec = RunSpec(model_name_or_path=str(tiny_llama), dataset="identity", template="llama3", quantization_bit=4,

@@ -157,7 +157,7 @@ def test_every_field_has_description_and_group():
     for name, field in RunSpec.model_fields.items():
         assert field.description and "\n" not in field.description, name
         assert (field.json_schema_extra or {}).get("group") in (
-            "model", "method", "lora", "freeze", "quantization", "data", "train", "distributed", "logging", "eval", "export",
+            "model", "method", "lora", "oft", "freeze", "quantization", "data", "train", "distributed", "logging", "eval", "export",
             "generation", "advanced"), name
 
 
@@ -260,7 +260,7 @@ def test_choice_messages(files):
     m = messages({"stage": "sfft", "quantization_bit": 3, "finetuning_type": "qlora", "optim": "adamw"})
     assert m["stage"] == "must be one of pt, sft, rm, dpo, orpo, simpo, kto, grpo (got 'sfft')"
     assert m["quantization_bit"] == "must be one of 4, 8, null (got 3)"
-    assert m["finetuning_type"] == "must be one of lora, freeze, full (got 'qlora')"
+    assert m["finetuning_type"] == "must be one of lora, oft, freeze, full (got 'qlora')"
     assert m["optim"].startswith("unknown optimizer 'adamw'")
 
 
@@ -313,14 +313,14 @@ def test_passthrough_table_is_loaded():
 
 
 @pytest.mark.parametrize("data, field, needle", [
-    ({"quantization_bit": 4, "finetuning_type": "full"}, "quantization_bit", "QLoRA needs finetuning_type lora (got full)"),
-    ({"quantization_bit": 8, "finetuning_type": "freeze"}, "quantization_bit", "QLoRA needs finetuning_type lora (got freeze)"),
+    ({"quantization_bit": 4, "finetuning_type": "full"}, "quantization_bit", "a 4/8-bit base trains only adapters that keep it frozen: finetuning_type lora (got full)"),
+    ({"quantization_bit": 8, "finetuning_type": "freeze"}, "quantization_bit", "a 4/8-bit base trains only adapters that keep it frozen: finetuning_type lora (got freeze)"),
     ({"bf16": True, "fp16": True}, "fp16", "bf16 and fp16 cannot both be true"),
     ({"use_dora": True, "pissa_init": True}, "use_dora", "use_dora and pissa_init cannot be combined"),
     ({"eval_strategy": "steps"}, "eval_strategy", "needs val_size > 0 or an eval_dataset"),
     ({"load_best_model_at_end": True}, "load_best_model_at_end", "needs evaluation"),
     ({"export_format": "gguf", "export_quantization_bit": 4}, "export_quantization_bit", "gguf"),
-    ({"adapter_name_or_path": "saves/x", "finetuning_type": "full"}, "adapter_name_or_path", "adapters need finetuning_type lora (got full)"),
+    ({"adapter_name_or_path": "saves/x", "finetuning_type": "full"}, "adapter_name_or_path", "adapters need finetuning_type lora or oft (got full)"),
     ({"adapter_name_or_path": "saves/x", "finetuning_type": "freeze"}, "adapter_name_or_path", "(got freeze)"),
     ({"use_galore": True}, "use_galore", "GaLore"),
     ({"early_stopping_patience": 2}, "early_stopping_patience", "load_best_model_at_end"),
@@ -453,7 +453,7 @@ def test_yaml_round_trip_through_file(files, tmp_path):
 def test_to_yaml_groups_follow_field_order():
     text = RunSpec.model_validate({}, context={"check_files": False}).to_yaml()
     headers = [line for line in text.splitlines() if line.startswith("### ")]
-    assert headers == ["### Model", "### Method", "### LoRA", "### Freeze", "### Quantization", "### Data",
+    assert headers == ["### Model", "### Method", "### LoRA", "### OFT", "### Freeze", "### Quantization", "### Data",
                        "### Train", "### Devices and distribution", "### Logging", "### Eval", "### Export",
                        "### Generation"]
     keys = [line.split(":")[0] for line in text.splitlines() if not line.startswith("#")]

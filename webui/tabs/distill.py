@@ -27,6 +27,7 @@ import yaml
 from backend import allowed, paths, teacher_access
 from backend.distill import REASONS, SPEC_FILE, TRAIN_DIRNAME, read_progress, read_report, report_rows
 from backend.distill.documents import SUFFIXES
+from backend.methods import METHODS
 from webui import jobs, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import FileTail
@@ -248,7 +249,6 @@ def start_score(st: dict, adapter: str | None, lang: str = "en") -> tuple[dict, 
     return launch(st, flat, "score", lang)
 
 
-METHODS = ("lora", "freeze", "full")
 
 
 def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "en"):
@@ -273,7 +273,7 @@ def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "
     bits = None if quant in (None, "", "none") else int(quant)
     note = ""
     if "quantization_bit" not in spec.train_args and bits is not None:
-        if flat["finetuning_type"] == "lora":
+        if METHODS[flat["finetuning_type"]].quantized_base:
             flat["quantization_bit"] = bits
         else:
             note = tr(lang, "distill.quant_dropped", bits=bits)
@@ -281,7 +281,7 @@ def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "
         run_spec = validate_spec(flat, check_files=False)
     except SpecError as exc:
         return None, f"⛔ {exc}"
-    if run_spec.finetuning_type == "lora" and run_spec.quantization_bit:
+    if run_spec.quantization_bit:
         what = tr(lang, "distill.method.qlora", bits=run_spec.quantization_bit)
     else:
         what = tr(lang, f"distill.method.{run_spec.finetuning_type}")

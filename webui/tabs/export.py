@@ -16,6 +16,7 @@ import gradio as gr
 import pandas as pd
 
 from backend import allowed, paths
+from backend.methods import is_adapter
 from backend.spec import SpecError, validate_spec
 from webui import jobs, tools
 from webui.i18n import headers, refusal, tr
@@ -86,7 +87,7 @@ def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, boo
     refused = allowed.spec_refusals(flat)
     if refused:
         return st, "  \n".join(refusal(lang, exc) for exc in refused), False
-    if flat.get("finetuning_type") in ("lora", "oft") and not flat.get("adapter_name_or_path"):
+    if is_adapter(flat.get("finetuning_type")) and not flat.get("adapter_name_or_path"):
         return st, tr(lang, "msg.export_no_adapter"), False
     try:
         spec = validate_spec(flat)

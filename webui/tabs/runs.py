@@ -12,6 +12,7 @@ import pandas as pd
 
 from backend import paths
 from backend.curves import loss_summary
+from backend.methods import method
 from backend.rundir import ACTIVE_STATES, LOG_FILE
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
@@ -246,7 +247,7 @@ def continue_dpo_spec(run_dir: str | None, lang: str = "en"):
         return None, tr(lang, "runs.cannot_continue", error=exc)
     if spec.stage != "sft":
         return None, tr(lang, "runs.dpo_needs_sft", stage=spec.stage)
-    if spec.finetuning_type != "lora":
+    if not method(spec.finetuning_type).adapter:
         return None, tr(lang, "runs.dpo_needs_lora", method=spec.finetuning_type)
     state = jobs.run_state(run_dir).state
     if state != "completed":

@@ -1,4 +1,4 @@
-"""TuneBoard's engine (see DESIGN.md). Importing the package installs one log filter, before any module of it can
+"""TuneBoard's engine (see ARCHITECTURE.md). Importing the package installs one log filter, before any module of it can
 import peft (and through it bitsandbytes), wherever that import sits."""
 import logging
 

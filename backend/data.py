@@ -1,6 +1,6 @@
 """Datasets: `dataset_info.json` (LLaMA-Factory's schema) + files -> normalized examples.
 
-A normalized example is the one format the templates understand (see CONTRACT.md):
+A normalized example is the one format the templates understand (the templates' input; ARCHITECTURE.md lists the contracts):
     {"messages": [{"role", "content", "tool_calls"?}, ...], "tools", "chosen", "rejected", "kto_tag",
      "_row", "_source"}
 and, for pre-training (stage pt), {"text", "_row", "_source"}.

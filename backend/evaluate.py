@@ -33,12 +33,11 @@ from backend.predict import EvalError, predict, split_prompt  # noqa: F401  (pub
 from backend.preprocess import PaddingCollator, build_sft_dataset
 from backend.resolve import pick_template
 from backend.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
-from backend.rundir import RunDir, write_json_atomic
+from backend.rundir import EVAL_RESULTS_FILE, PREDICTIONS_FILE, RunDir, write_json_atomic  # noqa: F401  (public here as before)
 from backend.spec import load_or_report
 from backend.stages import get_stage
 
-PREDICTIONS_FILE = "generated_predictions.jsonl"
-RESULTS_FILE = "eval_results.json"
+RESULTS_FILE = EVAL_RESULTS_FILE
 
 
 def eval_output_dir(spec) -> Path:

@@ -52,11 +52,11 @@ from backend.preference import build_preference_dataset
 from backend.refusals import reward_gguf_refusal
 from backend.resolve import pick_template
 from backend.reward_score import score_pairs, set_pad_token
-from backend.rundir import is_reward_model_dir, reward_model_folder, write_json_atomic
+from backend.rundir import EXPORT_REPORT_FILE, is_reward_model_dir, reward_model_folder, write_json_atomic
 from backend.spec import load_or_report
 from backend.templates import template_to_jinja
 
-REPORT_FILE = "export_report.json"
+REPORT_FILE = EXPORT_REPORT_FILE
 MODELFILE = "Modelfile"
 STEPS = 6
 GREEDY_TOKENS = 12

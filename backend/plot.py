@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from backend.rundir import LOG_FILE
+from backend.rundir import LOG_FILE, PLOT_FILE
 
 
 def read_log(run_dir: Path) -> list[dict]:
@@ -54,7 +54,7 @@ def plot_loss(run_dir: Path) -> Path | None:
     # the legend under the axes, not over the curves (where the loss ends, upper right, it hid them)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     fig.tight_layout()
-    path = Path(run_dir) / "training_loss.png"
+    path = Path(run_dir) / PLOT_FILE
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -17,7 +17,7 @@ import yaml
 from backend.adapters import apply_finetuning
 from backend.models import load_model, load_tokenizer, model_folder, resolve_model
 from backend.preference import build_preference_dataset
-from backend.rundir import is_reward_model_dir  # the one light check (the web UI uses it too)
+from backend.rundir import SPEC_FILE, is_reward_model_dir  # the one light check (the web UI uses it too)
 
 
 def sequences(row: dict) -> dict:
@@ -116,7 +116,7 @@ def reward_model_location(path: str | Path) -> tuple[str, str | None]:
         raise ValueError(f"{path} is not a reward model (train one with stage: rm)")
     if not (path / "adapter_config.json").is_file():
         return str(path), None
-    spec_file = path / "run_spec.yaml"
+    spec_file = path / SPEC_FILE
     base = None
     if spec_file.is_file():
         base = (yaml.safe_load(spec_file.read_text(encoding="utf-8")) or {}).get("model_name_or_path")

@@ -1,4 +1,4 @@
-"""The run directory is the durable state of a run (DESIGN.md section 3).
+"""The run directory is the durable state of a run (ARCHITECTURE.md, "run files": this module owns every run-file name).
 
 Only the backend writes here; the web UI rebuilds everything it shows from these files.
 status.json is replaced atomically so a reader never sees half a file; trainer_log.jsonl and
@@ -29,6 +29,10 @@ DEBUG_LOG = "debug_log.txt"  # third-party warnings (warnings module, library lo
 DISTILL_REPORT_FILE = "distill_report.json"  # a distill run folder's scorecard (`tuneboard distill`, step score)
 PROBE_RESULT_FILE = "probe.json"  # `tuneboard probe --out`: the measured peak memory, s/step, fits, suggestions
 PROBE_MEASURE_FILE = "probe_measures.json"  # a probe's child writes what its parent cannot see (rows, CUDA peak)
+PLOT_FILE = "training_loss.png"  # plot_loss: the loss curve drawn at the end of a run
+PREDICTIONS_FILE = "generated_predictions.jsonl"  # do_predict / tuneboard eval / rm scoring: one line per row
+EVAL_RESULTS_FILE = "eval_results.json"  # tuneboard eval: the metrics
+EXPORT_REPORT_FILE = "export_report.json"  # tuneboard export: what was written and how the reload compared
 CHECKPOINT_PREFIX = "checkpoint-"
 # What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
 # a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.

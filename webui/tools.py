@@ -25,13 +25,14 @@ from pathlib import Path
 import yaml
 
 from backend import paths
+from backend.rundir import EVAL_RESULTS_FILE, EXPORT_REPORT_FILE, PREDICTIONS_FILE
 from webui import jobs
 
 TOOLS_DIRNAME = ".tools"
 TOOL_SPEC = "tool_spec.yaml"
-EXPORT_REPORT = "export_report.json"
-EVAL_RESULTS = "eval_results.json"
-PREDICTIONS = "generated_predictions.jsonl"
+EXPORT_REPORT = EXPORT_REPORT_FILE
+EVAL_RESULTS = EVAL_RESULTS_FILE
+PREDICTIONS = PREDICTIONS_FILE
 PLAN_FILE = "plan.json"
 ABORTED_FILE = "ABORTED"
 ATTACH_WINDOW_S = 3600.0  # a job that ended less than this ago is still shown after a reload

@@ -36,7 +36,7 @@ from backend.distill.teacher import (CUT, Budget, BudgetExhausted, LocalTeacher,
                                      read_api_key, reply_budget, teacher_messages)
 from backend.metrics import parse_json
 from backend.resolve import pick_template
-from backend.rundir import RunDir
+from backend.rundir import RUNNING_LOG, RunDir
 
 LATEST = 20          # pairs shown in the UI's table (progress.json keeps this many, each field clipped)
 LATEST_CHARS = 300   # of a pair's prompt, answer and detail in progress.json (the table shows 300)
@@ -501,7 +501,7 @@ def train(spec: DistillSpec, run_dir) -> int:
         run_dir.log(f"  train | {line.rstrip()}")
     code = proc.wait()
     if code != 0:
-        raise DistillError(f"step train: tuneboard train ended with exit code {code} (see {out / 'running_log.txt'})")
+        raise DistillError(f"step train: tuneboard train ended with exit code {code} (see {out / RUNNING_LOG})")
     return 0
 
 

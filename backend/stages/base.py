@@ -22,7 +22,7 @@ from backend.methods import method
 from backend.plot import plot_loss
 from backend.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 from backend.resolve import pick_template
-from backend.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, RunDir, checkpoint_step, checkpoints,
+from backend.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PREDICTIONS_FILE, RunDir, checkpoint_step, checkpoints,
                             is_complete_checkpoint)
 from backend.stages import get_stage
 
@@ -320,7 +320,7 @@ def predict_held_out(spec, run_dir: RunDir, result: StageResult, model, tokenize
         run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
         model.eval()
         result.metrics.update(prediction.predict(model, tokenizer, template, val_examples,
-                                                 run_dir.path / "generated_predictions.jsonl", spec))
+                                                 run_dir.path / PREDICTIONS_FILE, spec))
     return result
 
 

@@ -25,9 +25,9 @@ from backend.models import load_tokenizer, resolve_model
 from backend.preference import build_preference_dataset
 from backend.resolve import pick_template
 from backend.reward_score import encode_pairs, pair_metrics, score_pairs, sequences, set_pad_token, write_scores
+from backend.rundir import PREDICTIONS_FILE
 from backend.stages.base import StageResult, fit, train_and_eval_rows, trainable_model
 
-PREDICTIONS_FILE = "generated_predictions.jsonl"
 
 
 def run(spec, run_dir, stop) -> StageResult:

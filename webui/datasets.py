@@ -85,7 +85,7 @@ def render_row(row: dict, lang: str = "en") -> str:
     if kind == "kto":
         tag = row.get("tag") or ("desirable" if row.get("kto_tag") else "undesirable")
         badge = (f'<span class="tb-kto-tag" data-tag="{tag}" style="{_TAG_STYLE.get(tag, "")};padding:1px 8px;'
-                 f'border-radius:10px;font-size:0.85rem;font-weight:600">{"👍" if tag == "desirable" else "👎"} '
+                 f'border-radius:10px;font-size:0.85rem;font-weight:600">{"✓" if tag == "desirable" else "✗"} '
                  f'{tag}</span>')
         return (f'<div class="tb-pref" data-kind="kto"><div {_PART_LABEL}>{html.escape(tr(lang, "data.kto_label"))} '
                 f'{badge}</div>{body}</div>')

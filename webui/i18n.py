@@ -92,6 +92,6 @@ def headers(lang: str | None, frame):
 
 def refusal(lang: str | None, exc, with_field: bool = True) -> str:
     """A backend.allowed.PathRefused in `lang`: which path, why, and the allowed folders. `with_field`:
-    prefixed with ⛔ and the field (a message line); without it, the text for a field's own error."""
+    prefixed with ✖ and the field (a message line); without it, the text for a field's own error."""
     text = tr(lang, exc.key(), **exc.kwargs())
-    return f"⛔ `{exc.field}`: {text}" if with_field else text
+    return f"✖ `{exc.field}`: {text}" if with_field else text

@@ -42,14 +42,14 @@ def test_a_chat_server_killed_mid_answer_is_reported_and_the_tab_recovers(tiny_q
         os.killpg(pgid, signal.SIGKILL)
         outs = _last(answering)
         chat_a, _, message, speed, st = outs
-        assert speed.startswith("⛔ ") and "the chat server exited (code -9)" in speed, speed
+        assert speed.startswith("✖ ") and "the chat server exited (code -9)" in speed, speed
         assert "Traceback" not in speed
         assert st["hist_a"][-1]["role"] == "assistant" and st["hist_a"][-1]["content"]  # the partial answer stays
 
         # the next message gets the same clear line at once, the history is left as it was
         before = list(st["hist_a"])
         outs = _last(chat.respond("Are you there?", "user", st, "", "", *SAMPLING))
-        assert outs[3].startswith("⛔ ") and "the chat server exited (code -9)" in outs[3]
+        assert outs[3].startswith("✖ ") and "the chat server exited (code -9)" in outs[3]
         assert st["hist_a"] == before
         assert not [p for p in psutil.process_iter() if _in_group(p, pgid)]  # nothing of the server left
 

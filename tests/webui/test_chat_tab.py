@@ -85,9 +85,9 @@ def test_load_chat_stop_compare_export_unload(tiny_qwen2):
 
 def test_a_server_that_fails_to_load_shows_its_error(tmp_path):
     st, status, _, _ = _last(chat.load(str(tmp_path / "no-model"), "", "auto", False, "", chat.empty_state()))
-    assert status.startswith("⛔") and "does not exist" in status
+    assert status.startswith("✖") and "does not exist" in status
     outs = _last(chat.respond("hi", "user", st, "", "", 4, 0.0, 0.9, 50, 1.0, None))
-    assert outs[3].startswith("⛔")
+    assert outs[3].startswith("✖")
 
 
 def test_display_escapes_nothing_itself_and_renders_tool_calls_as_json():

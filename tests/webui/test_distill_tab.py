@@ -67,8 +67,8 @@ def test_the_page_names_no_server_variable_and_no_internal_address(tmp_path, roo
         flat = form(make_docs(tmp_path / "docs"), "m", listener.url, tmp_path / "data", key_env="HOME")
         st, message, started = tab.start_generate(tab.new_state(), flat)
         assert not started and st == tab.new_state()
-        assert "⛔ `teacher`: `127.0.0.1` is `127.0.0.1`, an internal address" in message
-        assert "⛔ `teacher_api_key_env`: `$HOME` is not a key this server offers to the page (offered: none)" in message
+        assert "✖ `teacher`: `127.0.0.1` is `127.0.0.1`, an internal address" in message
+        assert "✖ `teacher_api_key_env`: `$HOME` is not a key this server offers to the page (offered: none)" in message
         de = tab.start_generate(tab.new_state(), flat, lang="de")[1]
         assert "eine interne Adresse" in de and "`$HOME` ist kein Schlüssel" in de
         teacher_access.configure([f"UI_TEACHER_KEY={listener.url}"], [])
@@ -203,8 +203,8 @@ def test_messages_follow_the_page_language(tmp_path, root):
     assert card_ja.startswith("2 件のホールドアウトペアのスコアカード") and "distill_report.json" in card_ja
     assert tab.abort(tab.new_state(), "fr")[1] == "Rien n'est en cours."
     assert tab.abort(tab.new_state())[1] == "Nothing is running."
-    assert tab.start_generate(tab.new_state(), {"documents": ""}, lang="ko")[1].startswith("⛔ `documents`: 폴더를")
-    assert tab.start_score(tab.new_state(), None, "ru")[1].startswith("⛔ Сначала сгенерируйте")
+    assert tab.start_generate(tab.new_state(), {"documents": ""}, lang="ko")[1].startswith("✖ `documents`: 폴더를")
+    assert tab.start_score(tab.new_state(), None, "ru")[1].startswith("✖ Сначала сгенерируйте")
     job = tools.new_job_dir("distill")
     job.mkdir(parents=True)
     (job / tools.TOOL_SPEC).write_text(f"documents: {tmp_path}\ntask: t\ndataset_name: mine\n")

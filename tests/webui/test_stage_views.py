@@ -259,7 +259,7 @@ def test_data_tab_previews_a_bundled_ranking_row_through_the_backend():
 
     raw = json.loads((DATA_DIR / "dpo_en_demo.json").read_text())[0]
     summary, shown = data_tab.show_row("", "dpo_en_demo", 0, "", "auto", 256)
-    assert "⛔" not in summary, summary
+    assert "✖" not in summary, summary
     assert "prompt" in summary and "chosen" in summary
     prompt, rest = shown.split('data-part="chosen"')
     chosen, rejected = rest.split('data-part="rejected"')

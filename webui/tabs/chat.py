@@ -315,7 +315,7 @@ def load(model, adapter, template, compare, compare_with, st, lang="en"):
                gr.skip(), gr.skip())
     if not server.url:
         st["server"] = None
-        yield st, "⛔ " + server.failure(lang).replace("\n", "  \n"), gr.skip(), gr.skip()
+        yield st, "✖ " + server.failure(lang).replace("\n", "  \n"), gr.skip(), gr.skip()
         return
     names = server.models
     st["a"] = names[1] if adapter and len(names) > 1 else names[0]
@@ -352,12 +352,12 @@ def respond(message, role, st, system, tools_json, *sampling_values):
     server = st.get("server")
     if server is None or not server.alive():
         why = server.failure(lang) if server is not None else tr(lang, "chat.load_first")
-        yield gr.skip(), gr.skip(), gr.skip(), f"⛔ {why}", st
+        yield gr.skip(), gr.skip(), gr.skip(), f"✖ {why}", st
         return
     try:
         tools = json.loads(tools_json) if tools_json and tools_json.strip() else None
     except json.JSONDecodeError as exc:
-        yield gr.skip(), gr.skip(), gr.skip(), "⛔ " + tr(lang, "chat.tools_json", error=exc), st
+        yield gr.skip(), gr.skip(), gr.skip(), "✖ " + tr(lang, "chat.tools_json", error=exc), st
         return
     if message and message.strip():
         turn = {"role": role or "user", "content": message}
@@ -414,7 +414,7 @@ def respond(message, role, st, system, tools_json, *sampling_values):
             st["pending"] = []
             cut = isinstance(exc, httpx.TransportError)  # the connection broke (not an error the server answered)
             why = server.failure(lang) if server.ended(3.0 if cut else 0.0) else str(exc)
-            yield gr.skip(), gr.skip(), "", "⛔ " + why.replace("\n", "  \n"), st
+            yield gr.skip(), gr.skip(), "", "✖ " + why.replace("\n", "  \n"), st
             return
         finally:
             stream.close()  # closes the request: after Stop, the server stops generating at its next token
@@ -427,7 +427,7 @@ def respond(message, role, st, system, tools_json, *sampling_values):
     yield display(st["hist_a"], lang), display(st["hist_b"], lang), "", " · ".join(speeds), st
 
 
-WAITING = "⏳ waiting: the other pane answers first"  # locale key chat.waiting
+WAITING = "waiting: the other pane answers first"  # locale key chat.waiting
 N_SAMPLING = 6  # respond()'s sampling values: max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed
 
 

@@ -113,7 +113,7 @@ def show_row(dataset_dir, dataset, index, model, template, cutoff, lang="en"):
         return refused, ""
     res = D.run_preview(_preview_args(dataset, index, (model, template), cutoff, dataset_dir))
     if "error" in res:
-        return f"⛔ {res['error']}", ""
+        return f"✖ {res['error']}", ""
     warn = "".join(f"\n\n⚠ {w}" for w in res.get("warnings") or [])
     system = D.template_system_prompt(res)
     if system:
@@ -130,7 +130,7 @@ def stats(dataset_dir, dataset, model, template, cutoff, lang="en"):
     args = _preview_args(dataset, 0, (model, template), cutoff, dataset_dir) + ["--stats"]
     res = D.run_preview(args, timeout=600)
     if "error" in res:
-        return f"⛔ {res['error']}", gr.update(visible=False)
+        return f"✖ {res['error']}", gr.update(visible=False)
     lengths = res.get("lengths") or []
     lines = [tr(lang, "data.stats", n=res.get("num_rows", 0), mean=res.get("mean_length"), max=res.get("max_length")),
              tr(lang, "data.truncated", n=len(res.get("truncated_rows") or [])),
@@ -224,10 +224,10 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
         except allowed.PathRefused as exc:
             return refusal(lang, exc), ""
         except (D.RegisterError, OSError, ValueError) as exc:
-            return f"⛔ {exc}", ""
+            return f"✖ {exc}", ""
         res = D.preview_entry(name.strip(), entry)
         if "error" in res:
-            return f"⛔ {res['error']}", ""
+            return f"✖ {res['error']}", ""
         rows = res.get("rows") or [res]
         body = "".join(f"<p>{D.row_summary(r, lang)}</p>{D.render_row(r, lang)}" for r in rows)
         return tr(lang, "data.reg_read", n=res.get("num_rows", len(rows)), shown=len(rows)), body
@@ -243,7 +243,7 @@ def wire(c: dict, top: dict, train: dict, tab=None) -> None:
         except allowed.PathRefused as exc:
             return refusal(lang, exc), gr.skip()
         except (D.RegisterError, OSError, ValueError) as exc:
-            return f"⛔ {exc}", gr.skip()
+            return f"✖ {exc}", gr.skip()
         return (tr(lang, "data.registered", name=name.strip(), path=data_dir / "dataset_info.json"),
                 gr.update(choices=choices.dataset_names(data_dir), value=name.strip()))
 

@@ -204,7 +204,7 @@ def launch(st: dict, flat: dict, kind: str, lang: str = "en") -> tuple[dict, str
     try:
         spec = validate_distill(flat)
     except DistillSpecError as exc:
-        return st, "⛔ " + "  \n⛔ ".join(f"`{k}`: {m}" for k, m in exc.errors), False
+        return st, "✖ " + "  \n✖ ".join(f"`{k}`: {m}" for k, m in exc.errors), False
     refused = check_teacher(spec)
     if refused:
         return st, "  \n".join(refusal(lang, exc) for exc in refused), False
@@ -280,7 +280,7 @@ def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "
     try:
         run_spec = validate_spec(flat, check_files=False)
     except SpecError as exc:
-        return None, f"⛔ {exc}"
+        return None, f"✖ {exc}"
     if run_spec.quantization_bit:
         what = tr(lang, "distill.method.qlora", bits=run_spec.quantization_bit)
     else:

@@ -228,10 +228,10 @@ def part_names(adapter: str, other: str) -> tuple[str, str]:
 
 # plan()'s refusals that the locales translate (English text -> key)
 PLAN_REFUSALS = {
-    "⛔ Pick at least one dataset to evaluate on.": "eval.no_dataset",
-    "⛔ Compare with base is not available for a reward model: the base model has no trained score head.":
+    "✖ Pick at least one dataset to evaluate on.": "eval.no_dataset",
+    "✖ Compare with base is not available for a reward model: the base model has no trained score head.":
         "eval.rm_compare",
-    "⛔ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**).": "eval.need_adapter",
+    "✖ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**).": "eval.need_adapter",
 }
 
 
@@ -240,28 +240,28 @@ def plan(flat: dict, compare: bool, other_adapter: str | None = None) -> tuple[l
     not)."""
     other_adapter = (other_adapter or "").strip() or None
     if not (flat.get("eval_dataset") or flat.get("dataset")):
-        return None, "⛔ Pick at least one dataset to evaluate on."
+        return None, "✖ Pick at least one dataset to evaluate on."
     if compare and is_rm(flat):
-        return None, ("⛔ Compare with base is not available for a reward model: the base model has no trained "
+        return None, ("✖ Compare with base is not available for a reward model: the base model has no trained "
                       "score head.")
     if compare and not flat.get("adapter_name_or_path"):
-        return None, "⛔ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**)."
+        return None, "✖ Compare needs an adapter: pick one in the top bar (**Adapter / checkpoint**)."
     if other_adapter and is_rm(flat):
-        return None, "⛔ Compare with another adapter is for generated answers, not for a reward model."
+        return None, "✖ Compare with another adapter is for generated answers, not for a reward model."
     if other_adapter and not flat.get("adapter_name_or_path"):
-        return None, ("⛔ Compare with adapter needs an adapter in the top bar too (**Adapter / checkpoint**): the "
+        return None, ("✖ Compare with adapter needs an adapter in the top bar too (**Adapter / checkpoint**): the "
                       "two are evaluated on the same base model.")
     if other_adapter and other_adapter == flat.get("adapter_name_or_path"):
-        return None, "⛔ The adapter to compare with is the one in the top bar: pick another one."
+        return None, "✖ The adapter to compare with is the one in the top bar: pick another one."
     try:
         validate_spec(flat)
     except SpecError as exc:
-        return None, "⛔ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors)
+        return None, "✖ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors)
     if other_adapter:
         try:
             validate_spec(dict(flat, adapter_name_or_path=other_adapter))
         except SpecError as exc:
-            return None, "⛔ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors)
+            return None, "✖ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors)
         job = tools.new_job_dir("eval")
         first, second = part_names(flat["adapter_name_or_path"], other_adapter)
         return [{"name": first, "dir": str(job / first), "adapter": flat["adapter_name_or_path"], "launched": False},

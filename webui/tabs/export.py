@@ -92,7 +92,7 @@ def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, boo
     try:
         spec = validate_spec(flat)
     except SpecError as exc:
-        return st, "⛔ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors), False
+        return st, "✖ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors), False
     job = tools.new_job_dir("export")
     tools.start("export", job, spec.to_yaml(include_defaults=False))
     st = {"job": str(job), "export_dir": str(spec.export_dir), "log": None, "lines": []}

@@ -1,9 +1,11 @@
 """Chat tab: layout builds light, and its handlers drive a real `tuneboard api` subprocess (tiny model)."""
 import json
+import re
 import subprocess
 import sys
 
 import gradio as gr
+import pytest
 
 from webui.tabs import chat
 
@@ -156,15 +158,8 @@ def test_a_probe_question_is_checked_like_any_dataset_key(tmp_path):
         "typo": {"file_name": "a.json", "probe_questoin": "x"}}))
     info = read_dataset_info(tmp_path)
     assert list(info.entries) == ["good"]
-    try:
+    with pytest.raises(DatasetError, match=re.escape(
+            "'probe_question' must be a non-empty string or an object of language code -> question")):
         info.entry("bad")
-    except DatasetError as exc:
-        assert "'probe_question' must be a non-empty string or an object of language code -> question" in str(exc)
-    else:
-        raise AssertionError("an empty probe question was accepted")
-    try:
+    with pytest.raises(DatasetError, match=re.escape("unknown key 'probe_questoin' (did you mean 'probe_question'?)")):
         info.entry("typo")
-    except DatasetError as exc:
-        assert "unknown key 'probe_questoin' (did you mean 'probe_question'?)" in str(exc)
-    else:
-        raise AssertionError("a misspelt key was accepted")

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from backend import allowed, gguf_header, paths
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors
-from backend.methods import adapter_methods, method, method_errors, quantizable_methods
+from backend.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
 from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID
 from backend.refusals import REFUSED, reward_gguf_refusal
@@ -44,9 +44,10 @@ from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, st
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
 
 STAGES = STAGE_IDS  # declared in backend/stages (the stage contract); kept here for readers of the spec
-GROUPS = ("model", "method", "lora", "oft", "freeze", "quantization", "data", "train", "distributed", "logging", "eval",
+METHOD_GROUPS = tuple(m.form_group for m in METHODS.values() if m.form_group)  # declared in backend/methods.py
+GROUPS = ("model", "method", *METHOD_GROUPS, "quantization", "data", "train", "distributed", "logging", "eval",
           "export", "generation", "advanced")
-GROUP_TITLES = {"model": "Model", "method": "Method", "lora": "LoRA", "oft": "OFT", "freeze": "Freeze",
+GROUP_TITLES = {"model": "Model", "method": "Method", **{m.form_group: m.title for m in METHODS.values() if m.form_group},
                 "quantization": "Quantization", "data": "Data", "train": "Train",
                 "distributed": "Devices and distribution", "logging": "Logging",
                 "eval": "Eval", "export": "Export", "generation": "Generation", "advanced": "Advanced"}

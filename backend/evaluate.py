@@ -18,7 +18,6 @@ import json
 import math
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -28,12 +27,11 @@ from backend.callbacks import StopSwitch
 from backend.data import load_examples, split_train_val
 from backend.adapters import apply_finetuning
 from backend.models import load_model, load_tokenizer, resolve_model
-from backend.paths import saves_dir
 from backend.predict import EvalError, predict, split_prompt  # noqa: F401  (public here as before)
 from backend.preprocess import PaddingCollator, build_sft_dataset
 from backend.resolve import pick_template
 from backend.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
-from backend.rundir import EVAL_RESULTS_FILE, PREDICTIONS_FILE, RunDir, write_json_atomic  # noqa: F401  (public here as before)
+from backend.rundir import EVAL_RESULTS_FILE, PREDICTIONS_FILE, RunDir, default_output_dir, write_json_atomic  # noqa: F401  (public here as before)
 from backend.spec import load_or_report
 from backend.stages import get_stage
 
@@ -43,7 +41,7 @@ RESULTS_FILE = EVAL_RESULTS_FILE
 def eval_output_dir(spec) -> Path:
     if spec.output_dir:
         return Path(spec.output_dir).expanduser().resolve()
-    return saves_dir() / spec.model_short_name() / "eval" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    return default_output_dir(spec.model_name_or_path, "eval")
 
 
 def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:

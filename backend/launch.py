@@ -412,7 +412,7 @@ def run_launcher(spec, args: list[str], run_dir) -> int:
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     # OMP_NUM_THREADS is left as it is: for CPU workers accelerate sets 1 thread each when it sets up the process
     # group (after the data is tokenized).
-    worker_args = ["-u", "-m", "backend.cli", "train", *args, f"output_dir={spec.output_dir}"]
+    worker_args = paths.tuneboard_argv("train", *args, f"output_dir={spec.output_dir}", unbuffered=True)[1:]  # minus the python
     say = run_dir.log if run_dir is not None else (lambda line: print(line, flush=True))
     say(f"launching {n} worker process(es) on node {spec.node_rank} of {spec.nnodes} (torch elastic agent, "
         f"rendezvous {spec.master_addr or '127.0.0.1'}:{port})")

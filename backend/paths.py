@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,17 @@ def cache_dir() -> Path:
 
 
 DEFAULT_MODEL_LABEL = f"{DEFAULT_MODEL_ID} · bundled Q4_1 GGUF"  # the top bar's name for it
+
+
+CLI_MODULE = "backend.cli"
+
+
+def tuneboard_argv(command: str | None = None, *args: str, unbuffered: bool = False) -> list[str]:
+    """The one spelling of a `tuneboard` child process: `<this python> [-u] -m backend.cli [command] [args...]`
+    (this interpreter, so the child sees the same venv; `-u` when the parent reads its output line by line).
+    webui.jobs.tuneboard_argv prefers the venv's `tuneboard` script and falls back to this."""
+    return [sys.executable, *(["-u"] if unbuffered else []), "-m", CLI_MODULE,
+            *([command] if command is not None else []), *args]
 
 
 def weights_note(model: str) -> str | None:

@@ -36,11 +36,10 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 from backend.methods import method
-from backend.rundir import LOG_FILE, PROBE_MEASURE_FILE, PROBE_RESULT_FILE, SPEC_FILE
+from backend.rundir import LOG_FILE, PROBE_MEASURE_FILE, PROBE_RESULT_FILE, SPEC_FILE, stamp
 
 ENV = "TUNEBOARD_PROBE"  # in the child's environment: the file it writes its own measurements to
 PROBE_DIRNAME = "probe"
@@ -260,7 +259,7 @@ def run_probe(args: list[str], *, steps: int = DEFAULT_STEPS, available_mib: flo
     available = float(available_mib) if available_mib is not None else free_mib
     root = paths.cache_dir() / PROBE_DIRNAME
     _remove_stale(root)
-    probe_dir = root / f"{os.getpid()}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    probe_dir = root / f"{os.getpid()}-{stamp()}"
     run_dir = probe_dir / "run"
     result = {"state": "failed", "error": None, "probe_dir": str(probe_dir), "steps": steps,
               "machine_total_mib": round(total_mib, 1), "available_mib": round(available, 1),
@@ -272,7 +271,7 @@ def run_probe(args: list[str], *, steps: int = DEFAULT_STEPS, available_mib: flo
         (run_dir / SPEC_FILE).write_text(child_spec.to_yaml(), encoding="utf-8")
         measures = probe_dir / PROBE_MEASURE_FILE
         env = dict(os.environ, **{ENV: str(measures)})
-        argv = [sys.executable, "-m", "backend.cli", "train", str(run_dir / SPEC_FILE)]
+        argv = paths.tuneboard_argv("train", str(run_dir / SPEC_FILE))
         log(f"probe: {steps} steps of the spec, longest rows first, in {run_dir}")
         started = time.time()
         with open(probe_dir / "child_output.log", "wb") as sink:

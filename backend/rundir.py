@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -15,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from backend import paths
 from backend.stages import stages_where
 
 STATUS_FILE = "status.json"
@@ -57,6 +59,39 @@ TRAINER_LOG_KEYS = (
     "step", "total_steps", "epoch", "loss", "eval_loss", "lr", "grad_norm",
     "tokens_per_s", "elapsed_s", "eta_s", "memory_mb",
 )
+
+
+# ---------------------------------------------------------------- naming run folders (the one home: CLI and UI)
+STAMP_FORMAT = "%Y%m%d-%H%M%S"  # a run folder's time stamp (tuneboard train/eval, the UI's tool jobs, uploads)
+
+
+def stamp(now: datetime | None = None, fmt: str = STAMP_FORMAT) -> str:
+    return (now or datetime.now()).strftime(fmt)
+
+
+def model_slug(model: str) -> str:
+    """A folder name for a model id or path: the last path component, without a .gguf suffix."""
+    name = str(model or "").rstrip("/\\").replace("\\", "/").split("/")[-1] or "model"
+    name = re.sub(r"\.gguf$", "", name, flags=re.I)
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def default_output_dir(model: str, finetuning_type: str, root: Path | None = None, now: datetime | None = None,
+                       fmt: str = STAMP_FORMAT) -> Path:
+    """<root, default paths.saves_dir()>/<model slug>/<finetuning_type>/<time stamp> (not made unique:
+    unique_dir does that where two runs may start in one second)."""
+    return Path(root or paths.saves_dir()) / model_slug(model) / (finetuning_type or "run") / stamp(now, fmt)
+
+
+def unique_dir(base: Path, taken=()) -> Path:
+    """`base`, or base-2, base-3, ... : the first that does not exist and is not in `taken` (paths as str)."""
+    base = Path(base)
+    taken = {str(t) for t in taken}
+    candidate, n = base, 1
+    while candidate.exists() or str(candidate) in taken:
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
 
 
 def now_iso() -> str:

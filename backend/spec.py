@@ -37,7 +37,7 @@ from backend.methods import METHODS, adapter_methods, method, method_errors, qua
 from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID
 from backend.refusals import REFUSED, reward_gguf_refusal
-from backend.rundir import reward_model_folder
+from backend.rundir import default_output_dir, model_slug, reward_model_folder
 from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, stages_using_field, stages_where,
                             stages_with_data)
 
@@ -536,15 +536,11 @@ class RunSpec(BaseModel):
 
     def model_short_name(self) -> str:
         """Last path component of the model, without .gguf, safe as a folder name."""
-        name = self.model_name_or_path.rstrip("/\\").replace("\\", "/").split("/")[-1] or "model"
-        if name.lower().endswith(".gguf"):
-            name = name[: -len(".gguf")]
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+        return model_slug(self.model_name_or_path)
 
     def default_output_dir(self, now: datetime | None = None) -> Path:
         """saves/<model short name>/<finetuning_type>/<YYYYmmdd-HHMMSS> under paths.saves_dir()."""
-        stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-        return paths.saves_dir() / self.model_short_name() / self.finetuning_type / stamp
+        return default_output_dir(self.model_name_or_path, self.finetuning_type, now=now)
 
     def with_output_dir(self, now: datetime | None = None) -> "RunSpec":
         """A copy whose output_dir is set (the default one if unset), so the path is fixed before launch."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from backend import paths
+from backend import paths, rundir
 from backend.rundir import (CHECKPOINT_PREFIX, LAUNCH_FILE, PROCESS_LOG, SPEC_FILE, STATUS_FILE, STOP_FILE,  # noqa: F401
                             mark_ended)
 
@@ -48,7 +47,7 @@ def tuneboard_argv() -> list[str]:
     found = shutil.which("tuneboard")
     if found:
         return [found]
-    return [sys.executable, "-m", "backend.cli"]
+    return paths.tuneboard_argv()
 
 
 def train_argv(spec_path: str | Path, overrides: dict | None = None) -> list[str]:
@@ -69,22 +68,13 @@ def _cli_value(value) -> str:
 
 def model_slug(model: str) -> str:
     """A folder name for a model id or path: the last path component, without a .gguf suffix."""
-    name = str(model).rstrip("/").split("/")[-1] or "model"
-    name = re.sub(r"\.gguf$", "", name, flags=re.I)
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+    return rundir.model_slug(model)
 
 
 def default_output_dir(model: str, finetuning_type: str, root: Path | None = None,
                        now: datetime | None = None) -> Path:
     """saves/<model>/<finetuning_type>/<timestamp>, unique (a suffix is added if the folder exists)."""
-    root = Path(root or paths.saves_dir())
-    stamp = (now or datetime.now()).strftime("%Y-%m-%d-%H-%M-%S")
-    base = root / model_slug(model) / (finetuning_type or "run") / stamp
-    candidate, n = base, 1
-    while candidate.exists():
-        n += 1
-        candidate = base.with_name(f"{stamp}-{n}")
-    return candidate
+    return rundir.unique_dir(rundir.default_output_dir(model, finetuning_type, root, now, fmt="%Y-%m-%d-%H-%M-%S"))
 
 
 def write_spec_yaml(run_dir: Path, spec_yaml: str) -> Path:

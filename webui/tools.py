@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from backend import paths
-from backend.rundir import EVAL_RESULTS_FILE, EXPORT_REPORT_FILE, PREDICTIONS_FILE
+from backend.rundir import EVAL_RESULTS_FILE, EXPORT_REPORT_FILE, PREDICTIONS_FILE, stamp, unique_dir
 from webui import jobs
 
 TOOLS_DIRNAME = ".tools"
@@ -45,13 +45,7 @@ CHECK_LINE = re.compile(r"^\s+(ok|FAIL)\s+([^:]+):\s*(.*)$")
 
 def new_job_dir(kind: str, root: Path | None = None, now: datetime | None = None) -> Path:
     """saves/.tools/<kind>-<time>, unique."""
-    base = Path(root or paths.saves_dir()) / TOOLS_DIRNAME
-    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    candidate, n = base / f"{kind}-{stamp}", 1
-    while candidate.exists():
-        n += 1
-        candidate = base / f"{kind}-{stamp}-{n}"
-    return candidate
+    return unique_dir(Path(root or paths.saves_dir()) / TOOLS_DIRNAME / f"{kind}-{stamp(now)}")
 
 
 def tool_argv(command: str, spec_path: str | Path) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from jsonschema import Draft202012Validator
 
-from backend import allowed, teacher_access
+from backend import allowed, paths, teacher_access
 from backend.atomic import write_text_atomic
 from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, REJECTED_FILE, SPEC_FILE,
                              TEACHER_LOG, TRAIN_DIRNAME, DistillError, read_progress)
@@ -493,8 +493,9 @@ def train(spec: DistillSpec, run_dir) -> int:
         raise DistillError("step train: no registered dataset in this run folder yet (run step generate first)")
     out = spec.resolved_output_dir() / TRAIN_DIRNAME
     flat = train_overrides(spec, dataset, out)
-    argv = [sys.executable, "-m", "backend.cli", "train"] + [f"{k}={_cli(v)}" for k, v in flat.items()]
-    run_dir.log("train: tuneboard train " + " ".join(argv[4:]))
+    args = [f"{k}={_cli(v)}" for k, v in flat.items()]
+    argv = paths.tuneboard_argv("train", *args)
+    run_dir.log("train: tuneboard train " + " ".join(args))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(Path(__file__).resolve().parents[2]))
     for line in proc.stdout:

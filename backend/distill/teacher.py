@@ -26,13 +26,12 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend import teacher_access
+from backend import paths, teacher_access
 from backend.supervise import die_with_parent
 
 RETRY_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -296,10 +295,10 @@ class LocalTeacher:
         self.url: str | None = None
 
     def start(self, timeout: float = 600.0) -> str:
-        argv = [sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={self.model}",
+        argv = paths.tuneboard_argv("api", f"model_name_or_path={self.model}",
                 f"template={self.template}", "do_sample=false", "--port", "0",
                 # the run's private teacher: answer_tokens bounds each request, request_timeout its time
-                "--max-tokens-per-request", "0", "--max-request-seconds", "0"]
+                "--max-tokens-per-request", "0", "--max-request-seconds", "0")
         if self.adapter:
             argv += ["--adapter", self.adapter]
         env = {**os.environ, "TUNEBOARD_API_KEY": self.key}

@@ -19,6 +19,7 @@ import gradio as gr  # noqa: E402
 
 from backend import allowed, paths, teacher_access  # noqa: E402
 from webui import choices, jobs, tools  # noqa: E402
+from webui.form import inputs_of  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS, tr  # noqa: E402
 from webui.tabs import chat as chat_tab  # noqa: E402
@@ -28,7 +29,21 @@ from webui.tabs import evaluate as eval_tab  # noqa: E402
 from webui.tabs import export as export_tab  # noqa: E402
 from webui.tabs import runs as runs_tab  # noqa: E402
 from webui.tabs import train as train_tab  # noqa: E402
+from webui.tab_context import TabContext  # noqa: E402
+from webui.tailer import run_state  # noqa: E402
 from webui.ui import Registry  # noqa: E402
+
+# The tabs, in page order: (tab id, module). Each module keeps the tab contract (webui/tab_context.py:
+# build(ctx) -> dict, wire(ctx, c)); its label is the locale key tab-<id>. A new tab: its module + one line here.
+TABS = (
+    ("train", train_tab),
+    ("runs", runs_tab),
+    ("data", data_tab),
+    ("distill", distill_tab),
+    ("eval", eval_tab),
+    ("export", export_tab),
+    ("chat", chat_tab),
+)
 
 LOGO = paths.ASSETS_DIR / "logo.svg"
 CSS_FILE = paths.ASSETS_DIR / "style.css"
@@ -115,30 +130,18 @@ def create_app() -> gr.Blocks:
     with gr.Blocks(title="TuneBoard") as demo:
         reg.html("tb-header-block", _header_html)
         top = build_topbar(reg)
-        state = gr.State(train_tab.attach(None))
+        state = gr.State(run_state(None))
+        ctx = TabContext(reg=reg, top=top, state=state)
         with gr.Tabs(elem_id="tb-tabs") as tabs:
-            with reg.tab("tab-train", id="train"):
-                train = train_tab.build(reg, top)
-            with reg.tab("tab-runs", id="runs"):
-                runs = runs_tab.build(reg)
-            with reg.tab("tab-data", id="data") as data_tab_item:
-                data = data_tab.build(reg)
-            with reg.tab("tab-distill", id="distill"):
-                distill = distill_tab.build(reg)
-            with reg.tab("tab-eval", id="eval"):
-                evaluate = eval_tab.build(reg)
-            with reg.tab("tab-export", id="export"):
-                export = export_tab.build(reg)
-            with reg.tab("tab-chat", id="chat"):
-                chat = chat_tab.build(reg, top)
+            ctx.tabs = tabs
+            for tab_id, module in TABS:
+                with reg.tab(f"tab-{tab_id}", id=tab_id) as item:
+                    ctx.items[tab_id] = item
+                    ctx.comps[tab_id] = module.build(ctx)
         wire_topbar(top)
-        train_tab.wire(train, state)
-        runs_tab.wire(runs, state=state, train=train, tabs=tabs)
-        data_tab.wire(data, top=top, train=train, tab=data_tab_item)
-        distill_tab.wire(distill, top, train, tabs, data)
-        eval_tab.wire(evaluate, top)
-        export_tab.wire(export, top)
-        chat_tab.wire(chat)
+        for tab_id, module in TABS:
+            module.wire(ctx, ctx.comps[tab_id])
+        train, distill, evaluate, export = (ctx.tab(t) for t in ("train", "distill", "eval", "export"))
 
         comps = reg.components()
         top["lang"].change(lambda lang: reg.relabel(lang), [top["lang"]], comps, show_progress="hidden")
@@ -169,8 +172,7 @@ def create_app() -> gr.Blocks:
                     *reattach_tool(eval_tab, "eval", (eval_st or {}).get("parts")))
 
         # the form's inputs, in train_tab.spec_to_inputs order: top bar, booster, extra args, form fields
-        form_inputs = [top[n] for n in F.TOPBAR_FIELDS] + [top["booster"], train["extra_args"]] + \
-            [train["fields"][n] for n in train["names"]]
+        form_inputs = inputs_of(top, train)
         demo.load(distill_tab.on_load, [distill["state"], top["lang"]],
                   [distill["state"], distill["message"], distill["timer"]])
         demo.load(on_load, [state, export["state"], evaluate["state"]],

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.rundir import LOG_FILE, PROCESS_LOG, RUNNING_LOG, STATUS_FILE
+from webui.tools import clean_line
 
 # Bytes of the file head remembered to notice an in-place rewrite that is not shorter than before.
 _HEAD_BYTES = 64
@@ -207,3 +208,25 @@ class RunTail:
 
     def log_text(self) -> str:
         return "\n".join(self.log_tail)
+
+
+def run_state(run_dir: str | None) -> dict:
+    """The Train tab's per-browser state for a run (None: no run): the run folder and its RunTail. Any tab
+    that opens a run in the Train tab (Runs: Open, Relaunch) puts this in the shared state."""
+    return {"run_dir": run_dir, "tail": RunTail(run_dir) if run_dir else None}
+
+
+def job_log(st: dict, job_dir: str, max_lines: int) -> str:
+    """One poll of a tool job's process output (Export, Evaluate, Distill): the new lines of
+    `job_dir`/PROCESS_LOG, progress-bar rewrites cleaned (tools.clean_line), the last `max_lines` kept in
+    st["lines"]; returns them as one text. st["log"] holds the FileTail (None: start one, e.g. after a
+    reload); st["log_dir"] the folder it reads: another folder (Evaluate's next part) starts afresh."""
+    if st.get("log_dir") not in (None, str(job_dir)):
+        st["log"], st["lines"] = None, []
+    st["log_dir"] = str(job_dir)
+    if st.get("log") is None:
+        st["log"] = FileTail(str(Path(job_dir) / PROCESS_LOG))
+    lines = deque(st.get("lines") or [], maxlen=max_lines)
+    lines.extend(clean_line(x) for x in st["log"].read_lines())
+    st["lines"] = list(lines)
+    return "\n".join(st["lines"])

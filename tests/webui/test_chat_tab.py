@@ -12,10 +12,11 @@ from webui.tabs import chat
 
 def test_tab_builds_and_imports_no_ml_stack():
     code = ("import sys, gradio as gr\nfrom webui.ui import Registry\nfrom webui.tabs import chat\n"
-            "reg = Registry('en')\n"
+            "from webui.tab_context import TabContext\n"
             "with gr.Blocks():\n"
             "    top = {k: gr.Textbox() for k in ('model_name_or_path', 'adapter_name_or_path', 'template', 'lang')}\n"
-            "    ui = chat.build(reg, top)\n    chat.wire(ui)\n"
+            "    ctx = TabContext(reg=Registry('en'), top=top)\n"
+            "    ui = chat.build(ctx)\n    chat.wire(ctx, ui)\n"
             "print(','.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]

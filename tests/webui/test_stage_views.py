@@ -11,6 +11,7 @@ import gradio as gr
 import pytest
 import yaml
 
+from backend.spec import validate_spec
 from backend.stages import STAGES
 from webui import datasets as D
 from webui import jobs, live, preflight
@@ -208,7 +209,7 @@ def test_preflight_counts_a_reference_copy_only_where_one_is_loaded():
 def test_preflight_is_refreshed_by_the_fields_it_reads():
     form = set(NAMES) | set(TOP)
     assert set(preflight.FIELDS) <= form, set(preflight.FIELDS) - form
-    flat, _ = T.collect(NAMES, TOP, T.spec_to_inputs(T.validate_spec({"stage": "dpo", "dataset": "dpo_en_demo"}),
+    flat, _ = T.collect(NAMES, TOP, T.spec_to_inputs(validate_spec({"stage": "dpo", "dataset": "dpo_en_demo"}),
                                                      TOP, NAMES))
     assert "chosen + rejected" in preflight.summary_md(flat)
 

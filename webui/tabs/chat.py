@@ -20,7 +20,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -46,7 +45,7 @@ class ChatServer:
 
     def __init__(self, spec_args: list[str], adapters: list[str] = ()):
         self.key = secrets.token_urlsafe(24)
-        self.cmd = [sys.executable, "-m", "backend.cli", "api", *spec_args]
+        self.cmd = paths.tuneboard_argv("api", *spec_args)
         for a in adapters:
             self.cmd += ["--adapter", a]
         # the page's own server (one per browser session, a random key): its slider bounds max_tokens, Stop
@@ -186,8 +185,9 @@ def _stop_server(st) -> None:
 
 
 # ------------------------------------------------------------------------------------------ build
-def build(reg, top: dict) -> dict:
+def build(ctx) -> dict:
     """Layout only (events in wire())."""
+    reg, top = ctx.reg, ctx.top
     ui: dict = {"top": top}
     with gr.Row(equal_height=True, elem_id="chat-loadbar"):
         ui["compare"] = reg.comp(gr.Checkbox, "chat-compare", value=False, scale=1, min_width=220)
@@ -500,7 +500,7 @@ def export(st, system):
     return gr.update(value=str(path), visible=True)
 
 
-def wire(ui: dict) -> None:
+def wire(ctx, ui: dict) -> None:
     top, st = ui["top"], ui["state"]
     load_evt = ui["load"].click(
         load, [top["model_name_or_path"], top["adapter_name_or_path"], top["template"], ui["compare"],

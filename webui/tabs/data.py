@@ -26,7 +26,8 @@ def legend_html(text: str) -> str:
 # (a preview subprocess) finishing after a dataset pick used to put the old dataset's row back on screen.
 ONE_ROW_AT_A_TIME = {"concurrency_limit": 1, "concurrency_id": "data-row"}
 
-def build(reg) -> dict:
+def build(ctx) -> dict:
+    reg = ctx.reg
     c: dict = {}
     with gr.Row():
         c["dir"] = reg.comp(gr.Textbox, "data-dir", value=str(paths.DATA_DIR), scale=3)
@@ -162,8 +163,9 @@ def cleared_stats():
     return "", gr.update(value=histogram([])[0], visible=False)
 
 
-def wire(c: dict, top: dict, train: dict, tab=None) -> None:
+def wire(ctx, c: dict) -> None:
     """`tab`: the Data tab itself: opening it shows the picked dataset's row when nothing is shown yet."""
+    top, train, tab = ctx.top, ctx.tab("train"), ctx.items.get("data")
     cutoff = train["fields"]["cutoff_len"]
     ins = [c["dir"], c["dataset"], c["index"], top["model_name_or_path"], top["template"], cutoff, top["lang"]]
     if tab is not None:

@@ -16,8 +16,6 @@ the same name and settings resumes from its cache. Per-browser state (gr.State):
 from __future__ import annotations
 
 import shutil
-from collections import deque
-from datetime import datetime
 from pathlib import Path
 
 import gradio as gr
@@ -28,9 +26,12 @@ from backend import allowed, paths, teacher_access
 from backend.distill import REASONS, SPEC_FILE, TRAIN_DIRNAME, read_progress, read_report, report_rows
 from backend.distill.documents import SUFFIXES
 from backend.methods import METHODS
+from backend.rundir import DISTILL_REPORT_FILE, STATUS_FILE, stamp, unique_dir
 from webui import jobs, tools
+from webui.fields import TOPBAR_FIELDS
+from webui.form import inputs_of, spec_to_inputs
 from webui.i18n import headers, refusal, tr
-from webui.tailer import FileTail
+from webui.tailer import job_log
 
 TICK_S = 1.0
 LOG_LINES = 200
@@ -52,7 +53,8 @@ def new_state() -> dict:
     return {"job": None, "out": None, "kind": None, "log": None, "lines": []}
 
 
-def build(reg) -> dict:
+def build(ctx) -> dict:
+    reg = ctx.reg
     c: dict = {}
     c["intro"] = reg.markdown("distill-intro", elem_classes=["tb-section-note"])
     with gr.Row():
@@ -116,10 +118,7 @@ def stage_uploads(files, root: Path | None = None) -> str | None:
     if not files:
         return None
     base = Path(root or paths.saves_dir()) / UPLOADS_DIRNAME
-    folder, n = base / datetime.now().strftime("%Y%m%d-%H%M%S"), 1
-    while folder.exists():
-        n += 1
-        folder = base / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{n}"
+    folder = unique_dir(base / stamp())
     folder.mkdir(parents=True)
     for f in files:
         shutil.copyfile(f, folder / Path(f).name)
@@ -359,7 +358,7 @@ def ended_message(st: dict, status: dict, p: dict, state: str, report: dict | No
     """The message line once a job has ended: the scorecard, the registered dataset, stopped, or why it failed."""
     if st.get("kind") == "score":
         if report and status.get("state") == "completed":
-            return tr(lang, "distill.scorecard", rows=report.get("rows"), path=Path(st["out"]) / "distill_report.json")
+            return tr(lang, "distill.scorecard", rows=report.get("rows"), path=Path(st["out"]) / DISTILL_REPORT_FILE)
         return f"✗ {status.get('error') or tr(lang, 'distill.no_report')}"
     dataset = p.get("dataset")
     if status.get("state") == "completed" and dataset:
@@ -377,13 +376,9 @@ def poll(st: dict, lang: str = "en") -> tuple:
     job = (st or {}).get("job")
     if not job:
         return st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    tail = st.get("log") or FileTail(str(Path(job) / jobs.PROCESS_LOG))
-    st["log"] = tail
-    lines = deque(st.get("lines") or [], maxlen=LOG_LINES)
-    lines.extend(tools.clean_line(x) for x in tail.read_lines())
-    st["lines"] = list(lines)
+    log = job_log(st, job, LOG_LINES)
     running = tools.alive(job)
-    status = jobs.read_json(Path(st["out"]) / "status.json") if st.get("out") else {}
+    status = jobs.read_json(Path(st["out"]) / STATUS_FILE) if st.get("out") else {}
     p = read_progress(st.get("out"))
     if st.get("kind") == "score":
         done, total = status.get("step") or 0, status.get("total_steps")
@@ -392,7 +387,6 @@ def poll(st: dict, lang: str = "en") -> tuple:
     state = "running" if running else ("aborted" if tools.was_aborted(job) else status.get("state") or "failed")
     bar = tools.progress_html(state, done, total, tr(lang, "distill.bar_scoring" if st.get("kind") == "score"
                                                      else "distill.bar_generating"), lang)
-    log = "\n".join(st["lines"])
     if running:
         st["watched"] = True  # its end is news: the Data tab may switch to the new dataset (data_tab_target)
         return st, bar, counts_text(p, lang), pairs_frame(p, lang), gr.skip(), log, gr.skip(), gr.Timer(active=True)
@@ -411,9 +405,8 @@ def data_tab_target(st: dict | None) -> tuple[str, str] | None:
     return dataset["dataset_dir"], dataset["name"]
 
 
-def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> None:
-    from webui import fields as F
-    from webui.tabs import train as train_tab
+def wire(ctx, c: dict) -> None:
+    top, train, tabs, data = ctx.top, ctx.tab("train"), ctx.tabs, ctx.comps.get("data")
 
     def show_teacher(kind):
         """Local teacher: its model and adapter; endpoint: URL, model, key variable, key file. Inputs: teacher.
@@ -455,9 +448,8 @@ def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> Non
                      [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], top["lang"]], view, show_progress="hidden")
 
-    top_names = list(F.TOPBAR_FIELDS)
-    inputs = [top[n] for n in top_names] + [top["booster"], train["extra_args"]] + \
-             [train["fields"][n] for n in train["names"]]
+    top_names = list(TOPBAR_FIELDS)
+    inputs = inputs_of(top, train)
 
     def on_finetune(st, method, quant, lang):
         """Fill the Train form for SFT of the student on the distilled dataset (the top bar's method and
@@ -466,7 +458,7 @@ def wire(c: dict, top: dict, train: dict, tabs, data: dict | None = None) -> Non
         spec, message = finetune_spec(st, method, quant, lang)
         if spec is None:
             return (message, gr.skip(), *([gr.skip()] * len(inputs)))
-        return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
+        return (message, gr.Tabs(selected="train"), *spec_to_inputs(spec, top_names, train["names"]))
 
     c["finetune"].click(on_finetune, [c["state"], top["finetuning_type"], top["quantization_bit"], top["lang"]],
                         [c["message"], tabs, *inputs])

@@ -33,7 +33,7 @@ from backend.rundir import DISTILL_REPORT_FILE
 from backend.spec import SpecError, validate_spec
 from webui import choices, jobs, tools
 from webui.i18n import headers, refusal, tr
-from webui.tailer import FileTail
+from webui.tailer import job_log
 
 TICK_S = 1.0
 LOG_LINES = 120
@@ -41,14 +41,15 @@ LOG_LINES = 120
 
 def new_state() -> dict:
     return {"parts": [], "spec": {}, "aborted": False, "rows": {}, "results": {}, "lines": [], "log": None,
-            "log_part": None}
+            "log_dir": None}
 
 
 def empty_frame(columns) -> pd.DataFrame:
     return pd.DataFrame([], columns=columns)
 
 
-def build(reg) -> dict:
+def build(ctx) -> dict:
+    reg = ctx.reg
     c: dict = {}
     c["intro"] = reg.markdown("eval-intro", elem_classes=["tb-section-note"])
     names = choices.dataset_names()
@@ -518,7 +519,7 @@ def poll(st: dict, worst_first: bool, lang: str = "en") -> tuple:
         return _finish(st, worst_first, lang=lang)
     if not part["launched"]:
         launch_part(st, part)
-    log = _read_log(st, part)
+    log = job_log(st, part["dir"], LOG_LINES)
     s = part_status(part)
     total, done = s.get("total_steps"), s.get("step") or 0
     n = len(st["parts"])
@@ -530,14 +531,6 @@ def poll(st: dict, worst_first: bool, lang: str = "en") -> tuple:
             gr.Timer(active=True))
 
 
-def _read_log(st: dict, part: dict) -> str:
-    if st.get("log_part") != part["dir"]:
-        st["log_part"] = part["dir"]
-        st["log"] = FileTail(str(Path(part["dir"]) / jobs.PROCESS_LOG))
-        st["lines"] = []
-    lines = st["lines"] + [tools.clean_line(x) for x in st["log"].read_lines()]
-    st["lines"] = lines[-LOG_LINES:]
-    return "\n".join(st["lines"])
 
 
 def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str = "en") -> tuple:
@@ -545,7 +538,7 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str =
         st["results"][p["name"]] = tools.read_results(p["dir"])
     st["rows"] = {p["name"]: tools.read_predictions(p["dir"]) for p in st["parts"]}
     shown = failed or next((p for p in reversed(st["parts"]) if p["launched"]), st["parts"][0])
-    log = _read_log(st, shown)
+    log = job_log(st, shown["dir"], LOG_LINES)
     if failed is not None:
         err = part_status(failed).get("error") or tr(lang, "eval.no_result")
         state, message = "failed", tr(lang, "eval.failed", name=failed["name"], error=err)
@@ -568,7 +561,8 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str =
             gr.Timer(active=False))
 
 
-def wire(c: dict, top: dict) -> None:
+def wire(ctx, c: dict) -> None:
+    top = ctx.top
     inputs = [top["model_name_or_path"], top["adapter_name_or_path"], top["finetuning_type"],
               top["quantization_bit"], top["template"], c["dataset"], c["max_samples"], c["max_new_tokens"],
               c["val_size"]]

@@ -9,7 +9,6 @@ wire() binds.
 """
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 import gradio as gr
@@ -20,7 +19,7 @@ from backend.methods import is_adapter
 from backend.spec import SpecError, validate_spec
 from webui import jobs, tools
 from webui.i18n import headers, refusal, tr
-from webui.tailer import FileTail
+from webui.tailer import job_log
 
 TICK_S = 1.0
 CHECK_COLUMNS = ["check", "result", "detail", "figures"]
@@ -35,7 +34,8 @@ def new_state() -> dict:
     return {"job": None, "export_dir": "", "log": None, "lines": []}
 
 
-def build(reg) -> dict:
+def build(ctx) -> dict:
+    reg = ctx.reg
     c: dict = {}
     c["intro"] = reg.markdown("export-intro", elem_classes=["tb-section-note"])
     with gr.Row(equal_height=True):
@@ -128,11 +128,7 @@ def poll(st: dict, lang: str = "en") -> tuple:
     job = (st or {}).get("job")
     if not job:
         return st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    tail = st.get("log") or FileTail(str(Path(job) / jobs.PROCESS_LOG))
-    st["log"] = tail
-    lines = deque(st.get("lines") or [], maxlen=LOG_LINES)
-    lines.extend(tools.clean_line(x) for x in tail.read_lines())
-    st["lines"] = list(lines)
+    log = job_log(st, job, LOG_LINES)
     running = tools.alive(job)
     aborted = st.get("aborted") or tools.was_aborted(job)
     k, n, step = tools.export_progress(st["lines"])
@@ -146,7 +142,6 @@ def poll(st: dict, lang: str = "en") -> tuple:
         k = n if outcome == "passed" else k
     bar = tools.progress_html(state, k, n, tr(lang, "msg.export_step", k=k, n=n, step=step) if step
                               else tr(lang, "msg.export_starting"), lang)
-    log = "\n".join(st["lines"])
     if running:
         return st, bar, "", gr.skip(), log, gr.Timer(active=True)
     report = tools.read_report(st.get("export_dir"))
@@ -171,7 +166,8 @@ def ended_message(st: dict, lang: str = "en") -> str:
     return tr(lang, "msg.export_ended", dir=st.get("export_dir"))
 
 
-def wire(c: dict, top: dict) -> None:
+def wire(ctx, c: dict) -> None:
+    top = ctx.top
     c["format"].change(lambda f: gr.update(visible=f == "gguf"), [c["format"]], [c["gguf_type"]],
                        show_progress="hidden")
     inputs = [top["model_name_or_path"], top["adapter_name_or_path"], top["finetuning_type"], top["template"],

@@ -16,10 +16,10 @@ from backend.methods import method
 from backend.rundir import ACTIVE_STATES, LOG_FILE
 from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
-from webui import jobs, live
+from webui import form, jobs, live
 from webui.i18n import headers, tr
-from webui.tabs import train as train_tab
-from webui.tailer import JsonlTail
+from webui.plots import empty_loss, legend_update, series_of
+from webui.tailer import JsonlTail, run_state
 
 COLUMNS = ["name", "stage", "model", "dataset", "method", "status", "steps", "final loss", "smoothed loss",
            "lowest loss", "duration", "started"]
@@ -140,7 +140,7 @@ def overlay_frame(run_dirs: list[str], root: Path | None = None, metric: str = "
                       else live.metric_frame(recs, [metric], run_label=label))
     frames = [f for f in frames if len(f)]
     if not frames:
-        return train_tab.empty_loss()
+        return empty_loss()
     return pd.concat(frames, ignore_index=True)
 
 
@@ -266,7 +266,8 @@ def continue_dpo_spec(run_dir: str | None, lang: str = "en"):
     return spec, tr(lang, "runs.dpo_ready", name=Path(run_dir).name, dataset=DPO_DATASET)
 
 
-def build(reg) -> dict:
+def build(ctx) -> dict:
+    reg = ctx.reg
     c: dict = {}
     with gr.Row():
         c["status"] = reg.dropdown("runs-status", STATUS_FILTERS, value="all", scale=1)
@@ -285,7 +286,7 @@ def build(reg) -> dict:
             reg._add(c["select"], "label")
             c["metric"] = gr.Dropdown(choices=["loss"], value="loss", label="Metric", elem_id="runs-metric")
             reg._add(c["metric"], "label")
-            c["overlay"] = reg.comp(gr.LinePlot, "runs-overlay", value=train_tab.empty_loss(), x="step",
+            c["overlay"] = reg.comp(gr.LinePlot, "runs-overlay", value=empty_loss(), x="step",
                                     y="value", color="series", height=400, x_title="step", y_title="loss")
         with gr.Column(scale=2):
             c["target"] = gr.Dropdown(choices=names, value=None, label="Run", elem_id="runs-target")
@@ -311,7 +312,9 @@ def build(reg) -> dict:
     return c
 
 
-def wire(c: dict, state, train: dict, tabs) -> None:
+def wire(ctx, c: dict) -> None:
+    state, train, tabs = ctx.state, ctx.tab("train"), ctx.tabs
+
     def refresh(status, model, lang="en"):
         """Inputs: filters. Outputs: table and the four run pickers (choices refreshed, values kept)."""
         rows = run_rows()
@@ -337,7 +340,7 @@ def wire(c: dict, state, train: dict, tabs) -> None:
         return gr.update(value=overlay_frame(run_dirs or [], metric=metric or "loss"), y_title=metric or "loss")
 
     def overlay_legend(run_dirs, metric):
-        return train_tab.legend_update(train_tab.series_of(overlay_frame(run_dirs or [], metric=metric or "loss")))
+        return legend_update(series_of(overlay_frame(run_dirs or [], metric=metric or "loss")))
 
     c["select"].change(pick_runs, [c["select"], c["metric"]], [c["metric"], c["overlay"]]).then(
         overlay_legend, [c["select"], c["metric"]], [c["overlay"]], show_progress="hidden")
@@ -352,7 +355,7 @@ def wire(c: dict, state, train: dict, tabs) -> None:
         """Attach the Train tab's live view to a run. Outputs: state, timer, tabs, message."""
         if not run_dir:
             return gr.skip(), gr.skip(), gr.skip(), tr(lang, "runs.pick")
-        return train_tab.attach(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), ""
+        return run_state(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), ""
 
     c["open"].click(open_run, [c["target"], lang], [state, train["timer"], tabs, c["message"]])
 
@@ -374,7 +377,7 @@ def wire(c: dict, state, train: dict, tabs) -> None:
         ok, message = relaunch_run(run_dir, extra_steps, lang=lang)
         if not ok:
             return gr.skip(), gr.skip(), gr.skip(), message
-        return train_tab.attach(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), message
+        return run_state(run_dir), gr.Timer(active=True), gr.Tabs(selected="train"), message
 
     c["resume"].click(lambda d, lg: relaunch(d, lang=lg), [c["target"], lang],
                       [state, train["timer"], tabs, c["message"]])
@@ -383,15 +386,14 @@ def wire(c: dict, state, train: dict, tabs) -> None:
 
     top = train["top"]
     top_names = list(F.TOPBAR_FIELDS)
-    inputs = [top[n] for n in top_names] + [top["booster"], train["extra_args"]] + \
-             [train["fields"][n] for n in train["names"]]
+    inputs = form.inputs_of(top, train)
 
     def clone(run_dir, lang):
         """Load a run's spec into the Train form (with a fresh output_dir). Outputs: message, tabs, inputs."""
         spec, message = clone_spec(run_dir, lang)
         if spec is None:
             return (message, gr.skip(), *([gr.skip()] * len(inputs)))
-        return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
+        return (message, gr.Tabs(selected="train"), *form.spec_to_inputs(spec, top_names, train["names"]))
 
     c["clone"].click(clone, [c["target"], lang], [c["message"], tabs, *inputs])
 
@@ -401,7 +403,7 @@ def wire(c: dict, state, train: dict, tabs) -> None:
         spec, message = continue_dpo_spec(run_dir, lang)
         if spec is None:
             return (message, gr.skip(), *([gr.skip()] * len(inputs)))
-        return (message, gr.Tabs(selected="train"), *train_tab.spec_to_inputs(spec, top_names, train["names"]))
+        return (message, gr.Tabs(selected="train"), *form.spec_to_inputs(spec, top_names, train["names"]))
 
     c["continue_dpo"].click(continue_dpo, [c["target"], lang], [c["message"], tabs, *inputs])
 

@@ -7,47 +7,24 @@ from __future__ import annotations
 
 import hashlib
 import html
-import shlex
 import time
 from pathlib import Path
 
 import gradio as gr
-import pandas as pd
 
 from backend import allowed, paths
-from backend.rundir import PHASE_SAVING
-from backend.spec import SpecError, load_spec, read_spec_file, validate_spec
+from backend.rundir import PHASE_SAVING, PLOT_FILE, unique_dir
+from backend.spec import SpecError, load_spec, read_spec_file
 from webui import choices, jobs, live, preflight
 from webui import datasets as D
 from webui import fields as F
-from webui.i18n import choice_pairs, field_help, refusal, tr
-from webui.tailer import RunTail
+from webui.form import (SPEC_SUFFIXES, check, collect, dataset_for_stage, error_updates, errors_md, looks_like_spec,
+                         preset_flat, preview_of, save_target_check, spec_to_inputs)
+from webui.i18n import refusal, tr
+from webui.plots import empty_loss, empty_lr, legend_update, series_of
+from webui.tailer import RunTail, run_state
 
 TICK_S = 1.5
-
-
-def empty_loss() -> pd.DataFrame:
-    return pd.DataFrame({"step": pd.Series(dtype="int64"), "value": pd.Series(dtype="float64"),
-                         "series": pd.Series(dtype="str")})
-
-
-def empty_lr() -> pd.DataFrame:
-    return pd.DataFrame({"step": pd.Series(dtype="int64"), "lr": pd.Series(dtype="float64")})
-
-
-def series_of(frame) -> list[str]:
-    """The series names of a long-format plot frame, in order of first appearance."""
-    return list(dict.fromkeys(frame["series"])) if len(frame) else []
-
-
-def legend_update(series: list[str]):
-    """Re-colour a `color=` LinePlot for this set of series. Gradio 6's LinePlot fixes its colour domain
-    (the series names) when it builds its chart and afterwards only swaps the data: a series that was
-    not in the first frame (every series, when the plot starts empty) is drawn with no stroke, i.e. its
-    line is invisible and only the invisible hover points exist. Changing `colors_in_legend` makes it
-    rebuild the chart. It must come in a separate event after the data: the rebuild reads the data the
-    plot held before the update that triggers it."""
-    return gr.update(colors_in_legend=series)
 
 
 # Spec fields whose widget is a dropdown of the registered datasets that fit the stage, still taking a typed
@@ -94,9 +71,10 @@ def plot_axes_updates(lang: str = "en") -> list:
     return [gr.update(**plot_axes(p, lang)) for p in ("loss_plot", "lr_plot", *live.plot_names())]
 
 
-def build(reg, top: dict) -> dict:
-    """Layout only. `top`: the shared top-bar components (field name -> component, plus "booster").
-    Returns the components wire() needs."""
+def build(ctx) -> dict:
+    """Layout only (the tab contract: webui/tab_context.py). ctx.top: the shared top-bar components (field
+    name -> component, plus "booster"). Returns the components wire() needs."""
+    reg, top = ctx.reg, ctx.top
     c: dict = {"top": top}
     rows = F.form_rows()
     names = [r.name for r in rows]
@@ -149,7 +127,7 @@ def build(reg, top: dict) -> dict:
                 c["preview_cmd"] = reg.comp(gr.Textbox, "train-preview_cmd", lines=2, interactive=False)
                 c["preview_yaml"] = reg.comp(gr.Code, "train-preview_yaml", language="yaml", interactive=False)
             with gr.Row(equal_height=False):  # the formula's estimate, and a real measurement on demand
-                c["preflight"] = gr.HTML(preflight.summary_md(_preset_flat()), elem_id="train-preflight")
+                c["preflight"] = gr.HTML(preflight.summary_md(preset_flat()), elem_id="train-preflight")
                 with gr.Column(scale=0, min_width=170):
                     c["measure"] = reg.button("train-measure", size="sm")
                     c["measure_abort"] = reg.button("train-measure_abort", size="sm", variant="stop")
@@ -190,101 +168,6 @@ def build(reg, top: dict) -> dict:
     c["timer"] = gr.Timer(TICK_S, active=False)
     c["names"] = names
     return c
-
-
-def _preset_flat() -> dict:
-    flat = {r.name: r.default for r in F.field_table()}
-    flat.update(F.PRESET)
-    return flat
-
-
-# ------------------------------------------------------------------ handlers (pure where possible)
-
-def collect(names: list[str], top_names: list[str], values: list) -> tuple[dict, list]:
-    """Form values -> flat spec dict. `values` = top-bar values (top_names order) + booster + extra args +
-    form values (names order)."""
-    n_top = len(top_names)
-    top_vals, booster, extra, form_vals = values[:n_top], values[n_top], values[n_top + 1], values[n_top + 2:]
-    flat, errors = F.values_to_flat(top_names + names, list(top_vals) + list(form_vals), extra, booster)
-    return flat, errors
-
-
-def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None, list[tuple[str, str]]]:
-    """Validate like the CLI does, and refuse paths outside the allowed folders (backend.allowed: output_dir,
-    dataset_dir, a model that is not a model folder, ...); returns (spec, []) or (None, [(field, message), ...])."""
-    if pre_errors:
-        return None, pre_errors
-    refused = [(exc.field, refusal(lang, exc, with_field=False)) for exc in allowed.spec_refusals(flat)]
-    if refused:
-        return None, refused
-    try:
-        return validate_spec(flat), []
-    except SpecError as exc:
-        return None, list(exc.errors)
-
-
-def error_updates(errors: list[tuple[str, str]], all_names: list[str], lang: str = "en") -> list:
-    """One update per field: the error message as the field's info text (red), else its description. The
-    top bar's fields carry no description (a few lines of small print under some of its labels pushed their
-    boxes out of line), so only an error shows there."""
-    by_field: dict[str, list[str]] = {}
-    for field, message in errors:
-        by_field.setdefault(field, []).append(message)
-    table = F.rows_by_name()
-    out = []
-    for name in all_names:
-        if name in by_field:
-            # no glyph: the browser's fonts may lack it (a box); the red text and icon come from the CSS class
-            out.append(gr.update(info="; ".join(by_field[name]), elem_classes=["tb-field-error"]))
-        else:
-            out.append(gr.update(info="" if name in F.TOPBAR_FIELDS else field_help(lang, name, table[name].description),
-                                 elem_classes=[]))
-    return out
-
-
-def dataset_info_of(dataset_dir) -> dict:
-    """The dataset_info.json mapping of the form's dataset folder (the bundled one when empty); {} for a folder
-    outside the allowed roots (validate refuses it and says why)."""
-    if (dataset_dir or "").strip():
-        try:
-            allowed.check_read(dataset_dir, "dataset_dir")
-        except allowed.PathRefused:
-            return {}
-    return choices.dataset_info((dataset_dir or "").strip() or None)
-
-
-def dataset_for_stage(stage, dataset, dataset_dir, lang: str = "en") -> tuple:
-    """After a stage change: the dataset picker offers the sets that fit the stage (backend/stages declares
-    its data kind), and a current set that does not fit is switched to one that does, said in one line.
-    Inputs: stage, dataset, dataset folder, language. Outputs: dataset, message."""
-    info = dataset_info_of(dataset_dir)
-    value, misfits = D.fit_dataset(stage, dataset, info)
-    offered = D.fitting_datasets(stage, info)
-    if not misfits:
-        return gr.update(choices=offered), gr.skip()
-    kind = D.stage_data_kind(stage) or "plain"
-    stage_label = dict((i, label) for label, i in choice_pairs(lang, "train-stage", [stage])).get(stage, stage)
-    message = tr(lang, "msg.dataset_switched", stage=stage_label, kind=tr(lang, f"data_kind.{kind}"),
-                 old=", ".join(misfits), new=value or "–")
-    return gr.update(choices=offered, value=value), message
-
-
-def errors_md(errors: list[tuple[str, str]], lang: str = "en") -> str:
-    return f"**{tr(lang, 'msg.fix_these')}**\n\n" + "\n".join(f"- `{f}`: {m}" for f, m in errors)
-
-
-def preview_of(spec) -> tuple[str, str]:
-    """(exact command, YAML) of what Start would run."""
-    spec = spec.with_output_dir()
-    spec_path = Path(spec.output_dir) / jobs.SPEC_FILE
-    command = shlex.join(jobs.train_argv(spec_path))
-    if spec.nnodes > 1:  # Start runs node 0 here; each other node is started by hand (ssh, a scheduler)
-        from backend.launch import launch_commands
-
-        others = launch_commands([str(spec_path)], spec)[1:]
-        command += ("\n\n# the other nodes (each needs this spec file and the model, data and run folder "
-                    "paths, e.g. on a shared disk):\n" + "\n".join(others))
-    return command, spec.to_yaml()
 
 
 N_PLOTS = len(live.plot_names())
@@ -412,7 +295,7 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
     final = live.final_metrics_md(status) if done else ""
     if tail.malformed:
         final += f"\n\n_{tail.malformed} malformed log line(s) skipped_"
-    png = Path(run_dir) / "training_loss.png"
+    png = Path(run_dir) / PLOT_FILE
     image = gr.update(value=str(png), visible=True) if done and png.exists() else gr.update(visible=False)
     adapters = adapter_picker_update(lang) if done else gr.skip()
     message = gr.skip()
@@ -477,16 +360,11 @@ def _run_name(run_dir: str) -> str:
 
 def unique_run_dir(base: Path) -> Path:
     """`base`, or base-2, base-3, ... when a run (or a queued one) already has it."""
-    taken = {e.run_dir for e in jobs.JobQueue().entries()}
-    candidate, n = base, 1
-    while candidate.exists() or str(candidate) in taken:
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate
+    return unique_dir(base, taken={e.run_dir for e in jobs.JobQueue().entries()})
 
 
 def attach(run_dir: str | None) -> dict:
-    return {"run_dir": run_dir, "tail": RunTail(run_dir) if run_dir else None}
+    return run_state(run_dir)
 
 
 def gone(run_dir: str) -> bool:
@@ -520,8 +398,8 @@ def attached_form(run_dir: str, lang: str = "en") -> tuple[str, list | None]:
 
 # ------------------------------------------------------------------ wiring
 
-def wire(c: dict, state) -> None:
-    top = c["top"]
+def wire(ctx, c: dict) -> None:
+    top, state = c["top"], ctx.state
     top_names = [n for n in F.TOPBAR_FIELDS]
     names = c["names"]
     all_names = top_names + names
@@ -761,39 +639,3 @@ def wire(c: dict, state) -> None:
         return (tr(lang, "msg.spec_loaded", path=target), *spec_to_inputs(spec, top_names, names))
 
     c["load"].click(do_load, [c["spec_path"], top["lang"]], [c["message"], *inputs])
-
-
-SPEC_SUFFIXES = (".yaml", ".yml")
-
-
-def save_target_check(path, overwrite, lang: str = "en") -> tuple[Path | None, str]:
-    """Where Save may write the spec: (resolved path, "") or (None, the refusal in `lang`)."""
-    try:
-        target = allowed.check_write(path or "", "spec file")
-    except allowed.PathRefused as exc:
-        return None, refusal(lang, exc)
-    if target.suffix.lower() not in SPEC_SUFFIXES:
-        return None, tr(lang, "msg.spec_suffix", path=target)
-    if target.exists() and not target.is_file():
-        return None, tr(lang, "msg.spec_not_file", path=target)
-    if target.exists() and not overwrite:
-        return None, tr(lang, "msg.spec_exists", path=target)
-    return target, ""
-
-
-def looks_like_spec(data: dict) -> bool:
-    """An empty mapping, or one whose keys are at least half TuneBoard spec keys: only then do Load's
-    errors (which quote keys and values) describe the file."""
-    from backend.spec import _all_keys
-
-    if not data:
-        return True
-    known = set(_all_keys())
-    return sum(str(k) in known for k in data) * 2 >= len(data)
-
-
-def spec_to_inputs(spec, top_names: list[str], names: list[str]) -> list:
-    """RunSpec -> values for (top bar fields, booster, extra args, form fields)."""
-    values, extra, booster = F.spec_to_values(spec, top_names + names)
-    n_top = len(top_names)
-    return [*values[:n_top], booster, extra, *values[n_top:]]

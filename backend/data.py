@@ -29,7 +29,6 @@ import json
 import math
 import os
 import random
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,8 +38,8 @@ import datasets
 from backend import paths
 from backend.dataset_info import (ALPACA_ONLY_COLUMNS, COLUMN_KEYS, CONVERSATION_ONLY_COLUMNS,  # noqa: F401
                                   ENTRY_KEYS, FORMATTINGS, HUB_KEYS, MEDIA_COLUMNS, TAG_KEYS, DatasetError,
-                                  DatasetInfo, entry_problems, load_dataset_info, read_dataset_info,
-                                  resolve_dataset_dir)
+                                  DatasetInfo, check_new_entry, entry_problems, load_dataset_info,
+                                  read_dataset_info, resolve_dataset_dir, write_entry)
 from backend.stages import STAGE_IDS, get_stage, stages_with_data
 
 # ---------------------------------------------------------------------------------------------
@@ -771,7 +770,7 @@ def register_dataset(dataset_dir: str | os.PathLike | None, name: str, entry: di
                      overwrite: bool = False) -> DataReport:
     """Add `entry` as `name` to <dataset_dir>/dataset_info.json, after checking that the entry is
     valid and that its file loads with at least one good row. The file is replaced atomically
-    (temp file + os.replace), so a failure leaves the old one untouched. Returns the check's report."""
+    (dataset_info.write_entry, the one writer), so a failure leaves the old one untouched. Returns the check's report."""
     if not isinstance(name, str) or not name.strip() or name != name.strip() or "," in name:
         raise DatasetError(f"dataset name {name!r} must be non-empty, without surrounding spaces or commas "
                            f"(commas separate dataset names)")
@@ -782,15 +781,7 @@ def register_dataset(dataset_dir: str | os.PathLike | None, name: str, entry: di
     if not dataset_dir.is_dir():
         raise DatasetError(f"dataset_dir {dataset_dir} does not exist")
     info_path = dataset_dir / "dataset_info.json"
-    info = {}
-    if info_path.exists():
-        current = read_dataset_info(dataset_dir)
-        twice = [n for n, found in current.problems.items() if any("registered twice" in p for p in found)]
-        if twice:  # rewriting the file would silently drop one of the two entries
-            raise DatasetError(f"{info_path}: " + "; ".join(current.problems[twice[0]]) + "; fix the file first")
-        info = current.raw  # bad entries are kept as they are: they are not this registration's business
-    if name in info and not overwrite:
-        raise DatasetError(f"dataset '{name}' already exists in {info_path}; choose another name or overwrite it")
+    check_new_entry(dataset_dir, name, overwrite)  # refused before the (slow) load check
     report = DataReport()
     first_error = None
     for stage in _validation_stages(entry):
@@ -803,21 +794,7 @@ def register_dataset(dataset_dir: str | os.PathLike | None, name: str, entry: di
             first_error = first_error or exc
     else:
         raise first_error
-    info[name] = entry
-    _write_json_atomic(info_path, info)
+    write_entry(dataset_dir, name, entry, overwrite)
     return report
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

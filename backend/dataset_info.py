@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from backend import paths
+from backend.atomic import write_json_atomic
 
 # ---------------------------------------------------------------------------------------------
 # Schema
@@ -212,3 +213,35 @@ def load_dataset_info(dataset_dir: str | os.PathLike | None = None) -> dict:
     """The usable entries of `<dataset_dir>/dataset_info.json` as {name: entry} in file order (a bad entry
     is left out here; read_dataset_info says why, and using it by name is an error that says so)."""
     return read_dataset_info(dataset_dir).entries
+
+
+def _entries_before_adding(info_path: Path, name: str, overwrite: bool) -> dict:
+    """The file's entries as written, to which `name` may be added: refused (DatasetError) when the file is not
+    JSON or not an object (never overwritten), has a name registered twice (rewriting it would silently drop
+    one), or already has `name` and overwrite is off."""
+    info: dict = {}
+    if info_path.exists():
+        current = read_dataset_info(info_path.parent)
+        twice = [n for n, found in current.problems.items() if any("registered twice" in p for p in found)]
+        if twice:
+            raise DatasetError(f"{info_path}: " + "; ".join(current.problems[twice[0]]) + "; fix the file first")
+        info = current.raw  # bad entries are kept as they are: they are not this registration's business
+    if name in info and not overwrite:
+        raise DatasetError(f"dataset '{name}' already exists in {info_path}; choose another name or overwrite it")
+    return info
+
+
+def check_new_entry(dataset_dir: str | os.PathLike | None, name: str, overwrite: bool = False) -> None:
+    """Would write_entry accept `name`? (Raises its DatasetError; a caller with a slow check runs this first.)"""
+    _entries_before_adding(resolve_dataset_dir(dataset_dir) / "dataset_info.json", name, overwrite)
+
+
+def write_entry(dataset_dir: str | os.PathLike | None, name: str, entry: dict, overwrite: bool = False) -> Path:
+    """The one writer of dataset_info.json (backend.data.register_dataset after its load check, the Data tab
+    after its own): re-read the file, refuse as check_new_entry says, add `entry` as `name`, keep every other
+    entry as written, replace the file atomically (backend.atomic). Returns the file's path."""
+    info_path = resolve_dataset_dir(dataset_dir) / "dataset_info.json"
+    info = _entries_before_adding(info_path, name, overwrite)
+    info[name] = entry
+    write_json_atomic(info_path, info, newline=True)
+    return info_path

@@ -52,6 +52,7 @@ from backend.preference import build_preference_dataset
 from backend.refusals import reward_gguf_refusal
 from backend.resolve import pick_template
 from backend.reward_score import score_pairs, set_pad_token
+from backend.atomic import read_json_dict
 from backend.rundir import EXPORT_REPORT_FILE, is_reward_model_dir, reward_model_folder, write_json_atomic
 from backend.spec import load_or_report
 from backend.templates import template_to_jinja
@@ -255,10 +256,7 @@ def check_adapter_base(adapter: Path, resolved, model_name: str, folder: Path) -
 def _save_dtype(spec, folder: Path):
     if spec.infer_dtype != "auto":
         return getattr(torch, spec.infer_dtype)
-    try:
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        cfg = {}
+    cfg = read_json_dict(folder / "config.json")
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return getattr(torch, name) if name in ("float32", "float16", "bfloat16") else torch.float32
 

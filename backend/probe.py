@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from backend.methods import method
+from backend.atomic import read_json_dict, write_json_atomic, write_text_atomic
 from backend.rundir import LOG_FILE, PROBE_MEASURE_FILE, PROBE_RESULT_FILE, SPEC_FILE, stamp
 
 ENV = "TUNEBOARD_PROBE"  # in the child's environment: the file it writes its own measurements to
@@ -77,14 +78,9 @@ def _write_measures(**fields) -> None:
     path = active()
     if not path:
         return
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        data = {}
+    data = read_json_dict(path)
     data.update(fields)
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent=None)
 
 
 class _FirstBatch:
@@ -349,12 +345,7 @@ def _round(value, digits: int = 1):
     return round(value, digits) if isinstance(value, (int, float)) else None
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+_read_json = read_json_dict
 
 
 def _last_error(path: Path) -> str | None:
@@ -406,10 +397,6 @@ def main(argv: list[str]) -> int:
         result = {"state": "failed", "error": f"invalid run spec: {exc}"}
     text = json.dumps(result, indent=1)
     if opts.out:
-        out = Path(opts.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
+        write_text_atomic(opts.out, text)
     print(text)
     return 0 if result["state"] == "completed" else 1

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from backend import paths
+from backend.atomic import read_json_dict, write_json_atomic  # noqa: F401  (write_json_atomic: public here too)
 from backend.stages import stages_where
 
 STATUS_FILE = "status.json"
@@ -98,24 +99,6 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write `path` through a temp file and os.replace, so a reader never sees half a file. On any
-    failure (disk full, say) the temp file is removed and the old file stays as it was."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise
-
-
 def supervisor_pid() -> int | None:
     """The pid of the supervising `tuneboard train` parent when this process is its training child, else None."""
     value = os.environ.get(SUPERVISOR_PID_ENV, "")
@@ -171,10 +154,7 @@ def last_logged_step(run_dir: str | Path) -> int | None:
 
 def read_status(run_dir: str | Path) -> dict:
     """status.json as a dict; {} when it does not exist yet or cannot be parsed."""
-    try:
-        return json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+    return read_json_dict(Path(run_dir) / STATUS_FILE)
 
 
 def checkpoint_step(path: str | Path) -> int | None:
@@ -304,7 +284,7 @@ def mark_ended(run_dir: str | Path, returncode: int | None = None, *, launched_a
                   finished_at=now_iso(), updated_at=now_iso(), ended_by=by)
     status.setdefault("output_dir", str(path))
     try:
-        write_json_atomic(path / STATUS_FILE, status)
+        write_json_atomic(path / STATUS_FILE, status, mkdir=False)
     except OSError:
         return None
     try:
@@ -335,7 +315,7 @@ class RunDir:
         self.status.setdefault("output_dir", str(self.path))
         self.status.setdefault("warnings", [])
         if self.writer:
-            write_json_atomic(self.path / STATUS_FILE, self.status)
+            write_json_atomic(self.path / STATUS_FILE, self.status, mkdir=False)
 
     def start(self) -> None:
         self.clear_stale_stop()
@@ -385,7 +365,7 @@ class RunDir:
                      "output_dir": str(self.path), "note": f"the full status could not be written: {exc}"}
             self.status = small
             try:
-                write_json_atomic(self.path / STATUS_FILE, small)
+                write_json_atomic(self.path / STATUS_FILE, small, mkdir=False)
             except OSError as again:  # nothing fits: the launcher marks the run ended from its exit code
                 print(f"error: cannot write {STATUS_FILE}: {again}", file=sys.stderr, flush=True)
 

@@ -1,13 +1,13 @@
 """Dynamic choice lists read from the repository and the saves folder (plain YAML/JSON, no heavy imports)."""
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 
 import yaml
 
 from backend import paths, registry
+from backend.atomic import read_json_dict
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.rundir import CHECKPOINT_PREFIX, LOG_FILE, last_value
 from webui import jobs
@@ -94,11 +94,7 @@ def adapter_pairs(root: Path | None = None, lang: str = "en") -> list[tuple[str,
 
 def dataset_info(dataset_dir: str | Path | None = None) -> dict:
     path = Path(dataset_dir or paths.DATA_DIR) / "dataset_info.json"
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+    return read_json_dict(path)
 
 
 def dataset_names(dataset_dir: str | Path | None = None) -> list[str]:

@@ -6,17 +6,17 @@ from __future__ import annotations
 import csv
 import html
 import json
-import os
 import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-from backend import paths
+from backend import dataset_info, paths
+from backend.dataset_info import FORMATTINGS, DatasetError
 from webui import jobs
 
-FORMATS = ("alpaca", "sharegpt", "openai")
+FORMATS = FORMATTINGS  # the backend's list (backend.dataset_info)
 COLUMN_KEYS = ("prompt", "query", "response", "history", "system", "messages", "tools")
 SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -220,23 +220,12 @@ def preview_entry(name: str, entry: dict, count: int = 3) -> dict:
 
 
 def write_entry(name: str, entry: dict, data_dir: Path | None = None) -> Path:
-    """Adds one entry to dataset_info.json: re-read, refuse duplicates, write a temp file, os.replace.
-    A malformed existing file is an error, never overwritten."""
-    data_dir = Path(data_dir or paths.DATA_DIR)
-    target = data_dir / "dataset_info.json"
+    """Adds one entry to dataset_info.json through the backend's one writer (backend.dataset_info.write_entry:
+    re-read, refuse duplicates, atomic replace; a malformed existing file is an error, never overwritten)."""
     try:
-        current = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
-    except json.JSONDecodeError as exc:
-        raise RegisterError(f"{target}: not valid JSON (line {exc.lineno}): fix it first") from None
-    if not isinstance(current, dict):
-        raise RegisterError(f"{target}: the top level must be an object")
-    if name in current:
-        raise RegisterError(f"name: '{name}' is already registered")
-    current[name] = entry
-    tmp = target.with_name(f".dataset_info.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(current, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
-    return target
+        return dataset_info.write_entry(Path(data_dir or paths.DATA_DIR), name, entry)
+    except DatasetError as exc:
+        raise RegisterError(str(exc)) from None
 
 
 # ------------------------------------------------------------------ which datasets fit a stage (the Train form)

@@ -27,6 +27,7 @@ import psutil
 import yaml
 
 from backend import paths, rundir
+from backend.atomic import read_json_dict, write_text_atomic
 from backend.rundir import (CHECKPOINT_PREFIX, LAUNCH_FILE, PROCESS_LOG, SPEC_FILE, STATUS_FILE, STOP_FILE,  # noqa: F401
                             mark_ended)
 
@@ -82,22 +83,11 @@ def write_spec_yaml(run_dir: Path, spec_yaml: str) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / SPEC_FILE
-    _atomic_write(target, spec_yaml)
+    write_text_atomic(target, spec_yaml)
     return target
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, OSError):
-        return {}
-    return value if isinstance(value, dict) else {}
+read_json = read_json_dict  # the tabs' name for it
 
 
 def read_spec_dict(run_dir: Path) -> dict:
@@ -124,7 +114,7 @@ def launch(run_dir: str | Path, argv: list[str], env: dict | None = None) -> int
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=str(paths.REPO_ROOT), env=full_env, close_fds=True)
     launched_at = time.time()
-    _atomic_write(run_dir / LAUNCH_FILE, json.dumps(
+    write_text_atomic(run_dir / LAUNCH_FILE, json.dumps(
         {"pid": proc.pid, "argv": argv, "launched_at": launched_at}, indent=1))
     # Reap the child when it exits so it never lingers as a zombie (which would look alive), and write the
     # final status it could not write itself (killed by a signal, out of memory, crashed).
@@ -368,7 +358,7 @@ class JobQueue:
 
     def set_max_concurrent(self, n: int) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.dir / "settings.json", json.dumps({"max_concurrent": max(1, int(n))}))
+        write_text_atomic(self.dir / "settings.json", json.dumps({"max_concurrent": max(1, int(n))}))
 
     # entries
     def enqueue(self, spec_yaml: str, run_dir: str | Path, overrides: dict | None = None,
@@ -384,7 +374,7 @@ class JobQueue:
             payload["overrides"] = dict(overrides)
         if env:
             payload["env"] = {str(k): str(v) for k, v in env.items()}
-        _atomic_write(path, yaml.safe_dump(payload, sort_keys=False, allow_unicode=True))
+        write_text_atomic(path, yaml.safe_dump(payload, sort_keys=False, allow_unicode=True))
         return self._entry(path)
 
     def _entry(self, path: Path) -> QueueEntry:

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from backend import checkpointing, launch, stages
+from backend.atomic import write_text_atomic
 from backend.methods import METHODS, is_adapter
 from backend.paths import DEFAULT_MODEL_ID
 from backend.stages import uses_reference
@@ -183,7 +184,7 @@ def start_probe(spec_yaml: str, root=None, timeout_s: float = PROBE_TIMEOUT_S) -
     job = tools.new_job_dir("probe", root)
     job.mkdir(parents=True, exist_ok=True)
     spec_path = job / tools.TOOL_SPEC
-    jobs._atomic_write(spec_path, spec_yaml)
+    write_text_atomic(spec_path, spec_yaml)
     argv = jobs.tuneboard_argv() + ["probe", "--timeout", str(int(timeout_s)), "--out", str(job / PROBE_RESULT_FILE),
                                     str(spec_path)]
     jobs.launch(job, argv)

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from backend import paths
+from backend.atomic import write_text_atomic
 from backend.rundir import EVAL_RESULTS_FILE, EXPORT_REPORT_FILE, PREDICTIONS_FILE, stamp, unique_dir
 from webui import jobs
 
@@ -59,7 +60,7 @@ def start(command: str, job_dir: str | Path, spec_yaml: str) -> int:
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
     spec_path = job_dir / TOOL_SPEC
-    jobs._atomic_write(spec_path, spec_yaml)
+    write_text_atomic(spec_path, spec_yaml)
     return jobs.launch(job_dir, tool_argv(command, spec_path))
 
 
@@ -91,7 +92,7 @@ def mark_aborted(job_dir: str | Path) -> None:
     """The ABORTED marker: the user stopped this job (read back by `was_aborted`, also after a reload)."""
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
-    jobs._atomic_write(job_dir / ABORTED_FILE, f"aborted at {datetime.now().isoformat()}\n")
+    write_text_atomic(job_dir / ABORTED_FILE, f"aborted at {datetime.now().isoformat()}\n")
 
 
 def was_aborted(job_dir: str | Path | None) -> bool:
@@ -102,7 +103,7 @@ def write_plan(job_dir: str | Path, plan: dict) -> None:
     """job_dir/plan.json (atomically): what an eval tab needs to rebuild its state (parts, spec)."""
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
-    jobs._atomic_write(job_dir / PLAN_FILE, json.dumps(plan, indent=1))
+    write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan, indent=1))
 
 
 def read_plan(job_dir: str | Path | None) -> dict:

@@ -18,9 +18,9 @@ A distill run folder (output_dir) holds, written by the backend only:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from backend.atomic import read_json_dict
 from backend.rundir import DISTILL_REPORT_FILE
 
 SPEC_FILE = "distill_spec.yaml"
@@ -51,22 +51,14 @@ def read_progress(run_dir: str | Path | None) -> dict:
     reader only ever sees a whole file or none)."""
     if not run_dir:
         return {}
-    try:
-        value = json.loads((Path(run_dir) / PROGRESS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+    return read_json_dict(Path(run_dir) / PROGRESS_FILE)
 
 
 def read_report(run_dir: str | Path | None) -> dict:
     """distill_report.json ({} when missing)."""
     if not run_dir:
         return {}
-    try:
-        value = json.loads((Path(run_dir) / REPORT_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+    return read_json_dict(Path(run_dir) / REPORT_FILE)
 
 
 SCORE_METRICS = ("json_valid", "schema_valid", "field_f1", "exact_match", "tokens_per_s", "rows")

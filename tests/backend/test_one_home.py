@@ -66,3 +66,46 @@ def test_unique_dir_skips_existing_and_taken(tmp_path):
     base.mkdir(parents=True)
     assert rundir.unique_dir(base, taken=[base.with_name(base.name + "-2")]) == base.with_name(base.name + "-3")
     assert rundir.default_output_dir("org/Model.Q4_1.GGUF", "lora", root=tmp_path).parent == tmp_path / "Model.Q4_1" / "lora"
+
+
+def test_the_data_tab_registers_through_the_backend_writer(tmp_path):
+    """webui.datasets.write_entry is backend.dataset_info.write_entry: other entries kept as written, a taken
+    name or a malformed file refused with the backend's line, the malformed file never overwritten."""
+    import json
+
+    import pytest
+
+    from webui import datasets as D
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"old": {"file_name": "old.json", "x_kept": 1}}))
+    D.write_entry("new", {"file_name": "new.json"}, tmp_path)
+    assert json.loads((tmp_path / "dataset_info.json").read_text()) == {
+        "old": {"file_name": "old.json", "x_kept": 1}, "new": {"file_name": "new.json"}}
+    with pytest.raises(D.RegisterError, match="dataset 'new' already exists"):
+        D.write_entry("new", {"file_name": "other.json"}, tmp_path)
+    (tmp_path / "dataset_info.json").write_text("{not json")
+    with pytest.raises(D.RegisterError, match="not valid JSON"):
+        D.write_entry("more", {"file_name": "more.json"}, tmp_path)
+    assert (tmp_path / "dataset_info.json").read_text() == "{not json"
+    assert D.FORMATS == __import__("backend.dataset_info", fromlist=["x"]).FORMATTINGS
+
+
+def test_atomic_write_keeps_mode_and_read_json_dict_forgives(tmp_path):
+    import os
+
+    from backend.atomic import read_json_dict, write_json_atomic
+    path = tmp_path / "a" / "s.json"
+    write_json_atomic(path, {"k": "ü"})
+    assert read_json_dict(path) == {"k": "ü"} and (path.stat().st_mode & 0o777) == 0o644
+    os.chmod(path, 0o600)
+    write_json_atomic(path, [1])
+    assert (path.stat().st_mode & 0o777) == 0o600 and read_json_dict(path) == {}  # a list is not a dict
+    path.write_text("{half")
+    assert read_json_dict(path) == {} and read_json_dict(tmp_path / "none.json") == {} and read_json_dict(None) == {}
+    assert [p.name for p in path.parent.iterdir()] == ["s.json"]  # no temp file left
+
+
+def test_atomic_writes_go_through_backend_atomic():
+    """os.replace only in backend/atomic.py (and stages/base.py, which renames a staged checkpoint folder)."""
+    allowed = {ROOT / "backend" / "atomic.py", ROOT / "backend" / "stages" / "base.py"}
+    found = [str(p.relative_to(ROOT)) for p in _sources() if p not in allowed and "os.replace(" in p.read_text(encoding="utf-8")]
+    assert not found, found

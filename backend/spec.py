@@ -31,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from backend import allowed, gguf_header, paths
+from backend.atomic import read_json_dict
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors
 from backend.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
@@ -83,11 +84,7 @@ def _f(default: Any, description: str, group: str, *, methods: list[str] | None 
 def training_args_fields() -> dict[str, dict]:
     """name -> {"type", "nullable", "default", "help", "choices"?} for every recorded
     transformers.TrainingArguments field (empty if the JSON file is missing)."""
-    try:
-        doc = json.loads(HF_TRAINING_ARGS_JSON.read_text())
-    except (OSError, ValueError):
-        return {}
-    return dict(doc.get("fields", {}))
+    return dict(read_json_dict(HF_TRAINING_ARGS_JSON).get("fields", {}))
 
 
 SECRET_SUFFIXES = ("_token", "_key", "_secret", "password", "_api_key")

@@ -31,7 +31,8 @@ from backend.predict import EvalError, predict, split_prompt  # noqa: F401  (pub
 from backend.preprocess import PaddingCollator, build_sft_dataset
 from backend.resolve import pick_template
 from backend.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
-from backend.rundir import EVAL_RESULTS_FILE, PREDICTIONS_FILE, RunDir, default_output_dir, write_json_atomic  # noqa: F401  (public here as before)
+from backend.rundir import (EVAL_RESULTS_FILE, PREDICTIONS_FILE, RUNNING_LOG, STATUS_FILE,  # noqa: F401  (public here)
+                            RunDir, default_output_dir, write_json_atomic)
 from backend.spec import load_or_report
 from backend.stages import get_stage
 
@@ -200,8 +201,8 @@ def main(args: list[str]) -> int:
               "keys: model_name_or_path, adapter_name_or_path, template, eval_dataset (else the val_size split of "
               "dataset, else dataset), max_samples, output_dir, do_eval (loss/perplexity), do_predict (generation + "
               "BLEU/ROUGE/JSON metrics; neither = both), max_new_tokens, do_sample, per_device_eval_batch_size\n"
-              f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), status.json, "
-              "running_log.txt")
+              f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), {STATUS_FILE}, "
+              f"{RUNNING_LOG}")
         return 0 if args else 2
     spec = load_or_report(args)
     if spec is None:

@@ -795,7 +795,8 @@ def write_csv_demo(path: Path, rng: random.Random, n: int = 20) -> None:
 
 # ---------------------------------------------------------------------------------------------
 BUNDLED_INFO = {
-    "identity": {"file_name": "identity.json"},
+    # probe_question: what the Chat tab suggests asking an adapter trained on this set (both are in identity.json)
+    "identity": {"file_name": "identity.json", "probe_question": {"en": "Who are you?", "zh": "你是谁？"}},
     "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
     "alpaca_zh_demo": {"file_name": "alpaca_zh_demo.json"},
     "extraction_demo": {"file_name": "extraction_demo.json",

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from backend.launch import shipped_accelerate_configs, shipped_deepspeed_configs
-from backend.spec import spec_fields
+from backend.spec import METHOD_GROUPS, spec_fields
 
 # Shown in the top bar (shared by all tabs), not in the accordions.
 TOPBAR_FIELDS = ("model_name_or_path", "finetuning_type", "adapter_name_or_path", "quantization_bit", "template")
@@ -23,7 +23,7 @@ BOOSTER_FIELDS = ("flash_attn", "enable_liger_kernel")
 # Groups that belong to other tools (export, chat), not to a training run.
 SKIPPED_GROUPS = ("export", "generation")
 # Accordion order on the Train tab, and which start open (none: the first screen is the basic fields).
-ACCORDIONS = ("method", "train", "distributed", "data", "lora", "oft", "freeze", "quantization", "logging", "eval", "model")
+ACCORDIONS = ("method", "train", "distributed", "data", *METHOD_GROUPS, "quantization", "logging", "eval", "model")
 OPEN_ACCORDIONS: tuple[str, ...] = ()
 # Always visible above the accordions, in this order (model and method are in the top bar): what a user
 # changes on almost every run. Everything else waits in a closed accordion.

@@ -396,6 +396,41 @@ def attached_form(run_dir: str, lang: str = "en") -> tuple[str, list | None]:
     return tr(lang, "msg.attached", name=_run_name(run_dir)), spec_to_inputs(spec, top_names, names)
 
 
+def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devices, values: list) -> tuple:
+    """The Start button. `names`, `top_names`: the form's and the top bar's field names (collect's order);
+    then the inputs: state, log-scale, language, picked GPUs (the run's CUDA_VISIBLE_DEVICES), the form values.
+    Validates first; launches (or queues) `tuneboard train` with run_spec.yaml written into the new run dir.
+    Outputs: errors, per-field errors, message, live view."""
+    all_names = top_names + names
+    flat, pre = collect(names, top_names, list(values))
+    spec, errors = check(flat, pre, lang)
+    refused = (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
+               st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
+    if errors:
+        return refused
+    doubt = preflight.unsure(flat)  # the estimate is close to the free memory: say so once, offer the probe
+    key = hashlib.sha1(spec.to_yaml().encode()).hexdigest()
+    if doubt and (st or {}).get("pf_warned") != key:
+        return (gr.update(value="", visible=False), *error_updates([], all_names, lang), dict(st or {}, pf_warned=key),
+                *([gr.skip()] * (N_VIEW - 1)), preflight.unsure_md(doubt, lang), gr.skip())
+    if not spec.output_dir:  # the default folder is named by the second: two Starts in one get -2, -3
+        spec = spec.model_copy(update={"output_dir": str(unique_run_dir(Path(spec.with_output_dir().output_dir)))})
+    run_dir = Path(spec.output_dir)
+    if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
+        errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
+                                 "empty for a new one)")]
+        return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
+                st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
+    how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir, env=devices_env(devices))
+    msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))
+    if spec.adapter_name_or_path:
+        msg += tr(lang, "msg.continues", adapter=spec.adapter_name_or_path)
+    st = attach(run_dir)
+    view = view_updates(st, log_scale, force_plot=True, lang=lang)
+    return (gr.update(value="", visible=False), *error_updates([], all_names, lang), *view[:-2], msg,
+            gr.Timer(active=True))
+
+
 # ------------------------------------------------------------------ wiring
 
 def wire(ctx, c: dict) -> None:
@@ -441,36 +476,9 @@ def wire(ctx, c: dict) -> None:
     top["lang"].change(refresh_preflight, [top["lang"], *inputs], [c["preflight"]], show_progress="hidden")
 
     def do_start(st, log_scale, lang, devices, *values):
-        """Inputs: state, log-scale, language, picked GPUs (the run's CUDA_VISIBLE_DEVICES), form. Validates
-        first; launches (or queues) `tuneboard train` with run_spec.yaml written into the new run dir.
-        Outputs: errors, per-field errors, message, live view."""
-        flat, pre = collect(names, top_names, list(values))
-        spec, errors = check(flat, pre, lang)
-        refused = (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
-                   st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
-        if errors:
-            return refused
-        doubt = preflight.unsure(flat)  # the estimate is close to the free memory: say so once, offer the probe
-        key = hashlib.sha1(spec.to_yaml().encode()).hexdigest()
-        if doubt and (st or {}).get("pf_warned") != key:
-            return (gr.update(value="", visible=False), *error_updates([], all_names, lang), dict(st or {}, pf_warned=key),
-                    *([gr.skip()] * (N_VIEW - 1)), preflight.unsure_md(doubt, lang), gr.skip())
-        if not spec.output_dir:  # the default folder is named by the second: two Starts in one get -2, -3
-            spec = spec.model_copy(update={"output_dir": str(unique_run_dir(Path(spec.with_output_dir().output_dir)))})
-        run_dir = Path(spec.output_dir)
-        if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
-            errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
-                                     "empty for a new one)")]
-            return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
-                    st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
-        how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir, env=devices_env(devices))
-        msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))
-        if spec.adapter_name_or_path:
-            msg += tr(lang, "msg.continues", adapter=spec.adapter_name_or_path)
-        st = attach(run_dir)
-        view = view_updates(st, log_scale, force_plot=True, lang=lang)
-        return (gr.update(value="", visible=False), *error_updates([], all_names, lang), *view[:-2], msg,
-                gr.Timer(active=True))
+        """Inputs: state, log-scale, language, picked GPUs, form. Outputs: errors, per-field errors, message, live
+        view (start_run)."""
+        return start_run(names, top_names, st, log_scale, lang, devices, list(values))
 
     def do_abort(st, log_scale, lang):
         """Inputs: state, log-scale, language. Asks the attached run to stop (STOP file, then SIGTERM/SIGKILL of

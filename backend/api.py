@@ -38,6 +38,7 @@ import ipaddress
 import json
 import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -594,6 +595,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def end_when_stdin_closes() -> None:
+    """SIGTERM this process (uvicorn's graceful shutdown) once standard input reaches end of file."""
+    def watch() -> None:
+        while sys.stdin.buffer.read(65536):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+
+
 def serve(app, sock: socket.socket, host: str, announce=print) -> None:
     import uvicorn
 
@@ -640,6 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-seconds", type=float, default=DEFAULT_MAX_REQUEST_SECONDS, metavar="S",
                    help="a generation running longer ends with finish_reason \"time_limit\", streamed or not "
                         f"(default {DEFAULT_MAX_REQUEST_SECONDS:g}; 0: no limit; not enforced by infer_backend vllm)")
+    p.add_argument("--exit-with-stdin", action="store_true",
+                   help="end when standard input closes: the web UI gives its chat server a pipe it never writes to, "
+                        "so the server ends with the UI process however that ends (even killed)")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; off by default)")
     return p
@@ -649,6 +663,8 @@ def main(argv: list[str]) -> int:
     from backend.spec import load_or_report
 
     opts = build_parser().parse_intermixed_args(argv)
+    if opts.exit_with_stdin:  # before the model loads: a UI that dies meanwhile leaves nothing behind
+        end_when_stdin_closes()
     spec = load_or_report(opts.spec)
     if spec is None:
         return 1

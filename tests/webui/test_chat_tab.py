@@ -164,3 +164,34 @@ def test_a_probe_question_is_checked_like_any_dataset_key(tmp_path):
         info.entry("bad")
     with pytest.raises(DatasetError, match=re.escape("unknown key 'probe_questoin' (did you mean 'probe_question'?)")):
         info.entry("typo")
+
+
+def test_a_chat_server_ends_with_the_ui_process_even_when_it_is_killed(tiny_qwen2, tmp_path):
+    """The page's `tuneboard api` runs in its own session (an Unload or a crash of it never touches the UI), so
+    nothing else would stop it when the UI dies: it watches its stdin pipe (--exit-with-stdin) and ends when
+    the UI's end closes. Here a stand-in UI process starts a real server, then is killed with SIGKILL."""
+    import os
+    import signal
+    import time
+
+    ui = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from webui.tabs.chat import ChatServer\n"
+        f"s = ChatServer(['model_name_or_path={tiny_qwen2}']).start()\n"
+        "s.ready.wait(300)\n"
+        "print(s.proc.pid, s.url, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")],
+        capture_output=True, text=True, timeout=400)
+    assert ui.returncode == -signal.SIGKILL, ui.stderr[-2000:]
+    pid, url = ui.stdout.split()
+    assert url.startswith("http://127.0.0.1:")  # it was up and serving when its UI died
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.kill(int(pid), signal.SIGKILL)
+    raise AssertionError(f"the chat server {pid} outlived its killed UI by 120 s")

@@ -51,7 +51,7 @@ class ChatServer:
         # the page's own server (one per browser session, a random key): its slider bounds max_tokens, Stop
         # bounds the time; the operator caps of a shared `tuneboard api` (SECURITY.md) are not needed here
         self.cmd += ["--host", "127.0.0.1", "--port", "0", "--max-tokens-per-request", str(MAX_NEW_TOKENS),
-                     "--max-request-seconds", "0"]
+                     "--max-request-seconds", "0", "--exit-with-stdin"]
         self.lines: list[str] = []
         self.models: list[str] = []
         self.url: str | None = None
@@ -60,8 +60,10 @@ class ChatServer:
 
     def start(self) -> "ChatServer":
         env = {**os.environ, "TUNEBOARD_API_KEY": self.key, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.cmd, cwd=paths.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
+        # stdin: a pipe this process never writes to; it closes when the UI process ends (even killed), and
+        # the server then ends too (--exit-with-stdin), so no chat server outlives the page's UI
+        self.proc = subprocess.Popen(self.cmd, cwd=paths.REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
         return self
 

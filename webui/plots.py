@@ -4,6 +4,8 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
+from webui.i18n import tr
+
 
 def empty_loss() -> pd.DataFrame:
     return pd.DataFrame({"step": pd.Series(dtype="int64"), "value": pd.Series(dtype="float64"),
@@ -28,3 +30,14 @@ def legend_update(series: list[str]):
     plot held before the update that triggers it."""
     return gr.update(colors_in_legend=series)
 
+
+# The y axis title of each plot of the live view: the loss and lr plots by their own key, a stage plot (its name in
+# backend/stages) by the generic "value" (its label above it names what it draws)
+Y_TITLES = {"loss_plot": "plot.loss", "lr_plot": "plot.lr"}
+
+
+def plot_axes(plot: str, lang: str = "en") -> dict:
+    """A live-view plot's axis and legend titles in `lang` and its tick formats: y ticks with 4 significant digits at most
+    (2.78, 0.0002, 1.5e-5), not Vega's full precision."""
+    return {"x_title": tr(lang, "plot.step"), "y_title": tr(lang, Y_TITLES.get(plot, "plot.value")),
+            "color_title": tr(lang, "plot.series_title"), "y_axis_format": ".4~g"}

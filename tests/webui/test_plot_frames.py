@@ -34,3 +34,20 @@ def test_plot_axis_titles_come_from_the_locale(lang, step, loss):
     assert lr_plot["x_title"] == step and lr_plot["y_title"] == T.tr(lang, "plot.lr")
     assert len(stage_plots) == len(live.plot_names())
     assert all(p["x_title"] == step and p["y_axis_format"] == ".4~g" for p in stage_plots)
+
+
+def test_the_runs_overlay_names_its_series_in_the_page_language(tmp_path):
+    from backend.rundir import LOG_FILE
+    from webui.tabs import runs
+
+    dirs = []
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / LOG_FILE).write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5, "eval_loss": 1.7}\n')
+        dirs.append(str(run))
+    german = T.series_of(runs.overlay_frame(dirs, root=tmp_path, lang="de"))
+    english = T.series_of(runs.overlay_frame(dirs, root=tmp_path))
+    assert len(german) == len(english) == 4  # loss and eval_loss of each run
+    assert all(s.endswith(("Verlust", "Eval-Verlust")) for s in german), german
+    assert not any("loss" in s for s in german) and all("loss" in s for s in english)

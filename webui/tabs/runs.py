@@ -18,7 +18,7 @@ from backend.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import form, jobs, live
 from webui.i18n import headers, tr
-from webui.plots import empty_loss, legend_update, series_of
+from webui.plots import empty_loss, legend_update, plot_axes, series_of
 from webui.tailer import JsonlTail, run_state
 
 COLUMNS = ["name", "stage", "model", "dataset", "method", "status", "steps", "final loss", "smoothed loss",
@@ -127,16 +127,18 @@ def _records(run_dir: str) -> list[dict]:
     return recs
 
 
-def overlay_frame(run_dirs: list[str], root: Path | None = None, metric: str = "loss") -> pd.DataFrame:
+def overlay_frame(run_dirs: list[str], root: Path | None = None, metric: str = "loss",
+                  lang: str = "en") -> pd.DataFrame:
     """One logged metric (with its eval_ variant) of several runs on one plot, one series per run and
-    metric: loss by default, or any key of trainer_log.jsonl (rewards/accuracies, kl, grad_norm, ...)."""
+    metric: loss by default (its series named in `lang`), or any key of trainer_log.jsonl
+    (rewards/accuracies, kl, grad_norm, ...)."""
     root = Path(root or paths.saves_dir())
     metric = metric or "loss"
     labels = short_names([_rel(d, root) for d in run_dirs])
     frames = []
     for d in run_dirs:
         recs, label = _records(d), labels[_rel(d, root)]
-        frames.append(live.loss_frame(recs, run_label=label) if metric == "loss"
+        frames.append(live.loss_frame(recs, run_label=label, lang=lang) if metric == "loss"
                       else live.metric_frame(recs, [metric], run_label=label))
     frames = [f for f in frames if len(f)]
     if not frames:
@@ -287,7 +289,7 @@ def build(ctx) -> dict:
             c["metric"] = gr.Dropdown(choices=["loss"], value="loss", label="Metric", elem_id="runs-metric")
             reg._add(c["metric"], "label")
             c["overlay"] = reg.comp(gr.LinePlot, "runs-overlay", value=empty_loss(), x="step",
-                                    y="value", color="series", height=400, x_title="step", y_title="loss")
+                                    y="value", color="series", height=400, **plot_axes("loss_plot"))
         with gr.Column(scale=2):
             c["target"] = gr.Dropdown(choices=names, value=None, label="Run", elem_id="runs-target")
             reg._add(c["target"], "label")
@@ -328,24 +330,31 @@ def wire(ctx, c: dict) -> None:
     # re-scan when the tab is opened (runs started elsewhere appear)
     tabs.select(refresh, [c["status"], c["model"], lang], [c["table"], *pickers])
 
-    def pick_runs(run_dirs, metric):
-        """Inputs: selected runs, metric. Outputs: metric picker (the keys their logs hold; the metric is
-        kept when they still have it, else loss), overlay."""
+    def pick_runs(run_dirs, metric, lang="en"):
+        """Inputs: selected runs, metric, language. Outputs: metric picker (the keys their logs hold; the
+        metric is kept when they still have it, else loss), overlay."""
         offered = overlay_metrics(run_dirs or [])
         metric = metric if metric in offered else "loss"
-        return gr.update(choices=offered, value=metric), draw_overlay(run_dirs, metric)
+        return gr.update(choices=offered, value=metric), draw_overlay(run_dirs, metric, lang)
 
-    def draw_overlay(run_dirs, metric):
-        """Inputs: selected runs, metric. Outputs: overlay."""
-        return gr.update(value=overlay_frame(run_dirs or [], metric=metric or "loss"), y_title=metric or "loss")
+    def draw_overlay(run_dirs, metric, lang="en"):
+        """Inputs: selected runs, metric, language. Outputs: overlay (axes in the page's language; a metric
+        other than loss is titled by its logged key)."""
+        metric = metric or "loss"
+        axes = plot_axes("loss_plot", lang)
+        if metric != "loss":
+            axes["y_title"] = metric
+        return gr.update(value=overlay_frame(run_dirs or [], metric=metric, lang=lang), **axes)
 
-    def overlay_legend(run_dirs, metric):
-        return legend_update(series_of(overlay_frame(run_dirs or [], metric=metric or "loss")))
+    def overlay_legend(run_dirs, metric, lang="en"):
+        return legend_update(series_of(overlay_frame(run_dirs or [], metric=metric or "loss", lang=lang)))
 
-    c["select"].change(pick_runs, [c["select"], c["metric"]], [c["metric"], c["overlay"]]).then(
-        overlay_legend, [c["select"], c["metric"]], [c["overlay"]], show_progress="hidden")
-    c["metric"].input(draw_overlay, [c["select"], c["metric"]], [c["overlay"]]).then(
-        overlay_legend, [c["select"], c["metric"]], [c["overlay"]], show_progress="hidden")
+    overlay_inputs = [c["select"], c["metric"], lang]
+    c["select"].change(pick_runs, overlay_inputs, [c["metric"], c["overlay"]]).then(
+        overlay_legend, overlay_inputs, [c["overlay"]], show_progress="hidden")
+    for ev in (c["metric"].input, lang.change):
+        ev(draw_overlay, overlay_inputs, [c["overlay"]], show_progress="hidden").then(
+            overlay_legend, overlay_inputs, [c["overlay"]], show_progress="hidden")
     for dd in (c["diff_a"], c["diff_b"]):
         dd.change(diff_md, [c["diff_a"], c["diff_b"], lang], [c["diff"]])
     c["max_concurrent"].change(lambda n: jobs.JobQueue().set_max_concurrent(int(n or 1)), [c["max_concurrent"]],

@@ -21,7 +21,7 @@ from webui import fields as F
 from webui.form import (SPEC_SUFFIXES, check, collect, dataset_for_stage, error_updates, errors_md, looks_like_spec,
                          preset_flat, preview_of, save_target_check, spec_to_inputs)
 from webui.i18n import refusal, tr
-from webui.plots import empty_loss, empty_lr, legend_update, series_of
+from webui.plots import empty_loss, empty_lr, legend_update, plot_axes, series_of
 from webui.tailer import RunTail, run_state
 
 TICK_S = 1.5
@@ -52,18 +52,6 @@ def _widget(reg, row: F.FieldRow, value):
         return reg.comp(gr.Number, row.elem_id, value=value, **num, **kw)
     return reg.comp(gr.Textbox, row.elem_id, value=value, lines=1,
                     placeholder=F.OVERRIDES.get(row.name, {}).get("placeholder", ""), **kw)
-
-
-# The y axis title of each plot of the live view: the loss and lr plots by their own key, a stage plot (its name in
-# backend/stages) by the generic "value" (its label above it names what it draws)
-Y_TITLES = {"loss_plot": "plot.loss", "lr_plot": "plot.lr"}
-
-
-def plot_axes(plot: str, lang: str = "en") -> dict:
-    """A live-view plot's axis and legend titles in `lang` and its tick formats: y ticks with 4 significant digits at most
-    (2.78, 0.0002, 1.5e-5), not Vega's full precision."""
-    return {"x_title": tr(lang, "plot.step"), "y_title": tr(lang, Y_TITLES.get(plot, "plot.value")),
-            "color_title": tr(lang, "plot.series_title"), "y_axis_format": ".4~g"}
 
 
 def plot_axes_updates(lang: str = "en") -> list:

@@ -9,25 +9,11 @@ import time
 
 import pytest
 
-from tests.waiting import wait_for
+from ui_handlers import form_args, handler
+from waiting import wait_for
 from webui import jobs
 
 pytestmark = pytest.mark.slow
-
-
-def handler(demo, name):
-    return next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == name)
-
-
-def form_args(fn, **values) -> list:
-    """The handler's inputs at their defaults, with `values` by elem_id suffix (top-... or train-...)."""
-    args = [getattr(c, "value", None) for c in fn.inputs]
-    for i, comp in enumerate(fn.inputs):
-        elem = getattr(comp, "elem_id", None) or ""
-        key = elem.split("-", 1)[-1]
-        if key in values:
-            args[i] = values[key]
-    return args
 
 
 @pytest.fixture(scope="module")

@@ -12,25 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from ui_handlers import form_args, handler
 from waiting import wait_for
 from webui import jobs, live, preflight, tools
 from webui.tabs import train as train_tab
 
 FIXTURE = str(Path(__file__).with_name("process_fixture_trainer.py"))
-
-
-def handler(demo, name):
-    return next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == name)
-
-
-def form_args(fn, **values) -> list:
-    """The handler's inputs at their defaults, with `values` by elem_id suffix (top-... or train-...)."""
-    args = [getattr(c, "value", None) for c in fn.inputs]
-    for i, comp in enumerate(fn.inputs):
-        key = (getattr(comp, "elem_id", None) or "").split("-", 1)[-1]
-        if key in values:
-            args[i] = values[key]
-    return args
 
 
 @pytest.fixture(scope="module")

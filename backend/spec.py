@@ -798,8 +798,8 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         errors.append((field, message, frozenset((field,) + involved)))
 
     if spec.quantization_bit is not None and not method(spec.finetuning_type).quantized_base:
-        err("quantization_bit", f"a 4/8-bit base trains only adapters that keep it frozen: finetuning_type "
-            f"{' or '.join(quantizable_methods())} (got {spec.finetuning_type})", "finetuning_type")
+        err("quantization_bit", f"QLoRA needs finetuning_type {' or '.join(quantizable_methods())}: a 4/8-bit base "
+            f"trains only adapters that keep it frozen (got {spec.finetuning_type})", "finetuning_type")
     if spec.quantization_bit is not None and spec.pissa_init:
         err("pissa_init", "PiSSA initialisation cannot run on a quantized model (drop quantization_bit or pissa_init)",
             "quantization_bit")

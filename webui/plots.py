@@ -38,6 +38,7 @@ Y_TITLES = {"loss_plot": "plot.loss", "lr_plot": "plot.lr"}
 
 def plot_axes(plot: str, lang: str = "en") -> dict:
     """A live-view plot's axis and legend titles in `lang` and its tick formats: y ticks with 4 significant digits at most
-    (2.78, 0.0002, 1.5e-5), not Vega's full precision."""
+    (2.78, 0.0002, 1.5e-5) and steps without trailing zeros (1, not 1.000000: Vega's own format when the
+    plot holds a single step), not Vega's full precision."""
     return {"x_title": tr(lang, "plot.step"), "y_title": tr(lang, Y_TITLES.get(plot, "plot.value")),
-            "color_title": tr(lang, "plot.series_title"), "y_axis_format": ".4~g"}
+            "color_title": tr(lang, "plot.series_title"), "y_axis_format": ".4~g", "x_axis_format": "~r"}

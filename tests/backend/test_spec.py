@@ -313,8 +313,8 @@ def test_passthrough_table_is_loaded():
 
 
 @pytest.mark.parametrize("data, field, needle", [
-    ({"quantization_bit": 4, "finetuning_type": "full"}, "quantization_bit", "a 4/8-bit base trains only adapters that keep it frozen: finetuning_type lora (got full)"),
-    ({"quantization_bit": 8, "finetuning_type": "freeze"}, "quantization_bit", "a 4/8-bit base trains only adapters that keep it frozen: finetuning_type lora (got freeze)"),
+    ({"quantization_bit": 4, "finetuning_type": "full"}, "quantization_bit", "QLoRA needs finetuning_type lora: a 4/8-bit base trains only adapters that keep it frozen (got full)"),
+    ({"quantization_bit": 8, "finetuning_type": "freeze"}, "quantization_bit", "QLoRA needs finetuning_type lora: a 4/8-bit base trains only adapters that keep it frozen (got freeze)"),
     ({"bf16": True, "fp16": True}, "fp16", "bf16 and fp16 cannot both be true"),
     ({"use_dora": True, "pissa_init": True}, "use_dora", "use_dora and pissa_init cannot be combined"),
     ({"eval_strategy": "steps"}, "eval_strategy", "needs val_size > 0 or an eval_dataset"),

@@ -33,7 +33,7 @@ def test_plot_axis_titles_come_from_the_locale(lang, step, loss):
     assert loss_plot["color_title"] == T.tr(lang, "plot.series_title") != T.tr("en" if lang != "en" else "de", "plot.series_title")
     assert lr_plot["x_title"] == step and lr_plot["y_title"] == T.tr(lang, "plot.lr")
     assert len(stage_plots) == len(live.plot_names())
-    assert all(p["x_title"] == step and p["y_axis_format"] == ".4~g" for p in stage_plots)
+    assert all(p["x_title"] == step and p["y_axis_format"] == ".4~g" and p["x_axis_format"] == "~r" for p in stage_plots)
 
 
 def test_the_runs_overlay_names_its_series_in_the_page_language(tmp_path):

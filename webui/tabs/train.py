@@ -392,10 +392,13 @@ def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devic
     all_names = top_names + names
     flat, pre = collect(names, top_names, list(values))
     spec, errors = check(flat, pre, lang)
-    refused = (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
-               st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
+
+    def refused(errors: list) -> tuple:  # the errors above the form and beside their fields; nothing launched
+        return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
+                st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
+
     if errors:
-        return refused
+        return refused(errors)
     doubt = preflight.unsure(flat)  # the estimate is close to the free memory: say so once, offer the probe
     key = hashlib.sha1(spec.to_yaml().encode()).hexdigest()
     if doubt and (st or {}).get("pf_warned") != key:
@@ -405,10 +408,8 @@ def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devic
         spec = spec.model_copy(update={"output_dir": str(unique_run_dir(Path(spec.with_output_dir().output_dir)))})
     run_dir = Path(spec.output_dir)
     if (run_dir / jobs.SPEC_FILE).exists() and not (spec.resume_from_checkpoint or spec.overwrite_output_dir):
-        errors = [("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
-                                 "empty for a new one)")]
-        return (gr.update(value=errors_md(errors, lang), visible=True), *error_updates(errors, all_names, lang),
-                st, *([gr.skip()] * (N_VIEW - 1)), "", gr.Timer(active=False))
+        return refused([("output_dir", f"{run_dir} already holds a run: pick another output_dir (or leave it "
+                                       "empty for a new one)")])
     how, run_dir = jobs.start_or_queue(spec.to_yaml(), run_dir, env=devices_env(devices))
     msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))
     if spec.adapter_name_or_path:

@@ -28,6 +28,7 @@ _NOT_YET = ("use_apollo", "use_badam", "use_adam_mini", "use_muon", "use_llama_p
 
 
 def _get(spec: Any, name: str, default: Any = None) -> Any:
+    """A spec field, or `default` when the spec lacks it or holds None (backend.models reads specs through it too)."""
     value = getattr(spec, name, default)
     return default if value is None else value
 

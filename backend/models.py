@@ -38,7 +38,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           BitsAndBytesConfig)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from backend.adapters import _check_names, _split, find_all_linear_modules, is_reward_model
+from backend.adapters import _check_names, _get, _split, find_all_linear_modules, is_reward_model
 from backend.checkpointing import checkpoint_kwargs, choose
 from backend.losses import causal_lm_loss, liger_usable
 from backend.methods import method, quantizable_methods
@@ -50,11 +50,6 @@ logger = logging.getLogger("tuneboard.models")
 Warn = Callable[[str], None]
 
 
-
-
-def _get(spec: Any, name: str, default: Any = None) -> Any:
-    value = getattr(spec, name, default)
-    return default if value is None else value
 
 
 def _default_warn(message: str) -> None:

@@ -5,7 +5,7 @@ import re
 
 from playwright.sync_api import expect
 
-from ui_actions import pick_option
+from ui_actions import click_start, pick_option
 
 # the inputs of the top bar and the Train tab, each with whether it has an accessible name (what a screen reader, and
 # Playwright's get_by_label, find it by): a <label>, aria-label, aria-labelledby or title with some text
@@ -117,13 +117,7 @@ def test_a_german_page_shows_the_run_in_german_without_progress_overlays(app_pag
     steps = page.locator("#train-max_steps input")
     steps.fill("5000")  # far more than the test watches (it aborts)
     steps.press("Tab")
-    page.locator("#train-start").click()
-    message = page.locator("#train-message")
-    try:
-        expect(message).to_contain_text("gestartet", timeout=30_000)
-    except AssertionError:
-        shot("train-de-start-failed")
-        raise AssertionError("not started; errors box: " + page.locator("#train-errors").inner_text()) from None
+    message = click_start(page, "gestartet", shot, "train-de-start-failed")
     state = page.locator("#train-progress .tb-progress")
     expect(state).to_have_attribute("data-state", "running", timeout=120_000)
     page.wait_for_function("() => document.querySelectorAll('#train-loss_plot [aria-roledescription=\"point\"]')"

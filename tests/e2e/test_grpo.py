@@ -6,7 +6,7 @@ import re
 from playwright.sync_api import expect
 
 from test_preference import point_labels, wait_for_points
-from ui_actions import pick_option, set_dropdown, set_number
+from ui_actions import click_start, pick_option, set_dropdown, set_number
 
 
 def test_grpo_from_the_form_shows_rewards_and_completions_live(app_page, tiny_llama, shot):
@@ -27,13 +27,7 @@ def test_grpo_from_the_form_shows_rewards_and_completions_live(app_page, tiny_ll
     set_dropdown(page, "train-reward_funcs", "json_valid")
     set_number(page, "train-max_completion_length", 8)
     set_number(page, "train-num_generations", 2)
-    page.locator("#train-start").click()
-    message = page.locator("#train-message")
-    try:
-        expect(message).to_contain_text("Started", timeout=30_000)
-    except AssertionError:
-        shot("train-grpo-start-failed")
-        raise AssertionError("not started; errors box: " + page.locator("#train-errors").inner_text()) from None
+    message = click_start(page, "Started", shot, "train-grpo-start-failed")
     assert re.search(r"Started (\S+)", message.inner_text())
 
     reward, per_function = "#train-plot_reward", "#train-plot_rewards_per_function"

@@ -7,7 +7,7 @@ import re
 
 from playwright.sync_api import expect
 
-from ui_actions import open_tab, pick_option, set_dropdown, set_number
+from ui_actions import click_start, open_tab, pick_option, set_dropdown, set_number
 
 POINTS = '[aria-roledescription="point"]'
 
@@ -50,13 +50,7 @@ def test_dpo_from_the_form_plots_rewards_live_and_is_listed_with_its_stage(app_p
     set_number(page, "train-cutoff_len", 128)
     if page.locator("#train-stage input").input_value() != "DPO":  # refilled from the attached run meanwhile
         pick_option(page, "train-stage", "DPO")
-    page.locator("#train-start").click()
-    message = page.locator("#train-message")
-    try:
-        expect(message).to_contain_text("Started", timeout=30_000)
-    except AssertionError:
-        shot("train-dpo-start-failed")
-        raise AssertionError("not started; errors box: " + page.locator("#train-errors").inner_text()) from None
+    message = click_start(page, "Started", shot, "train-dpo-start-failed")
     name = re.search(r"Started (\S+)", message.inner_text()).group(1).strip("`")
 
     # the stage's declared plots appear next to the loss plot and fill from the run's log

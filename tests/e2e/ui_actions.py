@@ -31,3 +31,16 @@ def pick_option(page, elem_id, name):
     box.press("Enter")
     box.press("Escape")
     page.locator("#tb-header").click()  # blur: the list closes
+
+
+def click_start(page, started_text, shot, shot_name):
+    """Press Start and wait for the message that the run started (`started_text`, in the page's language); if it
+    does not come, save a screenshot as `shot_name` and fail with what the errors box says. Returns the message."""
+    page.locator("#train-start").click()
+    message = page.locator("#train-message")
+    try:
+        expect(message).to_contain_text(started_text, timeout=30_000)
+    except AssertionError:
+        shot(shot_name)
+        raise AssertionError("not started; errors box: " + page.locator("#train-errors").inner_text()) from None
+    return message

@@ -36,6 +36,10 @@ PLOT_FILE = "training_loss.png"  # plot_loss: the loss curve drawn at the end of
 PREDICTIONS_FILE = "generated_predictions.jsonl"  # do_predict / tuneboard eval / rm scoring: one line per row
 EVAL_RESULTS_FILE = "eval_results.json"  # tuneboard eval: the metrics
 EXPORT_REPORT_FILE = "export_report.json"  # tuneboard export: what was written and how the reload compared
+CHECKPOINT_SCORES_FILE = "checkpoint_scores.json"  # eval_metric: the task metric of each save and the best one
+PROMOTION_FILE = "promotion.json"  # tuneboard promote: which checkpoint is the run's adapter, the earlier one kept
+LM_EVAL_FILE = "lm_eval_results.json"  # tuneboard eval tasks=...: lm-evaluation-harness results, base and tuned
+JUDGE_FILE = "judge_results.json"  # tuneboard eval judge: win / tie / loss, the interval and each row's reasons
 CHECKPOINT_PREFIX = "checkpoint-"
 # What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
 # a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.

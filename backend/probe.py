@@ -40,7 +40,8 @@ from pathlib import Path
 
 from backend.methods import method
 from backend.atomic import read_json_dict, write_json_atomic, write_text_atomic
-from backend.rundir import LOG_FILE, PROBE_MEASURE_FILE, PROBE_RESULT_FILE, SPEC_FILE, stamp
+from backend.curves import step_seconds
+from backend.rundir import PROBE_MEASURE_FILE, PROBE_RESULT_FILE, SPEC_FILE, stamp
 
 ENV = "TUNEBOARD_PROBE"  # in the child's environment: the file it writes its own measurements to
 PROBE_DIRNAME = "probe"
@@ -160,30 +161,6 @@ def total_steps(spec, rows: int | None) -> int | None:
     batches = math.ceil(rows / max(1, world_size(spec)) / max(1, spec.per_device_train_batch_size))
     per_epoch = max(1, math.ceil(batches / max(1, spec.gradient_accumulation_steps)))
     return max(1, math.ceil(per_epoch * float(spec.num_train_epochs or 1)))
-
-
-def step_seconds(run_dir: Path) -> tuple[float | None, int]:
-    """(duration of the last logged step, steps logged) from the child's trainer_log.jsonl: the last step
-    minus the one before (the first step alone when only one ran, its warm-up included)."""
-    elapsed = {}
-    try:
-        for line in (run_dir / LOG_FILE).read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row.get("step"), int) and isinstance(row.get("elapsed_s"), (int, float)) and row.get("loss") is not None:
-                elapsed[row["step"]] = float(row["elapsed_s"])
-    except OSError:
-        return None, 0
-    if not elapsed:
-        return None, 0
-    steps = sorted(elapsed)
-    last = steps[-1]
-    if len(steps) >= 2:
-        before = steps[-2]
-        return (elapsed[last] - elapsed[before]) / (last - before), len(steps)
-    return elapsed[last] / max(1, last), 1
 
 
 def machine_memory() -> tuple[float, float]:

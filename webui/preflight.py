@@ -228,7 +228,7 @@ def probe_progress_md(job, lang: str = "en") -> str:
     """While a probe runs: what its child is doing (the phase the progress card shows for a run) and, once a
     step is done, about how long the rest of its steps take (the steps so far, timed by its own log); "" before
     the child has a folder."""
-    from backend.probe import step_seconds
+    from backend.curves import step_seconds
     from backend.rundir import PHASE_TRAINING, RUNNING_LOG
     from webui import jobs, live
 

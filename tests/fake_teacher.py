@@ -11,6 +11,8 @@ word: "empty" -> empty answer, "prose" -> not JSON, "wrong" -> a schema error, "
 length, else valid), huge (a valid reply whose answer is `huge_bytes` of prose, Content-Length declared),
 huge_stream (the same without Content-Length: the body ends when the connection closes), gate (valid for the
 first `gate_after` requests; later ones wait until `gate` is set), redirect (307 to `redirect_to` + the path).
+A judge (backend/judge.py) stand-in: judge_word (a reason, then `Verdict: A|B|tie`: the answer that contains
+`judge_word`, tie when both or neither do), judge_first (always `Verdict: A`), judge_unparsed (prose, no verdict).
 With `key`, a request without `Authorization: Bearer <key>` gets 401.
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ class FakeTeacher:
     def __init__(self, mode: str = "valid", key: str | None = None, delay: float = 0.0, fail_times: int = 1):
         self.mode, self.key, self.delay, self.fail_times = mode, key, delay, fail_times
         self.huge_bytes, self.gate_after, self.gate, self.redirect_to = 10_000_000, 0, threading.Event(), ""
+        self.judge_word = "good"
         self.requests: list[dict] = []
         self.failures: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -110,6 +113,8 @@ class FakeTeacher:
                         n = len(fake.requests)
                     if n > fake.gate_after:
                         fake.gate.wait()
+                if mode.startswith("judge_"):
+                    return self._send(200, json.dumps(judge_reply(fake, body, chunk)).encode())
                 if mode in ("huge", "huge_stream"):
                     return self._send_huge(body, declared=mode == "huge")
                 if mode == "slow":
@@ -156,6 +161,24 @@ class FakeTeacher:
         if self.server:
             self.server.shutdown()
             self.server.server_close()
+
+
+def judge_reply(fake: "FakeTeacher", body: dict, content: str) -> dict:
+    """A judge's reply to backend.judge's message (<answer_a>...</answer_a>, <answer_b>...</answer_b>)."""
+    if fake.mode == "judge_first":
+        text = "The first one reads better.\nVerdict: A"
+    elif fake.mode == "judge_unparsed":
+        text = "Both answers have merits; I cannot decide."
+    else:
+        a = re.search(r"<answer_a>\n(.*?)\n</answer_a>", content, re.S).group(1)
+        b = re.search(r"<answer_b>\n(.*?)\n</answer_b>", content, re.S).group(1)
+        has_a, has_b = fake.judge_word in a, fake.judge_word in b
+        verdict = "A" if has_a and not has_b else "B" if has_b and not has_a else "tie"
+        text = f"Only one answer says {fake.judge_word}." if verdict != "tie" else "Equally good."
+        text += f"\nVerdict: {verdict}"
+    return {"id": "x", "object": "chat.completion", "model": body.get("model"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
 
 
 # ------------------------------------------------------------------------ documents and checks the tests share

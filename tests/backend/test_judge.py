@@ -1,0 +1,146 @@
+"""backend/judge.py against a stand-in judge endpoint (tests/fake_teacher.py, modes judge_*), through the
+distill teacher's real httpx client: both orders asked, ties when the orders disagree, the interval, the budget,
+a refused key, the cache, and the key never written."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from backend.judge import JudgeFatal, JudgeSettings, judge_pairs, judge_win_rate, parse_verdict, wilson_interval
+from fake_teacher import KEY, FakeTeacher, no_key_under
+
+PROMPTS = [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]
+TUNED = ["a good answer 0", "a good answer 1", "plain answer 2", "a good answer 3"]
+BASE = ["plain answer 0", "plain answer 1", "a good answer 2", "a good reply 3"]
+
+
+@pytest.fixture
+def judge():
+    server = FakeTeacher(mode="judge_word", key=KEY).start()
+    yield server
+    server.stop()
+
+
+def settings(server, tmp_path, monkeypatch, **kw) -> JudgeSettings:
+    monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
+    return JudgeSettings(url=server.url, model="judge-model", api_key_env="JUDGE_TEST_KEY",
+                         cache_dir=tmp_path / "judge_cache", backoff=0.0, **kw)
+
+
+def test_wilson_interval_by_hand():
+    # 7 wins + 2 ties of 10 rows: p = 0.8; Wilson (z = 1.96): centre (0.8 + 0.19208) / 1.38416, half
+    # 1.96 / 1.38416 * sqrt(0.016 + 0.0096040)
+    low, high = wilson_interval(8.0, 10)
+    assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    assert wilson_interval(5, 5)[1] == 1.0
+
+
+def test_verdict_parsing():
+    assert parse_verdict("Because.\nVerdict: A") == "A"
+    assert parse_verdict("verdict: **b**") == "B"
+    assert parse_verdict("Verdict: A ... no wait.\nVerdict: tie") == "tie"
+    assert parse_verdict("I like the first") is None
+
+
+def test_both_orders_asked_and_counted(judge, tmp_path, monkeypatch):
+    report = judge_pairs(PROMPTS, TUNED, BASE, settings(judge, tmp_path, monkeypatch), log=lambda m: None)
+    # every pair went to the endpoint twice, once each way round
+    seen = []
+    for r in judge.requests:
+        text = r["body"]["messages"][-1]["content"]
+        a = re.search(r"<answer_a>\n(.*?)\n</answer_a>", text, re.S).group(1)
+        b = re.search(r"<answer_b>\n(.*?)\n</answer_b>", text, re.S).group(1)
+        seen.append((a, b))
+        assert r["headers"]["Authorization"] == f"Bearer {KEY}"
+    assert sorted(seen) == sorted([(t, b) for t, b in zip(TUNED, BASE)] + [(b, t) for t, b in zip(TUNED, BASE)])
+    assert [r["verdict"] for r in report["per_row"]] == ["win", "win", "loss", "tie"]
+    assert (report["wins"], report["ties"], report["losses"]) == (2, 1, 1)
+    assert report["win_rate"] == pytest.approx(2.5 / 4)
+    assert report["interval"] == pytest.approx(list(wilson_interval(2.5, 4)))
+    assert report["requests"] == 8 and report["complete"] and report["stopped"] is None
+    row = report["per_row"][0]
+    assert [o["order"] for o in row["orders"]] == ["AB", "BA"]
+    assert [o["verdict"] for o in row["orders"]] == ["A", "B"]  # the same answer preferred in both places
+    assert all("good" in o["reason"] for o in row["orders"])
+
+
+def test_position_bias_is_a_tie(judge, tmp_path, monkeypatch):
+    judge.mode = "judge_first"  # always prefers whatever is shown first
+    report = judge_pairs(PROMPTS, TUNED, BASE, settings(judge, tmp_path, monkeypatch), log=lambda m: None)
+    assert (report["wins"], report["ties"], report["losses"]) == (0, 4, 0)
+    assert report["win_rate"] == 0.5
+
+
+def test_unparsed_verdict_is_a_flagged_tie(judge, tmp_path, monkeypatch):
+    judge.mode = "judge_unparsed"
+    report = judge_pairs(PROMPTS[:2], TUNED[:2], BASE[:2], settings(judge, tmp_path, monkeypatch), log=lambda m: None)
+    assert report["ties"] == 2 and report["unparsed"] == 4
+    assert not any(o["parsed"] for r in report["per_row"] for o in r["orders"])
+
+
+def test_the_cache_answers_a_second_run(judge, tmp_path, monkeypatch):
+    s = settings(judge, tmp_path, monkeypatch)
+    first = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
+    asked = len(judge.requests)
+    second = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
+    assert len(judge.requests) == asked == 8
+    assert second["requests"] == 0 and second["cached"] == 8
+    assert [r["verdict"] for r in second["per_row"]] == [r["verdict"] for r in first["per_row"]]
+    # another judge model is another judge: asked again
+    s.model = "judge-model-2"
+    judge_pairs(PROMPTS[:1], TUNED[:1], BASE[:1], s, log=lambda m: None)
+    assert len(judge.requests) == 10
+
+
+def test_budget_stops_cleanly_with_a_partial_report(judge, tmp_path, monkeypatch):
+    s = settings(judge, tmp_path, monkeypatch, max_requests=5, concurrency=1)
+    report = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
+    assert len(judge.requests) == 5 and report["requests"] == 5
+    assert report["judged"] == 2 and not report["complete"]
+    assert "judge_max_requests 5 spent" in report["stopped"]
+    assert [r["verdict"] for r in report["per_row"]][:2] == ["win", "win"]
+    assert report["per_row"][3]["verdict"] == "not judged"
+    # what was answered is cached: a run with a larger budget asks only the rest
+    s.max_requests = 0
+    again = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
+    assert again["complete"] and again["requests"] == 3 and len(judge.requests) == 8
+
+
+def test_refused_key_is_one_line_and_the_key_is_never_written(judge, tmp_path, monkeypatch):
+    lines = []
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-wrong-key-0123456789")
+    s = JudgeSettings(url=judge.url, model="judge-model", api_key_env="JUDGE_TEST_KEY",
+                      cache_dir=tmp_path / "judge_cache", backoff=0.0)
+    report = judge_pairs(PROMPTS, TUNED, BASE, s, log=lines.append)
+    assert report["judged"] == 0 and not report["complete"]
+    assert "HTTP 401" in report["error"] and "API key was refused" in report["error"]
+    assert "\n" not in report["error"] and "sk-wrong-key" not in report["error"]
+    assert len(judge.requests) <= 4  # it stopped at the refusal (one per worker at most), no retries
+    with pytest.raises(JudgeFatal, match="HTTP 401"):
+        judge_win_rate(PROMPTS, TUNED, BASE, s, log=lines.append)
+    # a good key: the report and the cache hold no key
+    monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
+    report = judge_pairs(PROMPTS, TUNED, BASE, s, log=lines.append)
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    (tmp_path / "log.txt").write_text("\n".join(lines))
+    no_key_under(tmp_path)
+    no_key_under(tmp_path, key="sk-wrong-key-0123456789")
+
+
+def test_judge_win_rate_for_the_task_metric(judge, tmp_path, monkeypatch):
+    s = settings(judge, tmp_path, monkeypatch)
+    assert judge_win_rate(PROMPTS, TUNED, BASE, s, log=lambda m: None) == pytest.approx(0.625)
+    assert math.isnan(judge_win_rate(PROMPTS, TUNED, BASE,
+                                     JudgeSettings(url=judge.url, model="m", api_key_env="JUDGE_TEST_KEY",
+                                                   max_requests=1, backoff=0.0), log=lambda m: None))
+
+
+def test_key_file(judge, tmp_path):
+    key_file = tmp_path / "key.txt"
+    key_file.write_text(KEY + "\n")
+    s = JudgeSettings(url=judge.url, model="judge-model", api_key_env=None, api_key_file=str(key_file))
+    assert judge_pairs(PROMPTS[:1], TUNED[:1], BASE[:1], s, log=lambda m: None)["wins"] == 1

@@ -52,3 +52,24 @@ def read_json_dict(path: str | Path | None) -> dict:
     except (OSError, ValueError):  # ValueError covers JSONDecodeError and UnicodeDecodeError
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make the renames in `folder` durable (fsync of the folder itself; a no-op where that is refused)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_path(src: str | Path, dst: str | Path) -> None:
+    """Move a whole file or folder over `dst` in one step (os.replace: same file system), the folder synced:
+    a reader sees the old or the new one, never a mix (tuneboard promote moves weight files so)."""
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)

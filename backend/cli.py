@@ -26,6 +26,7 @@ commands:
   export   SPEC.yaml [key=value ...]     merge adapters and export (safetensors / GGUF), verified
   eval     SPEC.yaml [key=value ...]     eval loss / perplexity and predictions with metrics
   distill  SPEC.yaml [key=value ...]     documents + a teacher -> a registered dataset -> fine-tune -> scorecard
+  promote  RUN_DIR checkpoint-N | --undo  make a checkpoint the run's adapter (the final one kept), or undo it
   webui    [--host H] [--port P] ...     the web UI
   fields                                 list every spec key with its description
 
@@ -134,6 +135,12 @@ def cmd_distill(args: list[str]) -> int:
     return distill_main(args)
 
 
+def cmd_promote(args: list[str]) -> int:
+    from backend.promote import main as promote_main  # lazy: a command loads only what it runs
+
+    return promote_main(args)
+
+
 def cmd_webui(args: list[str]) -> int:
     try:
         from webui.app import main as webui_main  # lazy: a command loads only what it runs
@@ -165,6 +172,7 @@ COMMANDS = {
     "export": cmd_export,
     "eval": cmd_eval,
     "distill": cmd_distill,
+    "promote": cmd_promote,
     "webui": cmd_webui,
     "fields": cmd_fields,
 }

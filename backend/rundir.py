@@ -38,6 +38,7 @@ EVAL_RESULTS_FILE = "eval_results.json"  # tuneboard eval: the metrics
 EXPORT_REPORT_FILE = "export_report.json"  # tuneboard export: what was written and how the reload compared
 CHECKPOINT_SCORES_FILE = "checkpoint_scores.json"  # eval_metric: the task metric of each save and the best one
 PROMOTION_FILE = "promotion.json"  # tuneboard promote: which checkpoint is the run's adapter, the earlier one kept
+PROMOTION_KEEP_DIR = "final_before_promote"  # tuneboard promote: the run's own final weights, kept until undo
 LM_EVAL_FILE = "lm_eval_results.json"  # tuneboard eval tasks=...: lm-evaluation-harness results, base and tuned
 JUDGE_FILE = "judge_results.json"  # tuneboard eval judge: win / tie / loss, the interval and each row's reasons
 CHECKPOINT_PREFIX = "checkpoint-"

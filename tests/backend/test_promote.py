@@ -1,0 +1,135 @@
+"""tuneboard promote (backend/promote.py): a checkpoint of a real tiny run becomes the run's top-level
+adapter (or model weights), what loads the run folder gets its weights, --undo puts the final files back byte
+for byte, and each refusal is one line."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from backend import promote
+from backend.rundir import PROMOTION_FILE, PROMOTION_KEEP_DIR, RUNNING_LOG, STATUS_FILE
+
+TUNEBOARD = [sys.executable, "-m", "backend.cli"]
+
+
+def _train(model: Path, out: Path, *extra: str) -> Path:
+    proc = subprocess.run(TUNEBOARD + ["train", f"model_name_or_path={model}", f"output_dir={out}", "dataset=identity",
+                                       "cutoff_len=64", "per_device_train_batch_size=2", "gradient_accumulation_steps=1",
+                                       "logging_steps=1", "learning_rate=0.01", "max_steps=4", "save_steps=2",
+                                       "plot_loss=false", *extra],
+                          cwd="/tmp", capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_qwen2, tmp_path_factory):
+    """A tiny LoRA SFT run with checkpoint-2 and checkpoint-4 (trained once for this module)."""
+    return _train(tiny_qwen2, tmp_path_factory.mktemp("promote") / "lora", "lora_rank=4")
+
+
+@pytest.fixture
+def run(lora_run, tmp_path):
+    """A fresh copy of the run per test (promote changes it)."""
+    return Path(shutil.copytree(lora_run, tmp_path / "run"))
+
+
+def _bytes(folder: Path, names) -> dict[str, bytes]:
+    return {n: (folder / n).read_bytes() for n in names}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(TUNEBOARD + ["promote", *args], cwd="/tmp", capture_output=True, text=True, timeout=120)
+
+
+def _merged_weight(base: Path, adapter: Path):
+    """The q_proj weight of layer 0 after loading `adapter` the way chat / export do (merged for inference)."""
+    from transformers import AutoModelForCausalLM
+
+    from backend.adapters import apply_finetuning
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model = apply_finetuning(model, SimpleNamespace(finetuning_type="lora", adapter_name_or_path=str(adapter)),
+                             for_training=False)
+    return model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+
+
+@pytest.mark.slow
+def test_promote_then_undo_lora(run, tiny_qwen2):
+    names = ["adapter_config.json", "adapter_model.safetensors"]
+    final, ckpt = _bytes(run, names), _bytes(run / "checkpoint-2", names)
+    assert final["adapter_model.safetensors"] != ckpt["adapter_model.safetensors"]  # lr 0.01: they differ
+    tokenizer = (run / "tokenizer.json").read_bytes()
+
+    proc = _cli(str(run), "checkpoint-2")
+    assert proc.returncode == 0, proc.stderr
+    assert _bytes(run, names) == ckpt  # the top level is the checkpoint now
+    assert _bytes(run / PROMOTION_KEEP_DIR, names) == final  # the final files are kept
+    assert (run / "tokenizer.json").read_bytes() == tokenizer  # the tokenizer stays the run's
+    record = json.loads((run / PROMOTION_FILE).read_text())
+    assert record["checkpoint"] == "checkpoint-2" and record["final_kept_in"] == PROMOTION_KEEP_DIR
+    assert [h["action"] for h in record["history"]] == ["promote"]
+    assert promote.promoted_checkpoint(run) == "checkpoint-2"
+    assert "PROMOTE: checkpoint-2" in (run / RUNNING_LOG).read_text()
+    rows, _ = promote.checkpoint_rows(run)
+    assert [(r["checkpoint"], r["adapter"]) for r in rows] == [("checkpoint-2", True), ("checkpoint-4", False)]
+    assert all(isinstance(r["loss"], float) for r in rows)
+
+    # what loads the run folder gets the checkpoint's weights, not the final ones
+    import torch
+
+    from_run = _merged_weight(tiny_qwen2, run)
+    assert torch.equal(from_run, _merged_weight(tiny_qwen2, run / "checkpoint-2"))
+    assert not torch.equal(from_run, _merged_weight(tiny_qwen2, run / PROMOTION_KEEP_DIR))
+
+    # a second promote keeps the first final, and undo restores it byte for byte
+    assert promote.promote(run, "4")["checkpoint"] == "checkpoint-4"
+    assert _bytes(run / PROMOTION_KEEP_DIR, names) == final
+    proc = _cli(str(run), "--undo")
+    assert proc.returncode == 0, proc.stderr
+    assert _bytes(run, names) == final
+    assert not (run / PROMOTION_KEEP_DIR).exists()
+    record = json.loads((run / PROMOTION_FILE).read_text())
+    assert record["checkpoint"] is None
+    assert [h["action"] for h in record["history"]] == ["promote", "promote", "undo"]
+    assert promote.promoted_checkpoint(run) is None
+
+
+@pytest.mark.slow
+def test_refusals_are_one_line(run):
+    def refused(*args: str) -> str:
+        proc = _cli(*args)
+        assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        return proc.stderr
+
+    assert "nothing to undo" in refused(str(run), "--undo")
+    assert "checkpoint-9: no such checkpoint" in refused(str(run), "checkpoint-9")
+    assert "no checkpoints" in refused(str(run.parent), "checkpoint-2")
+    (run / "checkpoint-2" / "trainer_state.json").unlink()
+    assert "incomplete checkpoint" in refused(str(run), "checkpoint-2")
+    status = json.loads((run / STATUS_FILE).read_text())
+    (run / STATUS_FILE).write_text(json.dumps({**status, "state": "running"}))
+    assert "still running" in refused(str(run), "checkpoint-4")
+    assert "still running" in refused(str(run), "--undo")
+    assert not (run / PROMOTION_FILE).exists() and not (run / PROMOTION_KEEP_DIR).exists()  # nothing touched
+
+
+@pytest.mark.slow
+def test_promote_full_run(tiny_qwen2, tmp_path):
+    """A full run's model weights (and config) are promoted the same way; undo restores them exactly."""
+    run = _train(tiny_qwen2, tmp_path / "full", "finetuning_type=full")
+    names = promote.weight_files(run, adapter=False)
+    assert "model.safetensors" in names and "config.json" in names
+    final, ckpt = _bytes(run, names), _bytes(run / "checkpoint-2", names)
+    assert final["model.safetensors"] != ckpt["model.safetensors"]
+    assert promote.promote(run, "checkpoint-2")["kind"] == "model"
+    assert _bytes(run, names) == ckpt and _bytes(run / PROMOTION_KEEP_DIR, names) == final
+    promote.undo(run)
+    assert _bytes(run, names) == final

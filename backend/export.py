@@ -49,6 +49,7 @@ from backend.adapters import _split
 from backend.models import load_tokenizer, model_folder, resize_vocab, resolve_model
 from backend.paths import REPO_ROOT, weights_note
 from backend.preference import build_preference_dataset
+from backend.promote import promoted_checkpoint
 from backend.refusals import reward_gguf_refusal
 from backend.resolve import pick_template
 from backend.reward_score import score_pairs, set_pad_token
@@ -498,6 +499,10 @@ def export(spec) -> dict:
     adapters = _adapters(spec)
     for adapter in adapters:
         check_adapter_base(adapter, resolved, spec.model_name_or_path, folder)
+    # a run folder whose adapter is one of its checkpoints (tuneboard promote): the log and report say which
+    promoted = {str(a): c for a in adapters if (c := promoted_checkpoint(a))}
+    for adapter, checkpoint in promoted.items():
+        print(f"adapter {adapter}: its promoted {checkpoint} (promotion.json)", flush=True)
     kind = spec.export_format
     if spec.quantization_bit is not None:
         warn(f"quantization_bit {spec.quantization_bit} ignored: adapters are merged into a full-precision reload")
@@ -544,6 +549,8 @@ def export(spec) -> dict:
     files: list[str] = []
     source_info = {"model": spec.model_name_or_path, "model_folder": str(folder), "adapters": [str(a) for a in adapters],
                    "template": template.name, "stop_words": list(template.stop_words), "stop_ids": stop_ids}
+    if promoted:
+        source_info["promoted"] = promoted
     if weights_note(spec.model_name_or_path):  # a user comparing with the original weights must know
         source_info["weights"] = weights_note(spec.model_name_or_path)
     if kind == "safetensors":

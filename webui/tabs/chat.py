@@ -29,6 +29,7 @@ import gradio as gr
 import httpx
 
 from backend import allowed, paths
+from backend.promote import promoted_checkpoint
 from backend.dataset_info import DatasetError, probe_question, read_dataset_info
 from backend.rundir import CHECKPOINT_PREFIX, SPEC_FILE
 from webui import live
@@ -324,7 +325,11 @@ def load(model, adapter, template, compare, compare_with, st, lang="en"):
     st["b"] = (names[-1] if extra else names[0]) if compare else None
     shown = f"**{st['a']}**" + (f" vs **{st['b']}**" if st["b"] else "")
     label_a, label_b = pane_labels(model, adapter, compare, extra[0] if extra else None, lang)
-    yield (st, tr(lang, "chat.loaded", shown=shown, url=server.url), gr.update(label=label_b) if compare else gr.skip(),
+    loaded = tr(lang, "chat.loaded", shown=shown, url=server.url)
+    promoted = promoted_checkpoint(adapter.split(",")[-1].strip()) if adapter else None
+    if promoted:  # the run folder's adapter is one of its checkpoints (tuneboard promote): say which
+        loaded += " · " + tr(lang, "chat.promoted", checkpoint=promoted)
+    yield (st, loaded, gr.update(label=label_b) if compare else gr.skip(),
            gr.update(label=label_a))
 
 

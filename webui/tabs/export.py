@@ -158,6 +158,8 @@ def poll(st: dict, lang: str = "en") -> tuple:
         result += f"\n\n⚠ {w}"
     if (report.get("source") or {}).get("weights"):  # the bundled default is a dequantized 4-bit GGUF: say so
         result += f"\n\nℹ {report['source']['weights']}"
+    for adapter, checkpoint in ((report.get("source") or {}).get("promoted") or {}).items():  # tuneboard promote
+        result += "\n\nℹ " + tr(lang, "msg.export_promoted", adapter=adapter, checkpoint=checkpoint)
     return st, bar, result, headers(lang, pd.DataFrame(rows, columns=CHECK_COLUMNS)), log, gr.Timer(active=False)
 
 

@@ -1,6 +1,7 @@
 """Runs tab: every run directory (and queued spec) as a table; overlay any logged metric of several runs;
 config diff; actions (open live view, resume, continue N more steps, clone into the form, continue an SFT
-run with DPO, delete with confirmation)."""
+run with DPO, delete with confirmation); the picked run's checkpoints (loss, task metric, which one is the
+adapter) with Promote / Undo promote (backend/promote.py)."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import paths
+from backend import paths, promote
 from backend.curves import loss_summary
 from backend.methods import method
 from backend.rundir import ACTIVE_STATES, LOG_FILE
@@ -268,6 +269,47 @@ def continue_dpo_spec(run_dir: str | None, lang: str = "en"):
     return spec, tr(lang, "runs.dpo_ready", name=Path(run_dir).name, dataset=DPO_DATASET)
 
 
+CHECKPOINT_COLUMNS = ["step", "checkpoint", "loss", "adapter"]
+
+
+def checkpoint_frame(run_dir: str | None, lang: str = "en") -> pd.DataFrame:
+    """The picked run's checkpoints: step, checkpoint, the training loss at that step, the task metric (a
+    column named by the metric, when the run scored its saves; ★ marks the best), and ✓ on the one that is
+    the run's adapter now (promoted)."""
+    rows, metric = promote.checkpoint_rows(run_dir)
+    columns = CHECKPOINT_COLUMNS[:3] + ([metric] if metric else []) + CHECKPOINT_COLUMNS[3:]
+    data = []
+    for r in rows:
+        line = [r["step"], r["checkpoint"] + ("" if r["complete"] else " (incomplete)"),
+                "" if r["loss"] is None else f"{r['loss']:.4f}"]
+        if metric:
+            line.append("" if r["metric"] is None else f"{r['metric']:.4f}" + (" ★" if r["best"] else ""))
+        data.append(line + ["✓" if r["adapter"] else ""])
+    return headers(lang, pd.DataFrame(data, columns=columns))
+
+
+def checkpoint_names(run_dir: str | None) -> list[str]:
+    return [r["checkpoint"] for r in promote.checkpoint_rows(run_dir)[0]]
+
+
+def promote_checkpoint(run_dir: str | None, checkpoint: str | None, undo: bool = False,
+                       lang: str = "en") -> tuple[bool, str]:
+    """Promote a checkpoint of a run to its adapter, or undo the promotion. Returns (done, message)."""
+    if not run_dir:
+        return False, tr(lang, "runs.pick")
+    if not undo and not checkpoint:
+        return False, tr(lang, "runs.pick_checkpoint")
+    name = _rel(run_dir, paths.saves_dir())
+    try:
+        if undo:
+            promote.undo(run_dir)
+            return True, tr(lang, "runs.promote_undone", name=name)
+        record = promote.promote(run_dir, checkpoint)
+    except (promote.PromoteError, OSError) as exc:
+        return False, tr(lang, "runs.cannot_promote", error=exc)
+    return True, tr(lang, "runs.promoted", checkpoint=record["checkpoint"], name=name)
+
+
 def build(ctx) -> dict:
     reg = ctx.reg
     c: dict = {}
@@ -305,6 +347,12 @@ def build(ctx) -> dict:
                 c["delete_confirm"] = reg.comp(gr.Checkbox, "runs-delete_confirm", value=False)
                 c["delete"] = reg.button("runs-delete", size="sm", variant="stop")
             c["message"] = gr.Markdown("", elem_id="runs-message")
+            c["checkpoints"] = reg.comp(gr.Dataframe, "runs-checkpoints", value=checkpoint_frame(None),
+                                        interactive=False, max_height=240)
+            with gr.Row():
+                c["checkpoint"] = reg.comp(gr.Dropdown, "runs-checkpoint", choices=[], value=None, scale=2)
+                c["promote"] = reg.button("runs-promote", size="sm", scale=1)
+                c["undo_promote"] = reg.button("runs-undo_promote", size="sm", scale=1)
     with gr.Row():
         c["diff_a"] = gr.Dropdown(choices=names, value=None, label="Compare A", elem_id="runs-diff_a")
         c["diff_b"] = gr.Dropdown(choices=names, value=None, label="Compare B", elem_id="runs-diff_b")
@@ -424,3 +472,26 @@ def wire(ctx, c: dict) -> None:
 
     c["delete"].click(delete, [c["target"], c["delete_confirm"], c["status"], c["model"], lang],
                       [c["message"], c["delete_confirm"], c["table"], *pickers])
+
+    def show_checkpoints(run_dir, lang="en"):
+        """Inputs: run, language. Outputs: checkpoint table, checkpoint picker (the run's checkpoint-N)."""
+        return checkpoint_frame(run_dir, lang), gr.update(choices=checkpoint_names(run_dir), value=None)
+
+    for ev in (c["target"].change, lang.change):
+        ev(show_checkpoints, [c["target"], lang], [c["checkpoints"], c["checkpoint"]])
+
+    def pick_checkpoint(evt: gr.SelectData):
+        """A click on a checkpoint row picks it. Outputs: checkpoint picker."""
+        row = getattr(evt, "row_value", None)
+        return row[1].split(" ")[0] if row and len(row) > 1 else gr.skip()
+
+    c["checkpoints"].select(pick_checkpoint, None, [c["checkpoint"]])
+
+    def do_promote(run_dir, checkpoint, lang, undo=False):
+        """Promote the picked checkpoint (or undo). Outputs: message, checkpoint table."""
+        _, message = promote_checkpoint(run_dir, checkpoint, undo=undo, lang=lang)
+        return message, checkpoint_frame(run_dir, lang)
+
+    c["promote"].click(do_promote, [c["target"], c["checkpoint"], lang], [c["message"], c["checkpoints"]])
+    c["undo_promote"].click(lambda d, lg: do_promote(d, None, lg, undo=True), [c["target"], lang],
+                            [c["message"], c["checkpoints"]])

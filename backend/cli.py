@@ -73,6 +73,10 @@ def cmd_train(args: list[str]) -> int:
     spec = load_or_report(args)
     if spec is None:
         return 1
+    if spec.do_judge:
+        print("error: do_judge: the judge runs in `tuneboard eval` (this spec with do_judge: true); during training "
+              "use eval_metric: judge", file=sys.stderr)
+        return 1
     if print_launch:
         for node, line in enumerate(launch_commands(args, spec)):
             print(f"# node {node}" + (" (main: writes the run folder)" if node == 0 else ""))

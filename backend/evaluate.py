@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from backend import judge_eval
 from backend import predict as prediction  # prediction.predict looked up at call time (tests wrap it)
 from backend.callbacks import StopSwitch
 from backend.data import load_examples, split_train_val
@@ -31,7 +32,7 @@ from backend.predict import EvalError, predict, split_prompt  # noqa: F401  (pub
 from backend.preprocess import PaddingCollator, build_sft_dataset
 from backend.resolve import pick_template
 from backend.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
-from backend.rundir import (EVAL_RESULTS_FILE, PREDICTIONS_FILE, RUNNING_LOG, STATUS_FILE,  # noqa: F401  (public here)
+from backend.rundir import (EVAL_RESULTS_FILE, JUDGE_FILE, PREDICTIONS_FILE, RUNNING_LOG, STATUS_FILE,  # noqa: F401  (public here)
                             RunDir, default_output_dir, write_json_atomic)
 from backend.spec import load_or_report
 from backend.stages import get_stage
@@ -106,11 +107,11 @@ def reward_eval(spec, resolved, template, out: Path, run_dir, stop=None) -> dict
 
 def run(spec) -> int:
     """Evaluate; return the exit code. Never raises."""
-    parts = {"eval": spec.do_eval, "predict": spec.do_predict}
+    parts = {"eval": spec.do_eval, "predict": spec.do_predict, "judge": spec.do_judge}
     if not any(parts.values()):
-        parts = {"eval": True, "predict": True}
+        parts = {"eval": True, "predict": True, "judge": False}
     out = eval_output_dir(spec)
-    if (out / PREDICTIONS_FILE).exists() or (out / RESULTS_FILE).exists():
+    if any((out / name).exists() for name in (PREDICTIONS_FILE, RESULTS_FILE, JUDGE_FILE)):
         if not spec.overwrite_output_dir:
             print(f"error: output_dir {out} already holds an evaluation; pick another output_dir or set "
                   "overwrite_output_dir: true", file=sys.stderr)
@@ -140,6 +141,10 @@ def run(spec) -> int:
         examples = eval_examples(spec, log=run_dir.log)
         run_dir.log(f"{len(examples)} rows; parts: {', '.join(k for k, v in parts.items() if v)}")
         model = load_model(spec, resolved, for_training=False, warn=run_dir.warn)
+        base_answers = None
+        if parts["judge"] and spec.judge_against == "base":  # before the adapter is merged into the model
+            base_answers = judge_eval.answers(model.eval(), tokenizer, template, examples, spec, out, "base", run_dir,
+                                              stop=lambda: switch.reason)
         if spec.adapter_name_or_path:
             model = apply_finetuning(model, spec, for_training=False, warn=run_dir.warn)
         model.eval()
@@ -160,10 +165,17 @@ def run(spec) -> int:
 
             results.update(prediction.predict(model, tokenizer, template, examples, out / PREDICTIONS_FILE, spec, progress,
                                    stop=lambda: switch.reason))
+        if parts["judge"] and not switch.reason:
+            tuned = judge_eval.answers(model, tokenizer, template, examples, spec, out, "tuned", run_dir,
+                                       stop=lambda: switch.reason)
+            other = base_answers if base_answers is not None else [split_prompt(e)[1] for e in examples]
+            results.update(judge_eval.judge(spec, examples, tuned, other, out, run_dir, stop=lambda: switch.reason))
         if switch.reason:
             results["stopped"] = switch.reason
         results["seconds"] = round(time.time() - started, 1)
         write_json_atomic(out / RESULTS_FILE, results)
+        if results.get("judge_error"):  # the answers and the rows judged are written; the run failed
+            raise judge_eval.JudgeFatal(results["judge_error"])
     except Exception as exc:  # noqa: BLE001 - the status says why
         message = str(exc) if isinstance(exc, (ValueError, FileNotFoundError)) else f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, ValueError):
@@ -201,8 +213,10 @@ def main(args: list[str]) -> int:
               "keys: model_name_or_path, adapter_name_or_path, template, eval_dataset (else the val_size split of "
               "dataset, else dataset), max_samples, output_dir, do_eval (loss/perplexity), do_predict (generation + "
               "BLEU/ROUGE/JSON metrics; neither = both), max_new_tokens, do_sample, per_device_eval_batch_size\n"
+              "do_judge: an LLM judge compares the tuned and the base model's greedy answers (judge_url, judge_model, "
+              "judge_api_key_env or judge_api_key_file, judge_max_requests, judge_against base|reference)\n"
               f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), {STATUS_FILE}, "
-              f"{RUNNING_LOG}")
+              f"{RUNNING_LOG}; do_judge: {JUDGE_FILE}")
         return 0 if args else 2
     spec = load_or_report(args)
     if spec is None:

@@ -13,8 +13,9 @@ of that share with n trials (ties count half a success; z = 1.96): `wilson_inter
 The client, the key handling and the budget are the distill teacher's (backend.distill.teacher: Teacher,
 read_api_key, Budget, the connect-time guard; backend.teacher_access for the web UI's policy): the key comes
 from an environment variable or a key file, is sent only in the Authorization header and is never written
-(the spec, the run folder, the logs). `max_requests` (retries included) stops the judging cleanly: the rows
-judged so far are reported and the report says `complete: false`. Every answered request is cached in
+(the spec, the run folder, the logs). `max_requests` (retries included) stops the judging cleanly: a row is
+started only while the budget still holds both its requests, the rows judged so far are reported and the
+report says `complete: false`. Every answered request is cached in
 `cache_dir` (one JSON file per request, named by the hash of the judge's URL, model and the exact messages:
 the same prompt and answers asked of the same judge make no new request).
 """
@@ -155,7 +156,7 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
     rows = [{"index": i, "prompt": prompts[i], "a": answers_a[i], "b": answers_b[i], "orders": [],
              "verdict": "not judged"} for i in range(len(prompts))]
     budget = Budget(settings.max_requests)
-    state = {"fatal": None, "spent": False, "failed": 0, "cached": 0, "done": 0}
+    state = {"fatal": None, "spent": False, "failed": 0, "cached": 0, "done": 0, "reserved": 0}
     lock = threading.Lock()
     try:
         check_access(settings)
@@ -173,15 +174,21 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
     if settings.cache_dir:
         Path(settings.cache_dir).mkdir(parents=True, exist_ok=True)
 
+    def cached_reply(messages: list[dict]) -> str | None:
+        if not settings.cache_dir:
+            return None
+        try:
+            path = Path(settings.cache_dir) / f"{cache_key(settings, messages)}.json"
+            return str(json.loads(path.read_text(encoding="utf-8"))["text"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def ask(messages: list[dict]) -> tuple[str, bool]:
         """(reply text, from the cache)."""
-        key = cache_key(settings, messages)
-        cached = Path(settings.cache_dir) / f"{key}.json" if settings.cache_dir else None
-        if cached is not None:
-            try:
-                return str(json.loads(cached.read_text(encoding="utf-8"))["text"]), True
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
+        hit = cached_reply(messages)
+        if hit is not None:
+            return hit, True
+        cached = Path(settings.cache_dir) / f"{cache_key(settings, messages)}.json" if settings.cache_dir else None
         answer = client.ask(messages)
         if cached is not None:
             write_text_atomic(cached, json.dumps({"text": answer.text, "finish_reason": answer.finish_reason,
@@ -189,13 +196,20 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
         return answer.text, False
 
     def work(row: dict) -> None:
+        asks = {order: judge_messages(row["prompt"], *((row["a"], row["b"]) if order == "AB" else (row["b"], row["a"])))
+                for order in ORDERS}
+        needed = len({json.dumps(m) for m in asks.values() if cached_reply(m) is None})
+        with lock:  # a row is started only when the budget still holds both its requests
+            if budget.limit and state["reserved"] + needed > budget.limit:
+                state["spent"] = True
+                return
+            state["reserved"] += needed
         orders = []
         for order in ORDERS:
             if stopped():
                 return
-            first, second = (row["a"], row["b"]) if order == "AB" else (row["b"], row["a"])
             try:
-                text, hit = ask(judge_messages(row["prompt"], first, second))
+                text, hit = ask(asks[order])
             except BudgetExhausted:
                 with lock:
                     state["spent"] = True

@@ -97,7 +97,8 @@ def is_secret_key(name: str) -> bool:
 
 SECRET_REFUSAL = ("not supported: a secret is never a spec key (run_spec.yaml, the run's logs and the web UI's job "
                   "records keep the spec as plain text); give credentials through the environment: `hf auth login` "
-                  "or HF_TOKEN for the Hub, WANDB_API_KEY and the like for trackers")
+                  "or HF_TOKEN for the Hub, WANDB_API_KEY and the like for trackers; a judge's key in the variable "
+                  "named by judge_api_key_env or the file named by judge_api_key_file")
 
 
 def _passthrough_names() -> dict[str, dict]:
@@ -362,6 +363,14 @@ class RunSpec(BaseModel):
     eval_steps: Union[int, float, None] = _f(None, "Evaluate every N steps (default: logging_steps).", "eval", gt=0)
     load_best_model_at_end: bool = _f(False, "Load the best checkpoint at the end (needs evaluation).", "eval")
     early_stopping_patience: Optional[int] = _f(None, "Stop after this many evaluations without improvement.", "eval", ge=1)
+    # the judge (backend/judge.py): `tuneboard eval` with do_judge, and eval_metric: judge at every save
+    do_judge: bool = _f(False, "tuneboard eval: an LLM judge (judge_url) compares the tuned model's greedy answers with judge_against's on the held-out rows, each pair in both orders; writes judge_results.json.", "eval")
+    judge_url: Optional[str] = _f(None, "Base URL of the OpenAI-compatible judge endpoint (e.g. https://api.openai.com/v1), for do_judge and eval_metric: judge.", "eval")
+    judge_model: Optional[str] = _f(None, "The model name the judge endpoint serves (required with judge_url).", "eval")
+    judge_api_key_env: Optional[str] = _f("OPENAI_API_KEY", "Environment variable that holds the judge's API key (unset or empty = no key); a key is never a spec key.", "eval")
+    judge_api_key_file: Optional[str] = _f(None, "A file whose first line is the judge's API key (instead of judge_api_key_env).", "eval")
+    judge_max_requests: int = _f(0, "Request budget of the judge, retries included (0 = no limit); when it is spent the rows judged so far are reported, marked incomplete.", "eval", ge=0)
+    judge_against: Literal["base", "reference"] = _f("base", "do_judge: what the tuned answers are compared with: the base model's answers (without the adapter) or the rows' reference answers.", "eval")
 
     # ---------------------------------------------------------------- export
     export_dir: Optional[str] = _f(None, "Folder to write the exported (merged) model to.", "export")
@@ -825,6 +834,7 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         err("load_best_model_at_end", "needs evaluation: set eval_strategy to steps or epoch", "eval_strategy")
     if spec.early_stopping_patience is not None and not spec.load_best_model_at_end:
         err("early_stopping_patience", "needs load_best_model_at_end: true (and evaluation)", "load_best_model_at_end")
+    errors.extend(_judge_errors(spec))
     if spec.export_format == "gguf" and spec.export_quantization_bit is not None:
         err("export_quantization_bit", "is for safetensors export; for gguf choose export_gguf_type instead",
             "export_format")
@@ -851,6 +861,41 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         errors.extend(_model_path_errors(spec))
         errors.extend(_output_dir_errors(spec))
     errors.extend(_code_policy_errors(spec))
+    return errors
+
+
+JUDGE_KEYS = ("judge_url", "judge_model", "judge_api_key_env", "judge_api_key_file", "judge_max_requests",
+              "judge_against")
+
+
+def _judge_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """do_judge and the judge_* keys (backend/judge.py): a judge needs its URL and model; judge keys without
+    a judge to use them are refused."""
+    errors: list[tuple[str, str, frozenset]] = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field,) + involved)))
+
+    wanted = spec.do_judge or getattr(spec, "eval_metric", None) == "judge"
+    if not wanted:
+        defaults = {k: RunSpec.model_fields[k].default for k in JUDGE_KEYS}
+        for key in JUDGE_KEYS:
+            if key in spec.model_fields_set and getattr(spec, key) != defaults[key]:
+                err(key, "only used by a judge: set do_judge: true (tuneboard eval) or eval_metric: judge", "do_judge")
+        return errors
+    who = "do_judge" if spec.do_judge else "eval_metric"
+    if not spec.judge_url:
+        err(who, "needs judge_url: the base URL of an OpenAI-compatible endpoint (e.g. https://api.openai.com/v1)",
+            "judge_url")
+    elif not spec.judge_url.startswith(("http://", "https://")):
+        err("judge_url", "give an http(s):// base URL (e.g. http://127.0.0.1:8000/v1)")
+    elif not spec.judge_model:
+        err("judge_model", "required with judge_url: the model name the endpoint serves", "judge_url")
+    if spec.do_judge and get_stage(spec.stage).is_reward_model:
+        err("do_judge", "a reward model scores answers, it writes none for a judge to compare", "stage")
+    elif spec.do_judge and spec.judge_against == "base" and not spec.adapter_name_or_path:
+        err("do_judge", "judge_against base compares the tuned model with the base: set adapter_name_or_path (or "
+            "judge_against: reference to compare with the rows' answers)", "adapter_name_or_path", "judge_against")
     return errors
 
 

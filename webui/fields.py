@@ -22,6 +22,8 @@ TOPBAR_FIELDS = ("model_name_or_path", "finetuning_type", "adapter_name_or_path"
 BOOSTER_FIELDS = ("flash_attn", "enable_liger_kernel")
 # Groups that belong to other tools (export, chat), not to a training run.
 SKIPPED_GROUPS = ("export", "generation")
+# Keys of `tuneboard eval` alone (the Evaluate tab sets them), never of a training run.
+EVAL_ONLY_FIELDS = ("do_judge",)
 # Accordion order on the Train tab, and which start open (none: the first screen is the basic fields).
 ACCORDIONS = ("method", "train", "distributed", "data", *METHOD_GROUPS, "quantization", "logging", "eval", "model")
 OPEN_ACCORDIONS: tuple[str, ...] = ()
@@ -124,7 +126,7 @@ def field_table() -> tuple[FieldRow, ...]:
     for f in spec_fields():
         if f["name"] in shared:  # a generation key a stage reads while it trains (grpo: temperature, top_p)
             f = dict(f, group="method", stages=list(shared[f["name"]]))
-        elif f["group"] in SKIPPED_GROUPS or f.get("refused"):  # a key always refused at validate is not offered
+        elif f["group"] in SKIPPED_GROUPS or f.get("refused") or f["name"] in EVAL_ONLY_FIELDS:  # a key always refused at validate is not offered
             continue
         over = OVERRIDES.get(f["name"], {})
         choices = over.get("choices", f.get("choices"))

@@ -111,6 +111,13 @@ CONSUMED = {
     "do_eval": "backend/test_key_effects.py::test_do_eval_alone_skips_the_predictions",
     "do_predict": "backend/test_train_cli.py::test_eval_during_training_and_predictions",
     "early_stopping_patience": "backend/test_train_cli.py::test_early_stopping_ends_the_run_when_eval_loss_stops_improving",
+    "do_judge": "backend/test_judge_eval.py::test_eval_judges_tuned_against_base_then_answers_from_the_cache",
+    "judge_url": "backend/test_judge_eval.py::test_eval_judges_tuned_against_base_then_answers_from_the_cache",
+    "judge_model": "backend/test_judge.py::test_spec_keys_reach_the_judge_and_are_refused_without_one",
+    "judge_api_key_env": "backend/test_judge_eval.py::test_refused_key_and_spent_budget",
+    "judge_api_key_file": "backend/test_judge.py::test_spec_keys_reach_the_judge_and_are_refused_without_one",
+    "judge_max_requests": "backend/test_judge_eval.py::test_refused_key_and_spent_budget",
+    "judge_against": "backend/test_judge_eval.py::test_refused_key_and_spent_budget",
     # devices and distribution (backend/launch.py)
     "nproc_per_node": "backend/test_distributed_runs.py::test_ddp_two_processes_match_one_process_with_the_doubled_batch",
     "nnodes": "backend/test_distributed.py::test_print_launch_gives_every_node_the_same_spec_and_rendezvous",

@@ -97,17 +97,22 @@ def test_the_cache_answers_a_second_run(judge, tmp_path, monkeypatch):
 
 
 def test_budget_stops_cleanly_with_a_partial_report(judge, tmp_path, monkeypatch):
+    # 5 requests hold two rows (a row starts only when the budget holds both its orders): the fifth is not spent
     s = settings(judge, tmp_path, monkeypatch, max_requests=5, concurrency=1)
     report = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
-    assert len(judge.requests) == 5 and report["requests"] == 5
+    assert len(judge.requests) == 4 and report["requests"] == 4
     assert report["judged"] == 2 and not report["complete"]
     assert "judge_max_requests 5 spent" in report["stopped"]
-    assert [r["verdict"] for r in report["per_row"]][:2] == ["win", "win"]
-    assert report["per_row"][3]["verdict"] == "not judged"
-    # what was answered is cached: a run with a larger budget asks only the rest
+    assert [r["verdict"] for r in report["per_row"]] == ["win", "win", "not judged", "not judged"]
+    # what was answered is cached: a run without a limit asks only the rest
     s.max_requests = 0
     again = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
-    assert again["complete"] and again["requests"] == 3 and len(judge.requests) == 8
+    assert again["complete"] and again["requests"] == 4 and again["cached"] == 4 and len(judge.requests) == 8
+    # with four workers the rows judged are whole rows too
+    judge.requests.clear()
+    s = settings(judge, tmp_path / "other", monkeypatch, max_requests=3)
+    report = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
+    assert report["judged"] == 1 and len(judge.requests) == 2
 
 
 def test_refused_key_is_one_line_and_the_key_is_never_written(judge, tmp_path, monkeypatch):
@@ -144,3 +149,32 @@ def test_key_file(judge, tmp_path):
     key_file.write_text(KEY + "\n")
     s = JudgeSettings(url=judge.url, model="judge-model", api_key_env=None, api_key_file=str(key_file))
     assert judge_pairs(PROMPTS[:1], TUNED[:1], BASE[:1], s, log=lambda m: None)["wins"] == 1
+
+
+def test_spec_keys_reach_the_judge_and_are_refused_without_one(tmp_path, capsys):
+    from backend import cli
+    from backend.spec import SpecError, validate_spec
+
+    key_file = tmp_path / "key.txt"
+    key_file.write_text(KEY)
+    spec = validate_spec({"do_judge": True, "judge_url": "http://127.0.0.1:9/v1", "judge_model": "j",
+                          "judge_api_key_env": "MY_JUDGE_KEY", "judge_api_key_file": str(key_file),
+                          "judge_max_requests": 7, "judge_against": "reference"}, check_files=False)
+    s = JudgeSettings.from_spec(spec, tmp_path / "cache")
+    assert (s.url, s.model, s.api_key_env, s.api_key_file, s.max_requests, s.cache_dir) == \
+        ("http://127.0.0.1:9/v1", "j", "MY_JUDGE_KEY", str(key_file), 7, tmp_path / "cache")
+    refusals = {
+        "judge_url": {"judge_url": "http://x/v1"},  # no judge to use it
+        "judge_api_key": {"judge_api_key": KEY},  # a secret is never a spec key
+        "do_judge": {"do_judge": True, "judge_url": "http://x/v1", "judge_model": "j"},  # base needs an adapter
+        "judge_model": {"do_judge": True, "judge_url": "http://x/v1", "judge_against": "reference"},
+    }
+    for field, flat in refusals.items():
+        with pytest.raises(SpecError) as info:
+            validate_spec(flat, check_files=False)
+        assert field in [f for f, _ in info.value.errors], (field, info.value.errors)
+    # do_judge is for `tuneboard eval`: `tuneboard train` refuses it in one line
+    assert cli.main(["train", "do_judge=true", "judge_url=http://x/v1", "judge_model=j",
+                     "judge_against=reference"]) == 1
+    err = capsys.readouterr().err
+    assert "do_judge: the judge runs in `tuneboard eval`" in err and "Traceback" not in err

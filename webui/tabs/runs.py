@@ -349,10 +349,11 @@ def build(ctx) -> dict:
             c["message"] = gr.Markdown("", elem_id="runs-message")
             c["checkpoints"] = reg.comp(gr.Dataframe, "runs-checkpoints", value=checkpoint_frame(None),
                                         interactive=False, max_height=240)
-            with gr.Row():
+            with gr.Row(equal_height=False):
                 c["checkpoint"] = reg.comp(gr.Dropdown, "runs-checkpoint", choices=[], value=None, scale=2)
-                c["promote"] = reg.button("runs-promote", size="sm", scale=1)
-                c["undo_promote"] = reg.button("runs-undo_promote", size="sm", scale=1)
+                with gr.Column(scale=1, min_width=120):
+                    c["promote"] = reg.button("runs-promote", size="sm")
+                    c["undo_promote"] = reg.button("runs-undo_promote", size="sm")
     with gr.Row():
         c["diff_a"] = gr.Dropdown(choices=names, value=None, label="Compare A", elem_id="runs-diff_a")
         c["diff_b"] = gr.Dropdown(choices=names, value=None, label="Compare B", elem_id="runs-diff_b")

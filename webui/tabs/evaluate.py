@@ -31,7 +31,7 @@ from backend import allowed, paths
 from backend.distill import read_report, report_rows
 from backend.rundir import DISTILL_REPORT_FILE
 from backend.spec import SpecError, validate_spec
-from webui import choices, jobs, tools
+from webui import choices, jobs, judge_view, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
 
@@ -69,6 +69,20 @@ def build(ctx) -> dict:
         c["compare_adapter"] = gr.Dropdown(choices=choices.adapter_pairs(), value="", allow_custom_value=True,
                                            label=reg.label("eval-compare_adapter"), elem_id="eval-compare_adapter")
         reg._add(c["compare_adapter"], "label")
+    with reg.accordion("eval-group-judge", open=False):  # the judge mode: webui/judge_view.py
+        c["judge"] = reg.comp(gr.Checkbox, "eval-judge", value=False)
+        with gr.Row(equal_height=True):
+            c["judge_url"] = reg.comp(gr.Textbox, "eval-judge_url", value="", scale=3)
+            c["judge_model"] = reg.comp(gr.Textbox, "eval-judge_model", value="", scale=2)
+            c["judge_max_requests"] = reg.comp(gr.Number, "eval-judge_max_requests", value=0, precision=0, minimum=0,
+                                               scale=1)
+        with gr.Row(equal_height=True):
+            c["judge_api_key_env"] = reg.comp(gr.Textbox, "eval-judge_api_key_env", value="OPENAI_API_KEY")
+            c["judge_api_key_file"] = reg.comp(gr.Textbox, "eval-judge_api_key_file", value="")
+            c["judge_reference"] = reg.comp(gr.Checkbox, "eval-judge_reference", value=False)
+        c["judge_summary"] = gr.Markdown("", elem_id="eval-judge_summary")
+        c["judge_rows"] = reg.comp(gr.Dataframe, "eval-judge_rows", value=empty_frame(judge_view.ROW_COLUMNS),
+                                   interactive=False, wrap=True, max_height=520)
     c["rm_note"] = gr.Markdown("", visible=False, elem_id="eval-rm-note")
     with gr.Row():
         c["start"] = reg.button("eval-start", variant="primary")
@@ -567,20 +581,34 @@ def wire(ctx, c: dict) -> None:
               top["quantization_bit"], top["template"], c["dataset"], c["max_samples"], c["max_new_tokens"],
               c["val_size"]]
     view = [c["state"], c["progress"], c["message"], c["metrics"], c["rows"], c["log"], c["timer"]]
+    judge_inputs = [c["judge"], c["judge_url"], c["judge_model"], c["judge_api_key_env"], c["judge_api_key_file"],
+                    c["judge_max_requests"], c["judge_reference"]]
 
     def on_start(st, compare, lang, *values):
         """Inputs: state, compare, language, top bar (model, adapter, method, quantization, template),
-        datasets, max samples, max new tokens, val size, the adapter to compare with (last: the API's earlier
-        parameters keep their places). Outputs: the view."""
+        datasets, max samples, max new tokens, val size, the adapter to compare with, then the judge mode's
+        inputs (last: the API's earlier parameters keep their places). Outputs: the view."""
+        values, judging = values[:-len(judge_inputs)], values[-len(judge_inputs):]
         *values, other = values
-        st, message, started = start_eval(st, eval_flat(*values), bool(compare), lang, other_adapter=other)
+        flat, judge = eval_flat(*values), judge_view.judge_flat(*judging)
+        if judge:  # the judge compares the tuned answers with the base's itself: no compare part
+            refused = judge_view.refusals(judge, lang)
+            if refused:
+                return st, gr.skip(), refused, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            flat.update(judge)
+            compare, other = False, None
+        st, message, started = start_eval(st, flat, bool(compare), lang, other_adapter=other)
         if not started:
             return st, gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return (st, tools.progress_html("starting", 0, None, f"{st['parts'][0]['name']}: loading…"),
                 message, empty_frame(["metric"]), empty_frame(["#"]), "", gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"]], view,
-                     api_name="eval_start")
+    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"], *judge_inputs],
+                     view, api_name="eval_start")
+    c["start"].click(lambda: ("", empty_frame(judge_view.ROW_COLUMNS)), None, [c["judge_summary"], c["judge_rows"]],
+                     show_progress="hidden")
+    c["timer"].tick(judge_view.refresh, [c["state"], top["lang"]], [c["judge_summary"], c["judge_rows"]],
+                    show_progress="hidden")
     c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
     # adapters trained since the page was built are offered too
     c["compare_adapter"].focus(lambda: gr.update(choices=choices.adapter_pairs()), None, [c["compare_adapter"]],

@@ -15,12 +15,9 @@ scores noisy).
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 from backend import judge_eval
 from backend import predict as prediction  # prediction.predict looked up at call time (tests wrap it)
@@ -28,8 +25,8 @@ from backend.callbacks import StopSwitch
 from backend.data import load_examples, split_train_val
 from backend.adapters import apply_finetuning
 from backend.models import load_model, load_tokenizer, resolve_model
-from backend.predict import EvalError, predict, split_prompt  # noqa: F401  (public here as before)
-from backend.preprocess import PaddingCollator, build_sft_dataset
+from backend.predict import EvalError, eval_loss, predict, split_prompt  # noqa: F401  (public here as before)
+from backend.preprocess import build_sft_dataset
 from backend.resolve import pick_template
 from backend.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
 from backend.rundir import (EVAL_RESULTS_FILE, JUDGE_FILE, PREDICTIONS_FILE, RUNNING_LOG, STATUS_FILE,  # noqa: F401  (public here)
@@ -65,23 +62,6 @@ def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:
     if not examples:
         raise EvalError("no rows to evaluate")
     return examples
-
-
-def eval_loss(model, rows: list[dict], tokenizer, batch_size: int) -> dict:
-    """Mean cross-entropy over the trained tokens (token-weighted, not batch-weighted) and its perplexity."""
-    collate = PaddingCollator(tokenizer)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(rows), batch_size):
-            batch = {k: v.to(model.device) for k, v in collate(rows[i:i + batch_size]).items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            labels = batch["labels"][:, 1:]
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                     ignore_index=-100, reduction="sum")
-            total += float(loss)
-            count += int((labels != -100).sum())
-    mean = total / max(count, 1)
-    return {"eval_loss": mean, "perplexity": math.exp(min(mean, 700)), "eval_tokens": count}
 
 
 def reward_eval(spec, resolved, template, out: Path, run_dir, stop=None) -> dict:

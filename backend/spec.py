@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from backend import allowed, gguf_header, paths
 from backend.atomic import read_json_dict
 from backend.dataset_info import DatasetError, read_dataset_info
-from backend.launch import distributed_errors
+from backend.launch import distributed_errors, uses_fsdp, zero_stage
 from backend.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
 from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID
@@ -43,6 +43,11 @@ from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, st
                             stages_with_data)
 
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
+
+# eval_metric: what `tuneboard eval` computes (backend/metrics.py; schema_valid as backend.rewards' json_schema),
+# the loss over the held-out answers, or a judge's verdict (backend/task_metric.py scores them at each save)
+TASK_METRICS = ("json_field_f1", "json_valid", "schema_valid", "exact_match", "bleu", "rouge_l", "eval_loss", "judge")
+LOWER_IS_BETTER = ("eval_loss",)
 
 STAGES = STAGE_IDS  # declared in backend/stages (the stage contract); kept here for readers of the spec
 METHOD_GROUPS = tuple(m.form_group for m in METHODS.values() if m.form_group)  # declared in backend/methods.py
@@ -361,7 +366,10 @@ class RunSpec(BaseModel):
     per_device_eval_batch_size: int = _f(2, "Rows per device per evaluation pass.", "eval", ge=1)
     eval_strategy: Literal["no", "steps", "epoch"] = _f("no", "When to evaluate during training (needs val_size or eval_dataset).", "eval")
     eval_steps: Union[int, float, None] = _f(None, "Evaluate every N steps (default: logging_steps).", "eval", gt=0)
-    load_best_model_at_end: bool = _f(False, "Load the best checkpoint at the end (needs evaluation).", "eval")
+    load_best_model_at_end: bool = _f(False, "Load the best checkpoint at the end (needs evaluation: eval_strategy, or an eval_metric scored at each save).", "eval")
+    metric_for_best_model: Optional[str] = _f(None, "What load_best_model_at_end compares: the eval_metric (the default when one is set: the best-scoring save becomes the final adapter), else eval_loss or another eval_ metric of eval_strategy.", "eval")
+    eval_metric: Optional[Literal[TASK_METRICS]] = _f(None, "Task metric scored at every checkpoint save on eval_samples held-out rows (greedy answers; eval_loss = loss over their answer tokens); logged per step and in checkpoint_scores.json.", "eval")
+    eval_samples: int = _f(32, "Held-out rows eval_metric scores at each save (the same rows every time).", "eval", ge=1)
     early_stopping_patience: Optional[int] = _f(None, "Stop after this many evaluations without improvement.", "eval", ge=1)
     # the judge (backend/judge.py): `tuneboard eval` with do_judge, and eval_metric: judge at every save
     do_judge: bool = _f(False, "tuneboard eval: an LLM judge (judge_url) compares the tuned model's greedy answers with judge_against's on the held-out rows, each pair in both orders; writes judge_results.json.", "eval")
@@ -521,6 +529,13 @@ class RunSpec(BaseModel):
         return self.packing if self.packing is not None else get_stage(self.stage).packs_by_default
 
     @property
+    def best_by_task_metric(self) -> bool:
+        """load_best_model_at_end picks the checkpoint by the eval_metric scored at each save (not HF's
+        evaluation): an eval_metric is set and metric_for_best_model is unset or names it."""
+        return bool(self.load_best_model_at_end and self.eval_metric
+                    and self.metric_for_best_model in (None, self.eval_metric, f"eval_{self.eval_metric}"))
+
+    @property
     def dataset_names(self) -> list[str]:
         return _split(self.dataset)
 
@@ -619,9 +634,12 @@ class RunSpec(BaseModel):
             "save_total_limit": self.save_total_limit,
             "eval_strategy": self.eval_strategy,
             "eval_steps": self.eval_steps,
-            "load_best_model_at_end": self.load_best_model_at_end,
+            # the task metric's best checkpoint is loaded by backend/task_metric.py, not by the Trainer
+            "load_best_model_at_end": self.load_best_model_at_end and not self.best_by_task_metric,
             "overwrite_output_dir": self.overwrite_output_dir,
         }
+        if self.metric_for_best_model and not self.best_by_task_metric:
+            kwargs["metric_for_best_model"] = self.metric_for_best_model
         checkpointing = self.resolved_gradient_checkpointing
         if not known or "activation_checkpointing" not in known:
             kwargs["gradient_checkpointing"] = checkpointing
@@ -830,10 +848,15 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     if spec.eval_strategy != "no" and not has_eval_data:
         err("eval_strategy", f"evaluating ({spec.eval_strategy}) needs val_size > 0 or an eval_dataset",
             "val_size", "eval_dataset")
-    if spec.load_best_model_at_end and spec.eval_strategy == "no":
-        err("load_best_model_at_end", "needs evaluation: set eval_strategy to steps or epoch", "eval_strategy")
+    if spec.load_best_model_at_end and spec.eval_strategy == "no" and not spec.eval_metric:
+        err("load_best_model_at_end", "needs evaluation: set eval_strategy to steps or epoch, or an eval_metric "
+            "scored at each save", "eval_strategy", "eval_metric")
     if spec.early_stopping_patience is not None and not spec.load_best_model_at_end:
         err("early_stopping_patience", "needs load_best_model_at_end: true (and evaluation)", "load_best_model_at_end")
+    elif spec.early_stopping_patience is not None and spec.eval_strategy == "no":
+        err("early_stopping_patience", "counts evaluations of eval_strategy (steps or epoch); the eval_metric scored "
+            "at each save does not stop the run: set eval_strategy", "eval_strategy", "load_best_model_at_end")
+    errors.extend(_task_metric_errors(spec, has_eval_data, check_files))
     errors.extend(_judge_errors(spec))
     if spec.export_format == "gguf" and spec.export_quantization_bit is not None:
         err("export_quantization_bit", "is for safetensors export; for gguf choose export_gguf_type instead",
@@ -896,6 +919,43 @@ def _judge_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     elif spec.do_judge and spec.judge_against == "base" and not spec.adapter_name_or_path:
         err("do_judge", "judge_against base compares the tuned model with the base: set adapter_name_or_path (or "
             "judge_against: reference to compare with the rows' answers)", "adapter_name_or_path", "judge_against")
+    return errors
+
+
+def _task_metric_errors(spec: RunSpec, has_eval_data: bool, check_files: bool) -> list[tuple[str, str, frozenset]]:
+    """eval_metric (scored at each save on held-out rows) and metric_for_best_model."""
+    errors: list[tuple[str, str, frozenset]] = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field,) + involved)))
+
+    best, task = spec.metric_for_best_model, spec.eval_metric
+    if best is not None and not spec.load_best_model_at_end:
+        err("metric_for_best_model", "only used with load_best_model_at_end: true (it names the metric that picks "
+            "the best checkpoint)", "load_best_model_at_end")
+    elif best is not None and not spec.best_by_task_metric and spec.eval_strategy == "no":
+        err("metric_for_best_model", f"{best!r} is never measured: "
+            + (f"name the eval_metric ({task}), the one scored at each save, or " if task else "")
+            + "set eval_strategy (steps or epoch) for eval_loss and the eval_ metrics", "eval_metric", "eval_strategy")
+    if not task:
+        return errors
+    refusal = get_stage(spec.stage).task_metric_refusal
+    if refusal:
+        err("eval_metric", f"{REFUSED}: {refusal}", "stage")
+        return errors
+    if not has_eval_data:
+        err("eval_metric", "scores held-out rows at each save: set val_size (e.g. 0.1) or an eval_dataset",
+            "val_size", "eval_dataset")
+    if spec.save_strategy == "no":
+        err("eval_metric", "is scored at each checkpoint save: save_strategy is no (set steps or epoch)",
+            "save_strategy")
+    if uses_fsdp(spec) or (check_files and zero_stage(spec) == 3):
+        err("eval_metric", f"{REFUSED} with sharded weights ({'FSDP' if uses_fsdp(spec) else 'DeepSpeed ZeRO-3'}): "
+            "rank 0 generates alone at each save and would need every rank's shard; use DDP or ZeRO-2, or score "
+            "the checkpoints afterwards with `tuneboard eval`", "deepspeed", "accelerate_config")
+    if task == "eval_loss" and spec.eval_strategy != "no":
+        err("eval_metric", "eval_strategy already logs eval_loss (over every held-out row): drop eval_metric "
+            "eval_loss, or set eval_strategy no to score eval_samples rows at each save instead", "eval_strategy")
     return errors
 
 

@@ -18,7 +18,8 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
   the rules of every stage; spec names no stage.
 - flags other modules read instead of naming a stage: `is_reward_model` (it trains a score head: eval scores
   pairs, its run folder is a reward model), `packs_by_default` (packing is on unless the spec says),
-  `generates` (it generates while it trains: use_vllm applies).
+  `generates` (it generates while it trains: use_vllm applies), `task_metric` (its rows are a prompt and one
+  reference answer: eval_metric scores the answer generated at each save; `task_metric_refusal` says why not).
 
 The heavy part (tokenizer -> rows -> model -> trainer) is `backend/stages/<module>.py` with
 `run(spec, run_dir, stop) -> StageResult`; `backend.train` imports it through `stage_module()`.
@@ -72,6 +73,7 @@ class Stage:
     is_reward_model: bool = False
     packs_by_default: bool = False
     generates: bool = False
+    task_metric: bool = False
 
     @property
     def module(self) -> str:
@@ -82,6 +84,26 @@ class Stage:
         """Metric keys written to trainer_log.jsonl for this stage (train and eval_ variants)."""
         return self.metrics + tuple(f"eval_{k}" for k in self.metrics)
 
+    @property
+    def task_metric_refusal(self) -> str | None:
+        """Why eval_metric (an answer generated at each save, scored against the row's reference) does not apply
+        to this stage; None where it does."""
+        if self.task_metric:
+            return None
+        why = "it trains a score head and generates no answer" if self.is_reward_model else _NO_REFERENCE[self.data]
+        return (f"stage {self.id} has no eval_metric: {why}; score its adapter with `tuneboard eval` (stage sft) or "
+                "the Evaluate tab")
+
+
+# why a stage's rows give no reference answer to score a generated one against (Stage.task_metric_refusal)
+_NO_REFERENCE = {
+    "text": "its rows are plain text, with no prompt and reference answer",
+    "plain": "its rows are not scored against a reference answer",
+    "ranking": "its rows pair a chosen and a rejected answer (it learns a preference, not one reference answer)",
+    "kto": "its rows are answers tagged desirable or undesirable, not reference answers",
+    "prompts": "its rows are prompts without reference answers (its rewards are the live measure)",
+}
+
 
 _DPO_FIELDS = ("pref_loss", "pref_beta", "pref_ftx", "dpo_label_smoothing", "simpo_gamma", "ref_model")
 _DPO_PLOTS = (("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
@@ -90,7 +112,7 @@ _DPO_RULES = (rules.whole_sequences, rules.preference)
 
 STAGES: dict[str, Stage] = {s.id: s for s in (
     Stage("pt", "Pre-training", "text", packs_by_default=True),
-    Stage("sft", "Supervised fine-tuning", "plain"),
+    Stage("sft", "Supervised fine-tuning", "plain", task_metric=True),
     Stage("rm", "Reward model", "ranking", is_reward_model=True, rules=(rules.whole_sequences, rules.no_prompt_loss),
           # TRL's RewardTrainer logs accuracy .. num_tokens; the rm stage adds the mean chosen / rejected scores
           metrics=("accuracy", "margin", "rewards/chosen", "rewards/rejected", "min_reward", "mean_reward",

@@ -224,10 +224,12 @@ def distributed_arguments(spec) -> dict:
 
 
 def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collator=None, eval_dataset=None,
-        trainer_class=None, args_class=None, config: dict | None = None, **trainer_kwargs) -> StageResult:
+        trainer_class=None, args_class=None, config: dict | None = None, task_metric=None,
+        **trainer_kwargs) -> StageResult:
     """Train with a Trainer (the HF one, or a stage's TRL trainer: trainer_class + args_class with its
     `config` keys and extra `trainer_kwargs` such as ref_model) and our callback, save, plot: the shared
-    tail of every stage. The callback logs the metric keys the stage declares (backend/stages)."""
+    tail of every stage. The callback logs the metric keys the stage declares (backend/stages); `task_metric`
+    (task_metric_callback()) scores eval_metric at each save and, by it, picks the final weights."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from transformers import EarlyStoppingCallback, Trainer
     from transformers.trainer_callback import PrinterCallback
@@ -246,7 +248,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
             run_dir.update_status(step=checkpoint_step(Path(checkpoint)))  # where the run stands: its checkpoint
         return StageResult(stopped=True)
     callback = RunDirCallback(run_dir, stop, metric_keys=get_stage(spec.stage).logged_keys())
-    callbacks = [callback]
+    callbacks = [callback] + ([task_metric] if task_metric is not None else [])
     early = None
     if eval_dataset is not None and getattr(spec, "early_stopping_patience", None):
         early = EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience)
@@ -274,6 +276,10 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         run_dir.log(f"early stopping at step {trainer.state.global_step} of {trainer.state.max_steps}: "
                     f"{args.metric_for_best_model} did not improve for {spec.early_stopping_patience} evaluations"
                     + (f" (best {best:.4g}, from {trainer.state.best_model_checkpoint})" if best is not None else ""))
+    if task_metric is not None and spec.best_by_task_metric:
+        from backend.task_metric import load_best  # heavy (torch): this module's top stays light
+
+        load_best(trainer, task_metric, run_dir)
     trainer.save_model(str(out))  # every rank takes part (ZeRO-3 gathers the weights); rank 0 writes
     trainer.save_state()
     if run_dir.writer:
@@ -308,6 +314,21 @@ def tokenizer_and_template(spec, run_dir: RunDir):
                              enable_thinking=spec.enable_thinking)
     run_dir.log(f"template: {template.name}")
     return resolved, tokenizer, template
+
+
+def task_metric_callback(spec, run_dir: RunDir, stop, tokenizer, template, val_examples: list[dict]):
+    """eval_metric: the callback that scores it at each save on the first eval_samples held-out rows
+    (backend/task_metric.py), for fit(task_metric=...); None when the spec sets none."""
+    if not spec.eval_metric:
+        return None
+    from backend.task_metric import TaskMetricCallback  # heavy (torch): this module's top stays light
+
+    if not val_examples:
+        raise RunError("eval_metric: no held-out rows left to score (val_size / eval_dataset gave none)")
+    scorer = TaskMetricCallback(spec, run_dir, tokenizer, template, val_examples, stop=stop)
+    run_dir.log(f"eval_metric {spec.eval_metric}: scored at each save on {len(scorer.examples)} held-out rows"
+                + (" (the best-scoring checkpoint becomes the final weights)" if spec.best_by_task_metric else ""))
+    return scorer
 
 
 def predict_held_out(spec, run_dir: RunDir, result: StageResult, model, tokenizer, template,

@@ -5,8 +5,8 @@ Reads top to bottom: tokenizer/template -> dataset -> model (+adapter) -> traine
 from __future__ import annotations
 
 from backend.preprocess import build_sft_dataset
-from backend.stages.base import (StageResult, batching, fit, predict_held_out, tokenizer_and_template,
-                                 train_and_eval_rows, trainable_model)
+from backend.stages.base import (StageResult, batching, fit, predict_held_out, task_metric_callback,
+                                 tokenizer_and_template, train_and_eval_rows, trainable_model)
 
 
 def run(spec, run_dir, stop) -> StageResult:
@@ -23,14 +23,15 @@ def run(spec, run_dir, stop) -> StageResult:
     train_rows, stats = build_sft_dataset(train_examples, **encode)
     run_dir.log(f"train rows: {stats}")
     eval_rows = build_sft_dataset(val_examples, **encode)[0] if val_examples else None
+    scorer = task_metric_callback(spec, run_dir, stop, tokenizer, template, val_examples)  # eval_metric, else None
 
     # 3. model and adapters; then the batches (padding-free where that is exact for this model)
     model = trainable_model(spec, run_dir, resolved, chunked_loss=True)
     train_rows, collator = batching(spec, run_dir, train_rows, tokenizer, model)
 
-    # 4. train, save, plot
+    # 4. train (eval_metric scored at each save), save, plot
     result = fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=train_rows,
-                 collator=collator, eval_dataset=eval_rows)
+                 collator=collator, eval_dataset=eval_rows, task_metric=scorer)
 
     # 5. predictions on the held-out rows (do_predict), streamed to generated_predictions.jsonl
     return predict_held_out(spec, run_dir, result, model, tokenizer, template, val_examples)

@@ -1,0 +1,163 @@
+"""eval_metric (issue 20 item 1): a task metric at every save, checkpoint_scores.json, and load_best_model_at_end by
+it; the batched generation it uses; the refusals of the keys. Tiny models, real `tuneboard train` subprocesses."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from backend.rundir import CHECKPOINT_SCORES_FILE, LOG_FILE, RUNNING_LOG
+from backend.spec import SpecError, validate_spec
+
+TUNEBOARD = [sys.executable, "-m", "backend.cli"]
+
+
+def train(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(TUNEBOARD + ["train", *overrides], cwd="/tmp", capture_output=True, text=True, timeout=600)
+
+
+def extraction_args(model: Path, out: Path, *extra: str) -> list[str]:
+    """A short LoRA SFT run on extraction_demo's JSON answers: 3 saves, 4 held-out rows scored at each."""
+    return [f"model_name_or_path={model}", f"output_dir={out}", "template=llama3", "dataset=extraction_demo",
+            "max_samples=24", "val_size=8", "cutoff_len=256", "per_device_train_batch_size=2", "logging_steps=1",
+            "learning_rate=0.01", "max_steps=6", "save_steps=2", "max_new_tokens=8", "eval_samples=4",
+            "plot_loss=false", *extra]
+
+
+def scores_and_log(out: Path, key: str) -> tuple[dict, dict[int, float]]:
+    record = json.loads((out / CHECKPOINT_SCORES_FILE).read_text())
+    logged = {r["step"]: r[key] for r in map(json.loads, (out / LOG_FILE).read_text().splitlines())
+              if r.get(key) is not None and "eval_seconds" in r}  # (not the end-of-run evaluation's eval_loss)
+    return record, logged
+
+
+def weights(folder: Path, name: str) -> dict:
+    return load_file(str(folder / name))
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.slow
+def test_json_field_f1_at_each_save_and_the_best_checkpoint_is_the_adapter(tiny_llama, tmp_path):
+    """The metric is logged at every save and recorded in checkpoint_scores.json, the same values in both; the
+    best is the recorded best (the earliest of equal values) and the final adapter is its tensors. The constructed
+    case: a random tiny model writes no JSON, so every save scores the same and the first save is the best, not the
+    last: the final adapter must be checkpoint-2's, which training has moved away from by step 6."""
+    out = tmp_path / "run"
+    proc = train(*extraction_args(tiny_llama, out, "eval_metric=json_field_f1", "load_best_model_at_end=true"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record, logged = scores_and_log(out, "eval_json_field_f1")
+    assert record["metric"] == "json_field_f1" and record["greater_is_better"] is True and record["samples"] == 4
+    assert [s["step"] for s in record["scores"]] == [2, 4, 6] == sorted(logged)
+    assert all(s["checkpoint"] == f"checkpoint-{s['step']}" and s["seconds"] >= 0 for s in record["scores"])
+    assert {s["step"]: s["value"] for s in record["scores"]} == logged
+    top = max(s["value"] for s in record["scores"])
+    expected = next(s for s in record["scores"] if s["value"] == top)  # the earliest of the best values
+    assert record["best"] == {k: expected[k] for k in ("step", "checkpoint", "value")}
+    assert record["best"]["step"] != 6, "the constructed case: the last save is not the best"
+    adapter = "adapter_model.safetensors"
+    final, best = weights(out, adapter), weights(out / record["best"]["checkpoint"], adapter)
+    assert same(final, best) and not same(final, weights(out / "checkpoint-6", adapter))
+    assert record["loaded"] == record["best"]["checkpoint"]
+    log = (out / RUNNING_LOG).read_text()
+    assert f"the final weights are {record['best']['checkpoint']}'s" in log
+
+
+@pytest.mark.slow
+def test_eval_loss_metric_picks_the_lowest_with_full_finetuning(tiny_llama, tmp_path):
+    """eval_loss as the task metric: lower is better, logged as eval_loss at each save, and with full fine-tuning
+    the final weights (model.safetensors) are the lowest-scoring checkpoint's."""
+    out = tmp_path / "full"
+    proc = train(*extraction_args(tiny_llama, out, "finetuning_type=full", "learning_rate=0.001",
+                                  "eval_metric=eval_loss", "load_best_model_at_end=true"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record, logged = scores_and_log(out, "eval_loss")
+    assert record["greater_is_better"] is False
+    assert {s["step"]: s["value"] for s in record["scores"]} == logged and sorted(logged) == [2, 4, 6]
+    low = min(s["value"] for s in record["scores"])
+    assert record["best"]["value"] == low == min(logged.values())
+    assert same(weights(out, "model.safetensors"), weights(out / record["best"]["checkpoint"], "model.safetensors"))
+
+
+def test_batched_generation_equals_one_row_at_a_time(tiny_llama):
+    """The left-padded batch (one generate() call, KV cache) gives each row the greedy answer it gets alone."""
+    from backend.evaluate import eval_examples
+    from backend.models import load_model, load_tokenizer, resolve_model
+    from backend.predict import generate, generation_kwargs, split_prompt
+    from backend.resolve import pick_template
+
+    spec = validate_spec({"model_name_or_path": str(tiny_llama), "dataset": "extraction_demo", "max_samples": 12,
+                          "max_new_tokens": 10, "template": "llama3"}, check_files=False)
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer)
+    model = load_model(spec, resolved, for_training=False).eval()
+    examples = eval_examples(spec, log=lambda *a: None)[:5]
+    prompts = [template.render_text(split_prompt(e)[0], None, add_generation_prompt=True) for e in examples]
+    assert len({len(tokenizer(p).input_ids) for p in prompts}) > 1, "the rows must differ in length (padding)"
+    kwargs = generation_kwargs(spec, tokenizer, template, greedy=True)
+    alone = [generate(model, tokenizer, template, [p], kwargs)[0] for p in prompts]
+    assert generate(model, tokenizer, template, prompts, kwargs) == alone
+    assert all(alone)
+
+
+def test_scores_of_the_generation_metrics():
+    from backend.task_metric import TaskMetricError, check_rows, score
+
+    refs = ['{"a": 1, "b": "x"}', '{"a": 2, "b": "y"}']
+    preds = ['{"a": 1.5, "b": "X"}', "not json"]
+    assert score("json_valid", preds, refs) == 50.0
+    assert score("schema_valid", preds, refs) == 50.0  # a number and a string: the first validates
+    assert score("exact_match", preds, refs) == 0.0 and score("exact_match", refs, refs) == 100.0
+    assert score("json_field_f1", preds, refs) == pytest.approx(100 * 2 * 0.5 * 0.25 / 0.75)  # 1 of 2 / 1 of 4
+    assert score("bleu", refs, refs) == pytest.approx(100.0) and score("rouge_l", refs, refs) == pytest.approx(100.0)
+    plain = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a plain answer"}],
+              "_row": 3, "_source": "plain.json"}]
+    with pytest.raises(TaskMetricError, match="none of the 1 held-out answers is a JSON object"):
+        check_rows("json_field_f1", plain)
+    check_rows("rouge_l", plain)
+
+
+def _errors(data: dict) -> list[tuple[str, str]]:
+    try:
+        validate_spec(data, check_files=False)
+    except SpecError as exc:
+        return exc.errors
+    return []
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"eval_metric": "accuracy", "val_size": 0.1}, "must be one of json_field_f1"),
+    ({"eval_metric": "rouge_l"}, "set val_size"),
+    ({"eval_metric": "rouge_l", "val_size": 0.1, "stage": "dpo"}, "stage dpo has no eval_metric"),
+    ({"eval_metric": "rouge_l", "val_size": 0.1, "stage": "pt"}, "stage pt has no eval_metric"),
+    ({"eval_metric": "rouge_l", "val_size": 0.1, "save_strategy": "no"}, "save_strategy is no"),
+    ({"eval_metric": "eval_loss", "val_size": 0.1, "eval_strategy": "steps"}, "already logs eval_loss"),
+    ({"eval_metric": "rouge_l", "val_size": 0.1, "accelerate_config": "examples/accelerate/fsdp_config.yaml"},
+     "sharded weights"),
+    ({"metric_for_best_model": "rouge_l"}, "only used with load_best_model_at_end"),
+    ({"metric_for_best_model": "bleu", "eval_metric": "rouge_l", "val_size": 0.1, "load_best_model_at_end": True},
+     "never measured"),
+])
+def test_eval_metric_refusals_are_one_line_each(data, says):
+    errors = [(f, m) for f, m in _errors(data) if f in ("eval_metric", "metric_for_best_model")]
+    assert len(errors) == 1 and says in errors[0][1], errors
+    assert "\n" not in errors[0][1]
+
+
+def test_load_best_model_at_end_is_satisfied_by_the_task_metric():
+    assert _errors({"load_best_model_at_end": True})[0][0] == "load_best_model_at_end"
+    spec = validate_spec({"load_best_model_at_end": True, "eval_metric": "exact_match", "val_size": 0.1},
+                         check_files=False)
+    assert spec.best_by_task_metric
+    args = spec.training_arguments()  # the Trainer's own load_best (which needs eval_strategy) stays off
+    assert args["load_best_model_at_end"] is False and "metric_for_best_model" not in args
+    hf = validate_spec({"load_best_model_at_end": True, "eval_strategy": "steps", "val_size": 0.1,
+                        "metric_for_best_model": "eval_loss", "eval_metric": "rouge_l"}, check_files=False)
+    assert not hf.best_by_task_metric and hf.training_arguments()["metric_for_best_model"] == "eval_loss"

@@ -136,6 +136,19 @@ def check_access(settings: JudgeSettings) -> None:
         raise JudgeFatal("; ".join(str(r) for r in refused))
 
 
+# the distill teacher's messages name its spec keys; a judge's failure names the judge's
+_TEACHER_WORDS = (("teacher_api_key_env", "judge_api_key_env"), ("teacher_api_key_file", "judge_api_key_file"),
+                  ("teacher_model", "judge_model"), ("set teacher to", "set judge_url to"),
+                  ("(teacher, the base URL", "(judge_url, the base URL"), ("teacher ", "judge "), ("teacher:", "judge:"))
+
+
+def judge_words(message: str) -> str:
+    """A backend.distill.teacher message with the judge's key names instead of the teacher's."""
+    for teacher, judge in _TEACHER_WORDS:
+        message = message.replace(teacher, judge)
+    return message
+
+
 def _guarded(settings: JudgeSettings) -> bool:
     if not teacher_access.restricted():
         return False
@@ -170,7 +183,7 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
     stopped = lambda: bool(stop() or state["fatal"])  # noqa: E731
     client = Teacher(settings.url, settings.model, api_key, timeout=settings.timeout, max_retries=settings.max_retries,
                      backoff=settings.backoff, temperature=0.0, max_tokens=settings.max_tokens, budget=budget,
-                     stop=stopped, log=log, guard=_guarded(settings))
+                     stop=stopped, log=lambda message: log(judge_words(message)), guard=_guarded(settings))
     if settings.cache_dir:
         Path(settings.cache_dir).mkdir(parents=True, exist_ok=True)
 
@@ -216,12 +229,12 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
                 return
             except TeacherFatal as exc:
                 with lock:
-                    state["fatal"] = state["fatal"] or str(exc)
+                    state["fatal"] = state["fatal"] or judge_words(str(exc))
                 return
             except TeacherError as exc:
                 with lock:
                     state["failed"] += 1
-                row["error"] = str(exc)
+                row["error"] = judge_words(str(exc))
                 return
             verdict = parse_verdict(text)
             prefers = "tie" if verdict in (None, "tie") else ("a" if (verdict == "A") == (order == "AB") else "b")

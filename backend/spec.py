@@ -30,7 +30,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from backend import allowed, gguf_header, paths
+from backend import allowed, gguf_header, paths, teacher_access
 from backend.atomic import read_json_dict
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors, uses_fsdp, zero_stage
@@ -377,7 +377,7 @@ class RunSpec(BaseModel):
     judge_model: Optional[str] = _f(None, "The model name the judge endpoint serves (required with judge_url).", "eval")
     judge_api_key_env: Optional[str] = _f("OPENAI_API_KEY", "Environment variable that holds the judge's API key (unset or empty = no key); a key is never a spec key.", "eval")
     judge_api_key_file: Optional[str] = _f(None, "A file whose first line is the judge's API key (instead of judge_api_key_env).", "eval")
-    judge_max_requests: int = _f(0, "Request budget of the judge, retries included (0 = no limit); when it is spent the rows judged so far are reported, marked incomplete.", "eval", ge=0)
+    judge_max_requests: int = _f(0, "Request budget of each judging (a tuneboard eval, or one save's eval_metric: judge), retries included (0 = no limit); when it is spent the rows judged so far are reported, marked incomplete.", "eval", ge=0)
     judge_against: Literal["base", "reference"] = _f("base", "do_judge: what the tuned answers are compared with: the base model's answers (without the adapter) or the rows' reference answers.", "eval")
 
     # ---------------------------------------------------------------- export
@@ -914,6 +914,10 @@ def _judge_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         err("judge_url", "give an http(s):// base URL (e.g. http://127.0.0.1:8000/v1)")
     elif not spec.judge_model:
         err("judge_model", "required with judge_url: the model name the endpoint serves", "judge_url")
+    elif teacher_access.restricted():  # a process the web UI started: the endpoints and keys its operator allows
+        for refused in (teacher_access.check_url(spec.judge_url, "judge_url") + teacher_access.check_key(
+                spec.judge_url, spec.judge_api_key_env, spec.judge_api_key_file, "judge_api_key_env")):
+            err(refused.field, refused.english(), "judge_url")
     if spec.do_judge and get_stage(spec.stage).is_reward_model:
         err("do_judge", "a reward model scores answers, it writes none for a judge to compare", "stage")
     elif spec.do_judge and spec.judge_against == "base" and not spec.adapter_name_or_path:

@@ -123,6 +123,7 @@ def test_refused_key_is_one_line_and_the_key_is_never_written(judge, tmp_path, m
     report = judge_pairs(PROMPTS, TUNED, BASE, s, log=lines.append)
     assert report["judged"] == 0 and not report["complete"]
     assert "HTTP 401" in report["error"] and "API key was refused" in report["error"]
+    assert "judge_api_key_env" in report["error"] and "teacher" not in report["error"]
     assert "\n" not in report["error"] and "sk-wrong-key" not in report["error"]
     assert len(judge.requests) <= 4  # it stopped at the refusal (one per worker at most), no retries
     with pytest.raises(JudgeFatal, match="HTTP 401"):
@@ -178,3 +179,23 @@ def test_spec_keys_reach_the_judge_and_are_refused_without_one(tmp_path, capsys)
                      "judge_against=reference"]) == 1
     err = capsys.readouterr().err
     assert "do_judge: the judge runs in `tuneboard eval`" in err and "Traceback" not in err
+
+
+def test_a_web_ui_process_refuses_a_judge_its_operator_did_not_allow(monkeypatch):
+    """Under the web UI's policy (backend.teacher_access) validate refuses an internal judge address and a key
+    variable the operator does not offer, naming the field; allowed once the operator offers the key for it."""
+    from backend import teacher_access
+    from backend.spec import SpecError, validate_spec
+
+    flat = {"do_judge": True, "judge_url": "http://127.0.0.1:9/v1", "judge_model": "j", "judge_against": "reference",
+            "judge_api_key_env": "MY_JUDGE_KEY"}
+    for name in (teacher_access.KEYS_ENV, teacher_access.URLS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    validate_spec(flat, check_files=False)  # a command line: not restricted
+    monkeypatch.setenv(teacher_access.POLICY_ENV, teacher_access.POLICY_WEBUI)
+    with pytest.raises(SpecError) as info:
+        validate_spec(flat, check_files=False)
+    errors = dict(info.value.errors)
+    assert "internal address" in errors["judge_url"] and "MY_JUDGE_KEY" in errors["judge_api_key_env"]
+    monkeypatch.setenv(teacher_access.KEYS_ENV, "MY_JUDGE_KEY=http://127.0.0.1:9/v1")
+    validate_spec(flat, check_files=False)

@@ -42,6 +42,7 @@ PROMOTION_KEEP_DIR = "final_before_promote"  # tuneboard promote: the run's own 
 LM_EVAL_FILE = "lm_eval_results.json"  # tuneboard eval tasks=...: lm-evaluation-harness results, base and tuned
 JUDGE_FILE = "judge_results.json"  # tuneboard eval judge: win / tie / loss, the interval and each row's reasons
 JUDGE_CACHE_DIRNAME = "judge_cache"  # the judge's answered requests (backend/judge.py), one JSON file each
+CHECKPOINT_EVAL_FILE = "checkpoint_eval.json"  # tuneboard eval checkpoints=...: each checkpoint's metrics and the best per metric
 CHECKPOINT_PREFIX = "checkpoint-"
 # What the HF Trainer writes last into checkpoint-N (after weights, optimizer, scheduler and RNG state):
 # a checkpoint folder without it was cut short (killed, disk full) and cannot be resumed from.

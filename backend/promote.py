@@ -13,7 +13,9 @@ The order keeps a loadable adapter at every moment:
    file, the old or the new;
 4. promotion.json is written atomically (which checkpoint, where the final is, when, the history), a line
    goes to running_log.txt.
-Undo moves the kept files back the same way and removes the then empty keep folder."""
+Undo moves the kept files back the same way and removes the then empty keep folder. A run resumed after a
+promote saves new final weights over the promoted ones (promotion.json's size/mtime of each file tell): it no
+longer counts as promoted, undo refuses, and the next promote keeps the new final (the older one moved aside)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +31,7 @@ from backend.atomic import fsync_dir, read_json_dict, replace_path, write_json_a
 from backend.methods import is_adapter
 from backend.rundir import (ACTIVE_STATES, CHECKPOINT_PREFIX, CHECKPOINT_SCORES_FILE, LOG_FILE, PROMOTION_FILE,
                             PROMOTION_KEEP_DIR, RUNNING_LOG, SPEC_FILE, checkpoint_step, checkpoints,
-                            is_complete_checkpoint, now_iso, read_status)
+                            is_complete_checkpoint, now_iso, read_status, stamp, unique_dir)
 
 ADAPTER_FILES = re.compile(r"^adapter_model.*\.(safetensors|bin)$|^adapter_config\.json$")
 MODEL_FILES = re.compile(r"^(model|pytorch_model).*\.(safetensors|bin|json)$|^(config|generation_config)\.json$")
@@ -66,6 +68,18 @@ def _fingerprint(folder: Path, names: list[str]) -> dict:
     return {n: [(folder / n).stat().st_size, (folder / n).stat().st_mtime_ns] for n in names}
 
 
+def _changed_since(run_dir: Path, record: dict) -> bool:
+    """Whether the record names a promoted checkpoint but the top-level files are no longer the ones it
+    put there (size and mtime): a resumed run saved its own final weights over them."""
+    files = record.get("files")
+    if not record.get("checkpoint") or not isinstance(files, dict):
+        return False
+    try:
+        return _fingerprint(run_dir, list(files)) != {n: list(v) for n, v in files.items()}
+    except (OSError, TypeError, ValueError):
+        return True
+
+
 def promoted_checkpoint(run_dir: str | Path | None) -> str | None:
     """The checkpoint-N whose weights are the run's top-level ones now, or None (no promotion, undone, or the
     top-level files changed since: a resumed run saved its own final weights over them)."""
@@ -73,14 +87,7 @@ def promoted_checkpoint(run_dir: str | Path | None) -> str | None:
         return None
     run_dir = Path(run_dir).expanduser()
     record = read_promotion(run_dir)
-    current, files = record.get("checkpoint"), record.get("files")
-    if not current or not isinstance(files, dict):
-        return None
-    try:
-        same = _fingerprint(run_dir, list(files)) == {n: list(v) for n, v in files.items()}
-    except (OSError, TypeError, ValueError):
-        return None
-    return current if same else None
+    return None if _changed_since(run_dir, record) else record.get("checkpoint") or None
 
 
 def _log(run_dir: Path, message: str) -> None:
@@ -147,6 +154,11 @@ def promote(run_dir: str | Path, checkpoint: str) -> dict:
     keep = run_dir / PROMOTION_KEEP_DIR
     record = read_promotion(run_dir)
     previous = promoted_checkpoint(run_dir)
+    if keep.is_dir() and _changed_since(run_dir, record):  # the top level is a newer final (a resumed run):
+        aside = unique_dir(run_dir / f"{PROMOTION_KEEP_DIR}-{stamp()}")  # the older final stays, beside it
+        replace_path(keep, aside)
+        _log(run_dir, f"PROMOTE: the run saved new final weights since {record['checkpoint']} was promoted; "
+                      f"the final kept then is now in {aside.name}/")
     if not keep.is_dir():  # 1. the run's own final weights, kept whole before anything is replaced
         final = weight_files(run_dir, adapter)
         temp = run_dir / f"{PROMOTION_KEEP_DIR}.tmp"
@@ -186,6 +198,9 @@ def undo(run_dir: str | Path) -> dict:
     if not keep.is_dir():
         raise PromoteError(f"{run_dir.name}: nothing to undo (no checkpoint was promoted)")
     record = read_promotion(run_dir)
+    if _changed_since(run_dir, record):
+        raise PromoteError(f"{run_dir.name}: nothing to undo: the run saved new final weights after "
+                           f"{record['checkpoint']} was promoted (the earlier final stays in {PROMOTION_KEEP_DIR}/)")
     adapter = _is_adapter_run(run_dir)
     names = sorted((p.name for p in keep.iterdir() if p.is_file()), key=lambda n: (n.endswith(".json"), n))
     stale = [n for n in weight_files(run_dir, adapter) if n not in names]

@@ -122,6 +122,58 @@ def test_refusals_are_one_line(run):
 
 
 @pytest.mark.slow
+def test_a_crash_mid_promote_leaves_a_loadable_adapter(run, tiny_qwen2, monkeypatch):
+    """The process dies after the first file moved in (the weights) and before the config and promotion.json:
+    the run folder still loads as an adapter, and undo brings the final files back byte for byte."""
+    names = ["adapter_config.json", "adapter_model.safetensors"]
+    final = _bytes(run, names)
+    real, moved = promote.replace_path, []
+
+    def dies_after_the_weights(src, dst):
+        if moved and Path(dst).name in names:
+            raise SystemExit("killed")  # what a kill looks like to the code after it: nothing more runs
+        real(src, dst)
+        if Path(dst).name in names and Path(dst).parent == run:
+            moved.append(Path(dst).name)
+
+    monkeypatch.setattr(promote, "replace_path", dies_after_the_weights)
+    with pytest.raises(SystemExit):
+        promote.promote(run, "checkpoint-2")
+    monkeypatch.undo()
+    assert moved == ["adapter_model.safetensors"]
+    assert (run / "adapter_model.safetensors").read_bytes() == (run / "checkpoint-2" / "adapter_model.safetensors").read_bytes()
+    assert not (run / PROMOTION_FILE).exists()
+    _merged_weight(tiny_qwen2, run)  # loads: every top-level file is whole
+    promote.undo(run)
+    assert _bytes(run, names) == final
+
+
+@pytest.mark.slow
+def test_a_resumed_run_after_a_promote(run, tiny_qwen2):
+    """Resuming a promoted run saves new final weights over the promoted ones: the run no longer counts as
+    promoted, undo refuses (it would bring back older weights), and the next promote keeps the new final,
+    the older kept final moved aside, nothing deleted."""
+    names = ["adapter_config.json", "adapter_model.safetensors"]
+    first_final = _bytes(run, names)
+    promote.promote(run, "checkpoint-2")
+    _train(tiny_qwen2, run, "lora_rank=4", "max_steps=6", "resume_from_checkpoint=true")
+    new_final = _bytes(run, names)
+    assert new_final["adapter_model.safetensors"] not in (first_final["adapter_model.safetensors"],
+                                                          _bytes(run / "checkpoint-2", names)["adapter_model.safetensors"])
+    assert promote.promoted_checkpoint(run) is None
+    proc = _cli(str(run), "--undo")
+    assert proc.returncode == 1 and "saved new final weights" in proc.stderr, proc.stderr
+    assert _bytes(run, names) == new_final  # untouched
+
+    promote.promote(run, "checkpoint-4")
+    assert _bytes(run / PROMOTION_KEEP_DIR, names) == new_final
+    aside = [p for p in run.iterdir() if p.name.startswith(PROMOTION_KEEP_DIR + "-")]
+    assert len(aside) == 1 and _bytes(aside[0], names) == first_final
+    promote.undo(run)
+    assert _bytes(run, names) == new_final
+
+
+@pytest.mark.slow
 def test_promote_full_run(tiny_qwen2, tmp_path):
     """A full run's model weights (and config) are promoted the same way; undo restores them exactly."""
     run = _train(tiny_qwen2, tmp_path / "full", "finetuning_type=full")

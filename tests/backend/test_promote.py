@@ -185,3 +185,47 @@ def test_promote_full_run(tiny_qwen2, tmp_path):
     assert _bytes(run, names) == ckpt and _bytes(run / PROMOTION_KEEP_DIR, names) == final
     promote.undo(run)
     assert _bytes(run, names) == final
+
+
+# ------------------------------------------------------------------ fast tier: a run folder written by hand
+def _hand_made_run(root: Path) -> Path:
+    """The files of a finished LoRA run with two checkpoints (the weights' bytes only need to differ)."""
+    run = root / "run"
+    for folder, tag in ((run, b"final"), (run / "checkpoint-10", b"ten"), (run / "checkpoint-20", b"twenty")):
+        folder.mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(b"weights of " + tag)
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+        (folder / "tokenizer.json").write_text("{}")
+        if folder != run:
+            (folder / "trainer_state.json").write_text("{}")
+    (run / "run_spec.yaml").write_text("finetuning_type: lora\n")
+    (run / STATUS_FILE).write_text(json.dumps({"state": "completed"}))
+    (run / "trainer_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0 - s / 100}) + "\n"
+                                                   for s in range(1, 21)))
+    return run
+
+
+def test_rows_promote_undo_on_a_hand_made_run(tmp_path):
+    from backend.rundir import CHECKPOINT_SCORES_FILE
+
+    run = _hand_made_run(tmp_path)
+    (run / CHECKPOINT_SCORES_FILE).write_text(json.dumps({
+        "metric": "json_field_f1", "greater_is_better": True, "samples": 8,
+        "scores": [{"step": 10, "checkpoint": "checkpoint-10", "value": 0.6, "seconds": 1.0},
+                   {"step": 20, "checkpoint": "checkpoint-20", "value": 0.4, "seconds": 1.0}],
+        "best": {"step": 10, "checkpoint": "checkpoint-10", "value": 0.6}}))
+    rows, metric = promote.checkpoint_rows(run)
+    assert metric == "json_field_f1"
+    assert [(r["step"], r["loss"], r["metric"], r["best"], r["adapter"]) for r in rows] == [
+        (10, 1.9, 0.6, True, False), (20, 1.8, 0.4, False, False)]
+    promote.promote(run, "checkpoint-10")
+    assert (run / "adapter_model.safetensors").read_bytes() == b"weights of ten"
+    assert [r["adapter"] for r in promote.checkpoint_rows(run)[0]] == [True, False]
+    promote.undo(run)
+    assert (run / "adapter_model.safetensors").read_bytes() == b"weights of final"
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".") or "promot" in p.name) == [PROMOTION_FILE]
+    with pytest.raises(promote.PromoteError, match="nothing to undo"):
+        promote.undo(run)
+    (run / "checkpoint-20" / "adapter_model.safetensors").unlink()
+    with pytest.raises(promote.PromoteError, match="holds no adapter weights"):
+        promote.promote(run, "checkpoint-20")

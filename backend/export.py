@@ -500,7 +500,7 @@ def export(spec) -> dict:
     for adapter in adapters:
         check_adapter_base(adapter, resolved, spec.model_name_or_path, folder)
     # a run folder whose adapter is one of its checkpoints (tuneboard promote): the log and report say which
-    promoted = {str(a): c for a in adapters if (c := promoted_checkpoint(a))}
+    promoted = {str(a): c for a in [folder, *adapters] if (c := promoted_checkpoint(a))}
     for adapter, checkpoint in promoted.items():
         print(f"adapter {adapter}: its promoted {checkpoint} (promotion.json)", flush=True)
     kind = spec.export_format

@@ -13,6 +13,17 @@ import json
 import re
 from typing import Any
 
+# eval_metric, the task metric scored at each checkpoint save (backend/task_metric.py): what this module computes,
+# schema_valid (backend.rewards' json_schema), the loss over the held-out answers, or a judge's win rate
+TASK_METRICS = ("json_field_f1", "json_valid", "schema_valid", "exact_match", "bleu", "rouge_l", "eval_loss", "judge")
+LOWER_IS_BETTER = ("eval_loss",)
+
+
+def task_log_key(metric: str) -> str:
+    """The trainer_log.jsonl key of a task metric: eval_<metric> (eval_loss stays eval_loss)."""
+    return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 _TOKEN = re.compile(f"[{_CJK}]|[^\\W_{_CJK}]+")
 _FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?\s*```\s*$", re.S)

@@ -35,6 +35,7 @@ from backend.atomic import read_json_dict
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors, uses_fsdp, zero_stage
 from backend.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
+from backend.metrics import TASK_METRICS  # eval_metric's choices (backend/task_metric.py scores them)
 from backend.optim_names import GALORE_OPTIMIZERS
 from backend.paths import DEFAULT_MODEL_ID
 from backend.refusals import REFUSED, reward_gguf_refusal
@@ -43,11 +44,6 @@ from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, st
                             stages_with_data)
 
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
-
-# eval_metric: what `tuneboard eval` computes (backend/metrics.py; schema_valid as backend.rewards' json_schema),
-# the loss over the held-out answers, or a judge's verdict (backend/task_metric.py scores them at each save)
-TASK_METRICS = ("json_field_f1", "json_valid", "schema_valid", "exact_match", "bleu", "rouge_l", "eval_loss", "judge")
-LOWER_IS_BETTER = ("eval_loss",)
 
 STAGES = STAGE_IDS  # declared in backend/stages (the stage contract); kept here for readers of the spec
 METHOD_GROUPS = tuple(m.form_group for m in METHODS.values() if m.form_group)  # declared in backend/methods.py

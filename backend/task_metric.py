@@ -2,9 +2,10 @@
 
 At each save (checkpoint-N is in place: backend.stages.base saves atomically first) rank 0 puts the model in eval
 mode, generates greedy answers for the same `eval_samples` held-out rows (batched, left-padded, with the KV cache:
-backend.predict), scores them against the rows' answers (backend.metrics / backend.rewards, 0-100 like `tuneboard
-eval`; eval_loss = the loss over their answer tokens; judge = the answers' win rate against the references, asked of
-backend/judge.py's endpoint in both orders), puts the model back in train mode, and writes
+backend.predict; up to max_new_tokens, never more than twice the longest reference answer + ANSWER_SLACK), scores
+them against the rows' answers (backend.metrics / backend.rewards, 0-100 like `tuneboard eval`; eval_loss = the
+loss over their answer tokens; judge = the answers' win rate against the references, asked of backend/judge.py's
+endpoint in both orders), puts the model back in train mode, and writes
 - one line into trainer_log.jsonl: {"step": N, "eval_<metric>": value, "eval_seconds": s},
 - checkpoint_scores.json (backend.rundir.CHECKPOINT_SCORES_FILE): {"metric", "greater_is_better", "samples",
   "scores": [{"step", "checkpoint", "value", "seconds"}, ...], "best": {"step", "checkpoint", "value"}}.
@@ -28,23 +29,21 @@ from backend.judge import JudgeSettings, judge_win_rate
 from backend.predict import eval_loss, generate, generation_kwargs, split_prompt
 from backend.preprocess import build_sft_dataset
 from backend.rundir import CHECKPOINT_SCORES_FILE, JUDGE_CACHE_DIRNAME
-from backend.spec import LOWER_IS_BETTER
 
 _COMPUTED = {"bleu": "bleu-4", "rouge_l": "rouge-l"}  # eval_metric -> its name in metrics.compute()
 JSON_METRICS = ("json_field_f1", "json_valid", "schema_valid")
+ANSWER_SLACK = 16  # new tokens allowed beyond twice the longest reference answer
 
 
 class TaskMetricError(ValueError):
     """The held-out rows cannot be scored by this metric: one line naming it."""
 
 
-def log_key(metric: str) -> str:
-    """The trainer_log.jsonl key of a task metric: eval_<metric> (eval_loss stays eval_loss)."""
-    return metric if metric.startswith("eval_") else f"eval_{metric}"
+log_key = metrics.task_log_key
 
 
 def greater_is_better(metric: str) -> bool:
-    return metric not in LOWER_IS_BETTER
+    return metric not in metrics.LOWER_IS_BETTER
 
 
 def score(metric: str, predictions: list[str], references: list[str]) -> float:
@@ -81,6 +80,9 @@ class TaskMetricCallback(TrainerCallback):
         self.rows = None
         if self.metric == "eval_loss":
             self.rows = build_sft_dataset(self.examples, template, tokenizer, spec.cutoff_len, log=run_dir.warn)[0]
+        # an answer more than twice as long as the longest reference cannot score well: generation stops there
+        longest = max(len(tokenizer(split_prompt(e)[1], add_special_tokens=False).input_ids) for e in self.examples)
+        self.max_new_tokens = min(spec.max_new_tokens, 2 * longest + ANSWER_SLACK)
         self.record = {"metric": self.metric, "greater_is_better": greater_is_better(self.metric),
                        "samples": len(self.examples), "scores": [], "best": None}
         self.best_checkpoint: str | None = None  # the path, on every rank
@@ -108,6 +110,7 @@ class TaskMetricCallback(TrainerCallback):
                 return eval_loss(model, self.rows, self.tokenizer, self.spec.per_device_eval_batch_size)["eval_loss"]
             stop = (lambda: self.stop.reason) if self.stop is not None else None
             kwargs = generation_kwargs(self.spec, self.tokenizer, self.template, stop=stop, greedy=True)
+            kwargs["max_new_tokens"] = self.max_new_tokens
             predictions, references, prompts_seen = [], [], []
             size = self.spec.per_device_eval_batch_size
             for start in range(0, len(self.examples), size):

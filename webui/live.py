@@ -114,11 +114,19 @@ def plot_elem_id(name: str) -> str:
 
 
 def stage_plots(stage_id: str | None) -> dict[str, tuple[str, ...]]:
-    """plot name -> metric keys of a stage; {} for an unknown stage or one with no plots (pt, sft)."""
+    """plot name -> metric keys of a stage; {} for an unknown stage or one with no plots (pt)."""
     try:
         return dict(get_stage(stage_id).plots) if stage_id else {}
     except KeyError:
         return {}
+
+
+def plots_when_logged(stage_id: str | None) -> tuple[str, ...]:
+    """The stage's plots shown only once the run logged one of their keys (sft's task metric)."""
+    try:
+        return get_stage(stage_id).plots_when_logged if stage_id else ()
+    except KeyError:
+        return ()
 
 
 COMPLETION_COLUMNS = ("step", "reward", "rewards", "completion")
@@ -157,7 +165,7 @@ def completions_frame(run_dir, n: int = 8, max_chars: int = 400) -> pd.DataFrame
 
 
 # Bookkeeping columns of trainer_log.jsonl that are not worth a curve in the Runs overlay.
-NOT_METRICS = ("step", "total_steps", "elapsed_s", "eta_s")
+NOT_METRICS = ("step", "total_steps", "elapsed_s", "eta_s", "eval_seconds")
 
 
 def metric_keys(records: list[dict]) -> list[str]:

@@ -20,6 +20,8 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
   pairs, its run folder is a reward model), `packs_by_default` (packing is on unless the spec says),
   `generates` (it generates while it trains: use_vllm applies), `task_metric` (its rows are a prompt and one
   reference answer: eval_metric scores the answer generated at each save; `task_metric_refusal` says why not).
+- `plots_when_logged`: plots shown only once the run has logged one of their keys (sft's task metric plot: only
+  a run with an eval_metric logs it).
 
 The heavy part (tokenizer -> rows -> model -> trainer) is `backend/stages/<module>.py` with
 `run(spec, run_dir, stop) -> StageResult`; `backend.train` imports it through `stage_module()`.
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable
 
+from backend.metrics import TASK_METRICS, task_log_key
 from backend.stages import rules
 
 DATA_KINDS = ("text", "plain", "ranking", "kto", "prompts")
@@ -74,6 +77,7 @@ class Stage:
     packs_by_default: bool = False
     generates: bool = False
     task_metric: bool = False
+    plots_when_logged: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -109,10 +113,13 @@ _DPO_FIELDS = ("pref_loss", "pref_beta", "pref_ftx", "dpo_label_smoothing", "sim
 _DPO_PLOTS = (("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
               ("accuracy", ("rewards/accuracies",)))
 _DPO_RULES = (rules.whole_sequences, rules.preference)
+# eval_metric at each save (eval_loss is drawn on the loss plot)
+_TASK_PLOTS = (("task metric", tuple(task_log_key(m) for m in TASK_METRICS if task_log_key(m) != "eval_loss")),)
 
 STAGES: dict[str, Stage] = {s.id: s for s in (
     Stage("pt", "Pre-training", "text", packs_by_default=True),
-    Stage("sft", "Supervised fine-tuning", "plain", task_metric=True),
+    Stage("sft", "Supervised fine-tuning", "plain", task_metric=True, plots=_TASK_PLOTS,
+          plots_when_logged=tuple(name for name, _ in _TASK_PLOTS)),
     Stage("rm", "Reward model", "ranking", is_reward_model=True, rules=(rules.whole_sequences, rules.no_prompt_loss),
           # TRL's RewardTrainer logs accuracy .. num_tokens; the rm stage adds the mean chosen / rejected scores
           metrics=("accuracy", "margin", "rewards/chosen", "rewards/rejected", "min_reward", "mean_reward",

@@ -60,7 +60,7 @@ def _promote_then_undo(page, run, tiny_llama, out, shot):
     set_dropdown(page, "top-template", "default")  # the tiny Llama has no chat template of its own
     open_tab(page, "Chat")
     page.locator("#chat-load").click()
-    expect(page.locator("#chat-status")).to_contain_text("adapter = checkpoint-1 of the run (promoted)", timeout=120_000)
+    expect(page.locator("#chat-status")).to_contain_text("weights = checkpoint-1 of the run (promoted)", timeout=120_000)
     page.locator("#chat-unload").click()
     expect(page.locator("#chat-status")).to_contain_text("unloaded", timeout=30_000)
 

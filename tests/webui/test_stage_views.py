@@ -60,7 +60,9 @@ def test_every_declared_plot_has_a_component_and_a_label():
     for name in declared:
         comp = items[live.plot_elem_id(name)][0]
         assert isinstance(comp, gr.LinePlot) and comp.visible is False  # shown only for a stage that has it
-    assert live.stage_plots("sft") == {} and live.stage_plots("pt") == {}
+    assert live.stage_plots("pt") == {} and live.plots_when_logged("dpo") == ()
+    # sft's task metric plot (eval_metric at each save) shows only once a run has logged it
+    assert list(live.stage_plots("sft")) == list(live.plots_when_logged("sft")) == ["task metric"]
     assert live.stage_plots("dpo")["accuracy"] == ("rewards/accuracies",)
 
 

@@ -326,8 +326,8 @@ def load(model, adapter, template, compare, compare_with, st, lang="en"):
     shown = f"**{st['a']}**" + (f" vs **{st['b']}**" if st["b"] else "")
     label_a, label_b = pane_labels(model, adapter, compare, extra[0] if extra else None, lang)
     loaded = tr(lang, "chat.loaded", shown=shown, url=server.url)
-    promoted = promoted_checkpoint(adapter.split(",")[-1].strip()) if adapter else None
-    if promoted:  # the run folder's adapter is one of its checkpoints (tuneboard promote): say which
+    promoted = promoted_checkpoint(adapter.split(",")[-1].strip() if adapter else model)
+    if promoted:  # the run folder's adapter (or a full run's model) is one of its checkpoints (tuneboard promote)
         loaded += " · " + tr(lang, "chat.promoted", checkpoint=promoted)
     yield (st, loaded, gr.update(label=label_b) if compare else gr.skip(),
            gr.update(label=label_a))

@@ -128,7 +128,8 @@ def build(ctx) -> dict:
             with gr.Row():
                 c["log_scale"] = reg.comp(gr.Checkbox, "train-log_scale", value=False, scale=1)
             # The stage's own curves (rewards, accuracy, kl, ...) as backend/stages declares them: one
-            # plot per declared name, shown while the attached run's stage has it (none for pt / sft).
+            # plot per declared name, shown while the attached run's stage has it (none for pt; sft's task metric
+            # once the run has logged it).
             c["stage_plots"] = {
                 name: reg.comp(gr.LinePlot, live.plot_elem_id(name), value=empty_loss(), x="step", y="value",
                                color="series", height=300, **plot_axes(name), visible=False,
@@ -222,10 +223,11 @@ def stage_plot_updates(st: dict, records: list[dict]) -> list:
     """One update per stage plot (live.plot_names() order): the attached run's stage's plots with their
     series, the others hidden. Records each shown plot's series in st["series"] (for the legend)."""
     plots = live.stage_plots(st.get("stage"))
+    when_logged = live.plots_when_logged(st.get("stage"))
     out = []
     for name in live.plot_names():
-        if name in plots:
-            frame = live.metric_frame(records, plots[name])
+        frame = live.metric_frame(records, plots[name]) if name in plots else None
+        if frame is not None and (len(frame) or name not in when_logged):
             st.setdefault("series", {})[name] = series_of(frame)
             out.append(gr.update(value=frame, visible=True))
         else:

@@ -17,13 +17,20 @@ from backend import predict as prediction
 from backend.atomic import write_json_atomic
 from backend.judge import JudgeFatal, JudgeSettings, judge_pairs, summary_line  # noqa: F401  (JudgeFatal: for the eval command)
 from backend.predict import split_prompt
-from backend.rundir import JUDGE_CACHE_DIRNAME, JUDGE_FILE
+from backend.rundir import JUDGE_CACHE_DIRNAME, JUDGE_FILE, PREDICTIONS_FILE
 
 SCRATCH = ".judge_answers_{}.jsonl"  # a scratch file of backend.predict, removed once read
 
 
 def answers(model, tokenizer, template, examples: list[dict], spec, out: Path, who: str, run_dir, stop) -> list[str]:
-    """Greedy answers of `model` for every row (fewer when stopped), logged as they come."""
+    """Greedy answers of `model` for every row (fewer when stopped), logged as they come. The tuned answers are
+    the predict part's (generated_predictions.jsonl) when this eval ran it greedily (do_predict): not generated
+    twice."""
+    if who == "tuned" and spec.do_predict and not ("do_sample" in spec.model_fields_set and spec.do_sample):
+        rows = [json.loads(line) for line in (out / PREDICTIONS_FILE).read_text(encoding="utf-8").splitlines() if line]
+        if len(rows) == len(examples):
+            run_dir.log(f"judge: the tuned answers are the {len(rows)} predictions of {PREDICTIONS_FILE}")
+            return [row["predict"] for row in sorted(rows, key=lambda r: r["index"])]
     scratch = out / SCRATCH.format(who)
     greedy = spec.model_copy(update={"do_sample": False})  # a judge compares answers that do not move between runs
 

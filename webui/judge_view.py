@@ -17,11 +17,12 @@ REASON_CHARS = 300
 
 
 def judge_flat(enabled, url, model, key_env, key_file, max_requests, reference) -> dict:
-    """The spec keys of a judge eval ({} when the mode is off): only the judge part runs (no loss, no
-    prediction metrics), comparing the tuned answers with the base model's or the rows' reference answers."""
+    """The spec keys of a judge eval ({} when the mode is off): the predict part (the tuned answers, scored
+    against the references: the tab's rows and metrics) and the judge, which compares those answers with the
+    base model's or the rows' reference answers; no loss pass."""
     if not enabled:
         return {}
-    return {"do_judge": True, "do_eval": False, "do_predict": False,
+    return {"do_judge": True, "do_eval": False, "do_predict": True,
             "judge_url": (url or "").strip() or None, "judge_model": (model or "").strip() or None,
             "judge_api_key_env": (key_env or "").strip() or None,
             "judge_api_key_file": (key_file or "").strip() or None,

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from backend.paths import REPO_ROOT
-from backend.rundir import EVAL_RESULTS_FILE, JUDGE_CACHE_DIRNAME, JUDGE_FILE, STATUS_FILE
+from backend.rundir import EVAL_RESULTS_FILE, JUDGE_CACHE_DIRNAME, JUDGE_FILE, PREDICTIONS_FILE, STATUS_FILE
 from fake_teacher import KEY, FakeTeacher, no_key_under
 
 ROWS = [{"instruction": "Say something nice.", "output": "A good day to you."},
@@ -112,7 +112,7 @@ def test_refused_key_and_spent_budget(tiny_llama, setup, judge, tmp_path):
     judge.requests.clear()
     out = tmp_path / "budget"
     proc, output = tuneboard_eval(tiny_llama, data, out, f"judge_url={judge.url}", "judge_against=reference",
-                                  "judge_max_requests=3")
+                                  "judge_max_requests=3", "do_predict=true")
     assert proc.returncode == 0, output
     assert len(judge.requests) == 2
     report = json.loads((out / JUDGE_FILE).read_text())
@@ -120,6 +120,10 @@ def test_refused_key_and_spent_budget(tiny_llama, setup, judge, tmp_path):
     assert "judge_max_requests 3 spent" in report["stopped"]
     judged = [r for r in report["per_row"] if r["verdict"] != "not judged"]
     assert report["losses"] == 1 and judged[0]["b"] == ROWS[judged[0]["index"]]["output"]
+    # with do_predict the judge compared the predict part's answers (not generated twice)
+    predicted = [json.loads(line) for line in (out / PREDICTIONS_FILE).read_text().splitlines()]
+    assert [r["a"] for r in report["per_row"]] == [p["predict"] for p in predicted]
+    assert "the tuned answers are the 3 predictions" in output
     results = json.loads((out / EVAL_RESULTS_FILE).read_text())
     assert "judge_max_requests 3 spent" in results["judge_incomplete"]
     status = json.loads((out / STATUS_FILE).read_text())

@@ -72,12 +72,14 @@ def test_judge_mode_runs_as_the_tabs_job_and_shows_the_verdicts(root, tiny_llama
 
     wait_for(ended, timeout=300, what="the judge eval to end")
     final = ticks[-1]
-    assert "Eval done" in final[2], final[2]
+    assert "Eval done**: 2 rows" in final[2], final[2]
+    predicted = final[4]["value"]  # the rows table: the predict part's tuned answers, which the judge compared
     summary, frame = judge_view.refresh(st, "en")
     assert "**Judge** `judge-model`" in summary and "of 2 rows" in summary and "95% interval" in summary
     assert len(frame) == 2 and list(frame.columns) == judge_view.ROW_COLUMNS
     assert all(frame["reason (tuned first)"]) and all(frame["reason (tuned second)"])
     assert set(frame["verdict"]) <= {"win", "tie", "loss"}
+    assert list(predicted["prediction"]) == list(frame["tuned"])
     assert len(judge.requests) == 4
     no_key_under(root)
     # the same report in another language
@@ -88,7 +90,7 @@ def test_judge_mode_runs_as_the_tabs_job_and_shows_the_verdicts(root, tiny_llama
 def test_judge_flat_and_an_incomplete_report():
     assert judge_view.judge_flat(False, "http://x/v1", "m", "K", "", 0, False) == {}
     flat = judge_view.judge_flat(True, " http://x/v1 ", "m", "K", "", 5, True)
-    assert flat == {"do_judge": True, "do_eval": False, "do_predict": False, "judge_url": "http://x/v1",
+    assert flat == {"do_judge": True, "do_eval": False, "do_predict": True, "judge_url": "http://x/v1",
                     "judge_model": "m", "judge_api_key_env": "K", "judge_api_key_file": None,
                     "judge_max_requests": 5, "judge_against": "reference"}
     report = {"judge_model": "m", "judge_url": "http://x/v1", "against": "reference", "rows": 3, "judged": 1,

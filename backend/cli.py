@@ -77,6 +77,10 @@ def cmd_train(args: list[str]) -> int:
         print("error: do_judge: the judge runs in `tuneboard eval` (this spec with do_judge: true); during training "
               "use eval_metric: judge", file=sys.stderr)
         return 1
+    if spec.checkpoints:
+        print("error: checkpoints: it evaluates a finished run's checkpoints in `tuneboard eval` (this spec with "
+              "adapter_name_or_path = the run folder); during training use eval_metric", file=sys.stderr)
+        return 1
     if print_launch:
         for node, line in enumerate(launch_commands(args, spec)):
             print(f"# node {node}" + (" (main: writes the run folder)" if node == 0 else ""))

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend import checkpoint_eval
 from backend import judge_eval
 from backend import predict as prediction  # prediction.predict looked up at call time (tests wrap it)
 from backend.callbacks import StopSwitch
@@ -91,6 +92,8 @@ def run(spec) -> int:
     if not any(parts.values()):
         parts = {"eval": True, "predict": True, "judge": False}
     out = eval_output_dir(spec)
+    if spec.checkpoints:  # each checkpoint of a training run on the same rows (backend/checkpoint_eval.py)
+        return checkpoint_eval.run(spec, out, eval_examples)
     if any((out / name).exists() for name in (PREDICTIONS_FILE, RESULTS_FILE, JUDGE_FILE)):
         if not spec.overwrite_output_dir:
             print(f"error: output_dir {out} already holds an evaluation; pick another output_dir or set "
@@ -195,6 +198,8 @@ def main(args: list[str]) -> int:
               "BLEU/ROUGE/JSON metrics; neither = both), max_new_tokens, do_sample, per_device_eval_batch_size\n"
               "do_judge: an LLM judge compares the tuned and the base model's greedy answers (judge_url, judge_model, "
               "judge_api_key_env or judge_api_key_file, judge_max_requests, judge_against base|reference)\n"
+              "checkpoints: all or checkpoint-N,...,final with adapter_name_or_path = a training run folder: each on "
+              f"the same rows, the base loaded once; output_dir/{checkpoint_eval.CHECKPOINT_EVAL_FILE}\n"
               f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), {STATUS_FILE}, "
               f"{RUNNING_LOG}; do_judge: {JUDGE_FILE}")
         return 0 if args else 2

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from backend import allowed, gguf_header, paths, teacher_access
 from backend.atomic import read_json_dict
+from backend.checkpoint_pick import CheckpointChoiceError, pick
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors, uses_fsdp, zero_stage
 from backend.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
@@ -58,7 +59,7 @@ PASSTHROUGH_TITLE = "TrainingArguments passthrough"
 # Fields that hold a comma-separated list; a YAML list is accepted and joined.
 _COMMA_FIELDS = ("adapter_name_or_path", "lora_target", "additional_target", "freeze_trainable_modules",
                  "freeze_extra_modules", "galore_target", "dataset", "eval_dataset", "interleave_probs",
-                 "reward_funcs", "reward_weights")
+                 "reward_funcs", "reward_weights", "checkpoints")
 
 
 def _f(default: Any, description: str, group: str, *, methods: list[str] | None = None,
@@ -375,6 +376,7 @@ class RunSpec(BaseModel):
     judge_api_key_file: Optional[str] = _f(None, "A file whose first line is the judge's API key (instead of judge_api_key_env).", "eval")
     judge_max_requests: int = _f(0, "Request budget of each judging (a tuneboard eval, or one save's eval_metric: judge), retries included (0 = no limit); when it is spent the rows judged so far are reported, marked incomplete.", "eval", ge=0)
     judge_against: Literal["base", "reference"] = _f("base", "do_judge: what the tuned answers are compared with: the base model's answers (without the adapter) or the rows' reference answers.", "eval")
+    checkpoints: Optional[str] = _f(None, "tuneboard eval: evaluate the checkpoints of the training run in adapter_name_or_path (its output_dir): all, or checkpoint-N names and final, comma-separated; each on the same held-out rows with the base model loaded once; writes checkpoint_eval.json.", "eval")
 
     # ---------------------------------------------------------------- export
     export_dir: Optional[str] = _f(None, "Folder to write the exported (merged) model to.", "export")
@@ -854,6 +856,7 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
             "at each save does not stop the run: set eval_strategy", "eval_strategy", "load_best_model_at_end")
     errors.extend(_task_metric_errors(spec, has_eval_data, check_files))
     errors.extend(_judge_errors(spec))
+    errors.extend(_checkpoint_errors(spec, check_files))
     if spec.export_format == "gguf" and spec.export_quantization_bit is not None:
         err("export_quantization_bit", "is for safetensors export; for gguf choose export_gguf_type instead",
             "export_format")
@@ -957,6 +960,28 @@ def _task_metric_errors(spec: RunSpec, has_eval_data: bool, check_files: bool) -
         err("eval_metric", "eval_strategy already logs eval_loss (over every held-out row): drop eval_metric "
             "eval_loss, or set eval_strategy no to score eval_samples rows at each save instead", "eval_strategy")
     return errors
+
+
+def _checkpoint_errors(spec: RunSpec, check_files: bool) -> list[tuple[str, str, frozenset]]:
+    """checkpoints (tuneboard eval of a training run's checkpoints, backend/checkpoint_eval.py): the loss and
+    prediction metrics of each adapter of one run folder; the names it gives exist (checkpoint_pick)."""
+    if not spec.checkpoints:
+        return []
+    involved = frozenset({"checkpoints", "adapter_name_or_path"})
+    tasks = getattr(spec, "tasks", None)  # the lm-eval benchmarks' key (backend/benchmarks.py)
+    if tasks or spec.do_judge:
+        other = "tasks" if tasks else "do_judge"
+        return [("checkpoints", f"scores the loss and the predictions of each checkpoint; {other} runs on one adapter: "
+                 f"set adapter_name_or_path to one checkpoint-N folder for {other}", involved | {other})]
+    if get_stage(spec.stage).is_reward_model:
+        return [("checkpoints", "a reward model's checkpoints score pairs: evaluate one at a time (stage rm, "
+                 "adapter_name_or_path=<run>/checkpoint-N)", involved | {"stage"})]
+    if check_files:
+        try:
+            pick(spec.adapter_name_or_path, spec.checkpoints)
+        except CheckpointChoiceError as exc:
+            return [("checkpoints", str(exc).removeprefix("checkpoints: "), involved)]
+    return []
 
 
 def _code_policy_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:

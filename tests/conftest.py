@@ -127,3 +127,22 @@ def identity_adapter(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (run / "adapter_config.json").is_file()
     return run
+
+
+# ============================================ a tiny LoRA run with two checkpoints (checkpoint evals)
+@pytest.fixture(scope="session")
+def lora_checkpoints_run(tiny_qwen2, tmp_path_factory):
+    """A tiny LoRA SFT run through `tuneboard train` with checkpoint-2, checkpoint-4 and its final adapter
+    (4 steps at a high learning rate, so the checkpoints' weights differ); trained once per session. Copy it
+    before changing it."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("ckpt_run") / "lora"
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "train", f"model_name_or_path={tiny_qwen2}",
+                           f"output_dir={out}", "dataset=identity", "cutoff_len=64", "per_device_train_batch_size=2",
+                           "gradient_accumulation_steps=1", "logging_steps=1", "learning_rate=0.01", "max_steps=4",
+                           "save_steps=2", "lora_rank=4", "plot_loss=false"],
+                          cwd="/tmp", capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out

@@ -121,6 +121,7 @@ CONSUMED = {
     "judge_api_key_file": "backend/test_judge.py::test_spec_keys_reach_the_judge_and_are_refused_without_one",
     "judge_max_requests": "backend/test_judge_eval.py::test_refused_key_and_spent_budget",
     "judge_against": "backend/test_judge_eval.py::test_refused_key_and_spent_budget",
+    "checkpoints": "backend/test_checkpoint_eval.py::test_every_checkpoint_and_the_final_on_the_same_rows",
     # devices and distribution (backend/launch.py)
     "nproc_per_node": "backend/test_distributed_runs.py::test_ddp_two_processes_match_one_process_with_the_doubled_batch",
     "nnodes": "backend/test_distributed.py::test_print_launch_gives_every_node_the_same_spec_and_rendezvous",

@@ -1,0 +1,152 @@
+"""tuneboard eval checkpoints=... (backend/checkpoint_eval.py) on a real tiny LoRA run with two checkpoints: one
+result per checkpoint and the final adapter, the same numbers as a plain `tuneboard eval` of one checkpoint, the
+base model loaded once, a STOP between checkpoints, and the refusals (one line each)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend import checkpoint_eval, evaluate
+from backend import predict as prediction
+from backend.checkpoint_pick import CheckpointChoiceError, available, pick
+from backend.rundir import CHECKPOINT_EVAL_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE, STATUS_FILE, STOP_FILE
+from backend.spec import SpecError, load_spec, validate_spec
+
+TUNEBOARD = [sys.executable, "-m", "backend.cli"]
+ROWS = ["dataset=identity", "max_samples=3", "max_new_tokens=8", "do_sample=false"]
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(TUNEBOARD + ["eval", *args], cwd="/tmp", capture_output=True, text=True, timeout=600)
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_every_checkpoint_and_the_final_on_the_same_rows(lora_checkpoints_run, tiny_qwen2, tmp_path):
+    run = lora_checkpoints_run
+    out = tmp_path / "all"
+    proc = _eval(f"model_name_or_path={tiny_qwen2}", f"adapter_name_or_path={run}", "checkpoints=all",
+                 f"output_dir={out}", *ROWS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = _read(out / CHECKPOINT_EVAL_FILE)
+    entries = report["checkpoints"]
+    assert [e["checkpoint"] for e in entries] == ["checkpoint-2", "checkpoint-4", "final"]
+    assert [e["step"] for e in entries] == [2, 4, 4]
+    assert all(e["predict_rows"] == 3 and e["eval_loss"] > 0 for e in entries)
+    assert entries[0]["eval_loss"] != entries[1]["eval_loss"]  # two steps of training apart
+    for name in ("checkpoint-2", "checkpoint-4", "final"):
+        assert len((out / name / PREDICTIONS_FILE).read_text().splitlines()) == 3
+    # the best per metric is the entry with the lowest loss / the highest score
+    assert report["best"]["eval_loss"]["value"] == min(e["eval_loss"] for e in entries)
+    assert report["best"]["predict_rouge-l"]["value"] == max(e["predict_rouge-l"] for e in entries)
+    status = _read(out / STATUS_FILE)
+    assert status["state"] == "completed" and status["step"] == status["total_steps"] == 9
+
+    # a plain eval of checkpoint-2 alone (the adapter merged into the base, as chat and export load it): the same
+    single = tmp_path / "single"
+    proc = _eval(f"model_name_or_path={tiny_qwen2}", f"adapter_name_or_path={run}/checkpoint-2",
+                 f"output_dir={single}", *ROWS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    alone = _read(single / EVAL_RESULTS_FILE)
+    assert entries[0]["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-4)
+    assert entries[0]["eval_tokens"] == alone["eval_tokens"]
+    for key in ("predict_bleu-4", "predict_rouge-l", "predict_exact_match"):
+        assert entries[0][key] == pytest.approx(alone[key], abs=1e-6), key
+    # the top-level results are the final adapter's, as `tuneboard eval` of the run folder writes them
+    top = _read(out / EVAL_RESULTS_FILE)
+    assert top["checkpoint"] == "final" and top["eval_loss"] == entries[-1]["eval_loss"]
+
+
+def test_a_list_of_names_one_base_and_a_stop(lora_checkpoints_run, tiny_qwen2, tmp_path, monkeypatch):
+    """checkpoints=final,4,checkpoint-2 evaluates those in step order on one loaded base model (the adapters are
+    swapped on it); a STOP file that appears once the second one is scored ends the eval before the third: exit
+    130, the two reported, status aborted."""
+    out = tmp_path / "stopped"
+    real_predict, real_load = prediction.predict, checkpoint_eval.load_model
+    models, loads = [], []
+
+    def then_stop(model, *args, **kwargs):
+        models.append(model)
+        result = real_predict(model, *args, **kwargs)
+        if len(models) == 2:
+            (out / STOP_FILE).write_text("stop\n")
+        return result
+
+    def counted(*args, **kwargs):
+        loads.append(args)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(prediction, "predict", then_stop)
+    monkeypatch.setattr(checkpoint_eval, "load_model", counted)
+    spec = load_spec(None, [f"model_name_or_path={tiny_qwen2}", f"adapter_name_or_path={lora_checkpoints_run}",
+                            "checkpoints=final,4,checkpoint-2", f"output_dir={out}", *ROWS])
+    assert evaluate.run(spec) == 130
+    assert len(loads) == 1 and len(models) == 2 and models[0] is models[1]
+    report = _read(out / CHECKPOINT_EVAL_FILE)
+    assert report["asked"] == ["checkpoint-2", "checkpoint-4", "final"]
+    assert [e["checkpoint"] for e in report["checkpoints"]] == ["checkpoint-2", "checkpoint-4"]
+    assert report["checkpoints"][0]["eval_loss"] != report["checkpoints"][1]["eval_loss"]
+    assert report["stopped"] == "STOP file found"
+    assert _read(out / STATUS_FILE)["state"] == "aborted"
+
+
+def test_refusals_one_line_each(lora_checkpoints_run, tiny_qwen2, tmp_path):
+    run = lora_checkpoints_run
+    # an adapter folder without checkpoints (the CLI: one line naming the key, nothing written)
+    plain = tmp_path / "plain"
+    shutil.copytree(run / "checkpoint-2", plain, ignore=shutil.ignore_patterns("trainer_state.json"))
+    proc = _eval(f"model_name_or_path={tiny_qwen2}", f"adapter_name_or_path={plain}", "checkpoints=all",
+                 f"output_dir={tmp_path / 'out'}", *ROWS)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if "checkpoints" in line]
+    assert len(lines) == 1 and "holds no checkpoint-N folders" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+    def refused(**keys) -> str:
+        with pytest.raises(SpecError) as info:
+            validate_spec({"model_name_or_path": str(tiny_qwen2), "dataset": "identity", **keys})
+        found = [m for f, m in info.value.errors if f == "checkpoints"]
+        assert len(found) == 1, info.value.errors
+        return found[0]
+
+    assert "checkpoint-7 is not a checkpoint of" in refused(adapter_name_or_path=str(run), checkpoints="checkpoint-7")
+    assert "(it has checkpoint-2, checkpoint-4, final)" in refused(adapter_name_or_path=str(run), checkpoints="7")
+    assert "is one checkpoint" in refused(adapter_name_or_path=str(run / "checkpoint-2"), checkpoints="all")
+    assert "one training run folder" in refused(checkpoints="all")
+    # a checkpoint cut short (no trainer_state.json)
+    cut = Path(shutil.copytree(run, tmp_path / "cut"))
+    (cut / "checkpoint-4" / "trainer_state.json").unlink()
+    assert "checkpoint-4 of" in refused(adapter_name_or_path=str(cut), checkpoints="checkpoint-4")
+    assert [c.name for c in pick(cut, "all")] == ["checkpoint-2", "final"]
+    assert available(cut) == ["checkpoint-2", "final"]
+    # a full-weights run: its checkpoints are whole models
+    full = tmp_path / "full"
+    shutil.copytree(tiny_qwen2, full / "checkpoint-2")
+    (full / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (full / "run_spec.yaml").write_text("finetuning_type: full\n")
+    with pytest.raises(CheckpointChoiceError, match="is a full run: its checkpoints are whole models"):
+        pick(full, "all")
+    # with another eval part that runs on one adapter
+    assert "do_judge runs on one adapter" in refused(adapter_name_or_path=str(run), checkpoints="all", do_judge=True,
+                                                     judge_url="http://127.0.0.1:9/v1", judge_model="m")
+    # tuneboard train has no use for it
+    proc = subprocess.run(TUNEBOARD + ["train", f"model_name_or_path={tiny_qwen2}", "dataset=identity",
+                                       f"adapter_name_or_path={run}", "checkpoints=all",
+                                       f"output_dir={tmp_path / 'train'}"],
+                          cwd="/tmp", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: checkpoints:"), proc.stderr
+
+
+def test_best_is_per_metric():
+    entries = [{"checkpoint": "checkpoint-2", "step": 2, "eval_loss": 1.0, "predict_bleu-4": 5.0, "predict_rows": 3},
+               {"checkpoint": "checkpoint-4", "step": 4, "eval_loss": 2.0, "predict_bleu-4": 7.0, "predict_rows": 3}]
+    best = checkpoint_eval.best(entries)
+    assert best == {"eval_loss": {"checkpoint": "checkpoint-2", "step": 2, "value": 1.0},
+                    "predict_bleu-4": {"checkpoint": "checkpoint-4", "step": 4, "value": 7.0}}

@@ -11,7 +11,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import paths, promote
+from backend import paths
 from backend.curves import loss_summary
 from backend.methods import method
 from backend.rundir import ACTIVE_STATES, LOG_FILE
@@ -20,6 +20,7 @@ from webui import fields as F
 from webui import form, jobs, live
 from webui.i18n import headers, tr
 from webui.plots import empty_loss, legend_update, plot_axes, series_of
+from webui.promotion import checkpoint_frame, checkpoint_names, promote_checkpoint
 from webui.tailer import JsonlTail, run_state
 
 COLUMNS = ["name", "stage", "model", "dataset", "method", "status", "steps", "final loss", "smoothed loss",
@@ -267,47 +268,6 @@ def continue_dpo_spec(run_dir: str | None, lang: str = "en"):
     except SpecError as exc:
         return None, tr(lang, "runs.cannot_continue", error=exc)
     return spec, tr(lang, "runs.dpo_ready", name=Path(run_dir).name, dataset=DPO_DATASET)
-
-
-CHECKPOINT_COLUMNS = ["step", "checkpoint", "loss", "adapter"]
-
-
-def checkpoint_frame(run_dir: str | None, lang: str = "en") -> pd.DataFrame:
-    """The picked run's checkpoints: step, checkpoint, the training loss at that step, the task metric (a
-    column named by the metric, when the run scored its saves; ★ marks the best), and ✓ on the one that is
-    the run's adapter now (promoted)."""
-    rows, metric = promote.checkpoint_rows(run_dir)
-    columns = CHECKPOINT_COLUMNS[:3] + ([metric] if metric else []) + CHECKPOINT_COLUMNS[3:]
-    data = []
-    for r in rows:
-        line = [r["step"], r["checkpoint"] + ("" if r["complete"] else " (incomplete)"),
-                "" if r["loss"] is None else f"{r['loss']:.4f}"]
-        if metric:
-            line.append("" if r["metric"] is None else f"{r['metric']:.4f}" + (" ★" if r["best"] else ""))
-        data.append(line + ["✓" if r["adapter"] else ""])
-    return headers(lang, pd.DataFrame(data, columns=columns))
-
-
-def checkpoint_names(run_dir: str | None) -> list[str]:
-    return [r["checkpoint"] for r in promote.checkpoint_rows(run_dir)[0]]
-
-
-def promote_checkpoint(run_dir: str | None, checkpoint: str | None, undo: bool = False,
-                       lang: str = "en") -> tuple[bool, str]:
-    """Promote a checkpoint of a run to its adapter, or undo the promotion. Returns (done, message)."""
-    if not run_dir:
-        return False, tr(lang, "runs.pick")
-    if not undo and not checkpoint:
-        return False, tr(lang, "runs.pick_checkpoint")
-    name = _rel(run_dir, paths.saves_dir())
-    try:
-        if undo:
-            promote.undo(run_dir)
-            return True, tr(lang, "runs.promote_undone", name=name)
-        record = promote.promote(run_dir, checkpoint)
-    except (promote.PromoteError, OSError) as exc:
-        return False, tr(lang, "runs.cannot_promote", error=exc)
-    return True, tr(lang, "runs.promoted", checkpoint=record["checkpoint"], name=name)
 
 
 def build(ctx) -> dict:

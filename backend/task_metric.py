@@ -2,7 +2,8 @@
 
 At each save (checkpoint-N is in place: backend.stages.base saves atomically first) rank 0 puts the model in eval
 mode, generates greedy answers for the same `eval_samples` held-out rows (batched, left-padded, with the KV cache:
-backend.predict; up to max_new_tokens, never more than twice the longest reference answer + ANSWER_SLACK), scores
+backend.predict: generation_batch rows a call; up to max_new_tokens, never more than twice the longest reference
+answer + ANSWER_SLACK), scores
 them against the rows' answers (backend.metrics / backend.rewards, 0-100 like `tuneboard eval`; eval_loss = the
 loss over their answer tokens; judge = the answers' win rate against the references, asked of backend/judge.py's
 endpoint in both orders), puts the model back in train mode, and writes
@@ -33,6 +34,7 @@ from backend.rundir import CHECKPOINT_SCORES_FILE, JUDGE_CACHE_DIRNAME
 _COMPUTED = {"bleu": "bleu-4", "rouge_l": "rouge-l"}  # eval_metric -> its name in metrics.compute()
 JSON_METRICS = ("json_field_f1", "json_valid", "schema_valid")
 ANSWER_SLACK = 16  # new tokens allowed beyond twice the longest reference answer
+GENERATION_BUDGET = 8  # a generate() call's tokens (rows x (prompt + answer)) against a training micro-batch's
 
 
 class TaskMetricError(ValueError):
@@ -68,6 +70,14 @@ def check_rows(metric: str, examples: list[dict]) -> None:
                               "bleu, rouge_l or eval_loss for answers in plain text")
 
 
+def generation_batch(spec, row_tokens: int, rows: int) -> int:
+    """Rows per generate() call: as many as fit the training micro-batch's token budget x GENERATION_BUDGET
+    (generation keeps only the KV cache, no activations for a backward pass nor gradients), at least
+    per_device_eval_batch_size, at most every row."""
+    budget = GENERATION_BUDGET * spec.per_device_train_batch_size * spec.cutoff_len
+    return max(1, min(rows, max(spec.per_device_eval_batch_size, budget // max(row_tokens, 1))))
+
+
 class TaskMetricCallback(TrainerCallback):
     """Scores the task metric at each save (rank 0) and keeps checkpoint_scores.json; see the module docstring."""
 
@@ -80,9 +90,16 @@ class TaskMetricCallback(TrainerCallback):
         self.rows = None
         if self.metric == "eval_loss":
             self.rows = build_sft_dataset(self.examples, template, tokenizer, spec.cutoff_len, log=run_dir.warn)[0]
+        pairs = [split_prompt(example) for example in self.examples]  # the same prompts at every save
+        self.conversations = [msgs for msgs, _ in pairs]
+        self.references = [reference for _, reference in pairs]
+        self.prompts = [template.render_text(msgs, example.get("tools"), add_generation_prompt=True)
+                        for msgs, example in zip(self.conversations, self.examples)]
         # an answer more than twice as long as the longest reference cannot score well: generation stops there
-        longest = max(len(tokenizer(split_prompt(e)[1], add_special_tokens=False).input_ids) for e in self.examples)
+        longest = max(len(tokenizer(r, add_special_tokens=False).input_ids) for r in self.references)
         self.max_new_tokens = min(spec.max_new_tokens, 2 * longest + ANSWER_SLACK)
+        self.batch_rows = generation_batch(spec, max(len(tokenizer(p, add_special_tokens=False).input_ids)
+                                                     for p in self.prompts) + self.max_new_tokens, len(self.prompts))
         self.record = {"metric": self.metric, "greater_is_better": greater_is_better(self.metric),
                        "samples": len(self.examples), "scores": [], "best": None}
         self.best_checkpoint: str | None = None  # the path, on every rank
@@ -111,20 +128,15 @@ class TaskMetricCallback(TrainerCallback):
             stop = (lambda: self.stop.reason) if self.stop is not None else None
             kwargs = generation_kwargs(self.spec, self.tokenizer, self.template, stop=stop, greedy=True)
             kwargs["max_new_tokens"] = self.max_new_tokens
-            predictions, references, prompts_seen = [], [], []
-            size = self.spec.per_device_eval_batch_size
-            for start in range(0, len(self.examples), size):
-                batch = self.examples[start:start + size]
-                pairs = [split_prompt(example) for example in batch]
-                prompts = [self.template.render_text(msgs, example.get("tools"), add_generation_prompt=True)
-                           for (msgs, _), example in zip(pairs, batch)]
-                predictions += generate(model, self.tokenizer, self.template, prompts, kwargs)
-                references += [reference for _, reference in pairs]
-                prompts_seen += [msgs for msgs, _ in pairs]
+            predictions = []
+            for start in range(0, len(self.prompts), self.batch_rows):
+                predictions += generate(model, self.tokenizer, self.template,
+                                        self.prompts[start:start + self.batch_rows], kwargs)
             if self.metric == "judge":  # the answers' win rate against the references, asked in both orders
                 settings = JudgeSettings.from_spec(self.spec, cache_dir=self.run_dir.path / JUDGE_CACHE_DIRNAME)
-                return 100 * judge_win_rate(prompts_seen, predictions, references, settings, log=self.run_dir.log)
-            return score(self.metric, predictions, references)
+                return 100 * judge_win_rate(self.conversations, predictions, self.references, settings,
+                                            log=self.run_dir.log)
+            return score(self.metric, predictions, self.references)
         finally:
             if was_training:
                 model.train()

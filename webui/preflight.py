@@ -36,7 +36,7 @@ CHECKPOINTED_SHARE = 1 / 4.4  # activations kept with gradient checkpointing (wa
 FIELDS = ("model_name_or_path", "finetuning_type", "quantization_bit", "stage", "pref_loss", "ref_model",
           "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16",
           "nproc_per_node", "nnodes", "deepspeed", "eval_metric", "eval_samples", "max_steps",
-          "save_steps", "save_strategy", "per_device_eval_batch_size")
+          "save_steps", "save_strategy")
 
 
 def _checkpointing(flat: dict) -> bool:
@@ -156,8 +156,8 @@ def summary_md(flat: dict, lang: str = "en") -> str:
 
 def scoring_cost(flat: dict) -> dict | None:
     """What eval_metric adds (backend/task_metric.py): at each save, eval_samples held-out rows, each answered with
-    up to max_new_tokens greedy tokens (fewer where the references are short: backend/task_metric.py), in batches
-    of per_device_eval_batch_size, or one forward pass over them for eval_loss; saves = max_steps // save_steps when both are known (None: per save only)."""
+    up to max_new_tokens greedy tokens (fewer where the references are short: backend/task_metric.py), or one
+    forward pass over them for eval_loss; saves = max_steps // save_steps when both are known (None: per save only)."""
     metric = flat.get("eval_metric")
     if not metric or flat.get("save_strategy") == "no":
         return None
@@ -165,9 +165,8 @@ def scoring_cost(flat: dict) -> dict | None:
     tokens = int(flat.get("max_new_tokens") or RunSpec.model_fields["max_new_tokens"].default) if metric != "eval_loss" else 0
     steps, every = int(flat.get("max_steps") or 0), int(flat.get("save_steps") or 0)
     saves = steps // every if steps > 0 and every >= 1 and flat.get("save_strategy", "steps") == "steps" else None
-    batch = max(int(flat.get("per_device_eval_batch_size") or 1), 1)
     return {"metric": metric, "samples": samples, "tokens": tokens, "saves": saves,
-            "generate_calls": -(-samples // batch), "total_tokens": samples * tokens * (saves or 1)}
+            "total_tokens": samples * tokens * (saves or 1)}
 
 
 def scoring_md(flat: dict, lang: str = "en") -> str:
@@ -179,7 +178,7 @@ def scoring_md(flat: dict, lang: str = "en") -> str:
     if cost["metric"] == "eval_loss":
         return "<br>" + tr(lang, "pf.scoring_loss", samples=cost["samples"], saves=saves)
     return "<br>" + tr(lang, "pf.scoring", metric=cost["metric"], samples=cost["samples"], tokens=cost["tokens"],
-                       calls=cost["generate_calls"], saves=saves, total=f'{cost["total_tokens"]:,}')
+                       saves=saves, total=f'{cost["total_tokens"]:,}')
 
 
 # ------------------------------------------------------------------ the measured pre-flight (tuneboard probe)

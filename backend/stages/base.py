@@ -327,7 +327,8 @@ def task_metric_callback(spec, run_dir: RunDir, stop, tokenizer, template, val_e
         raise RunError("eval_metric: no held-out rows left to score (val_size / eval_dataset gave none)")
     scorer = TaskMetricCallback(spec, run_dir, tokenizer, template, val_examples, stop=stop)
     run_dir.log(f"eval_metric {spec.eval_metric}: scored at each save on {len(scorer.examples)} held-out rows"
-                + (f" (answers of up to {scorer.max_new_tokens} new tokens)" if spec.eval_metric != "eval_loss" else "")
+                + (f" (answers of up to {scorer.max_new_tokens} new tokens, {scorer.batch_rows} rows a generate call)"
+                   if spec.eval_metric != "eval_loss" else "")
                 + (" (the best-scoring checkpoint becomes the final weights)" if spec.best_by_task_metric else ""))
     return scorer
 

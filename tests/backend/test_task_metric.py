@@ -161,3 +161,16 @@ def test_load_best_model_at_end_is_satisfied_by_the_task_metric():
     hf = validate_spec({"load_best_model_at_end": True, "eval_strategy": "steps", "val_size": 0.1,
                         "metric_for_best_model": "eval_loss", "eval_metric": "rouge_l"}, check_files=False)
     assert not hf.best_by_task_metric and hf.training_arguments()["metric_for_best_model"] == "eval_loss"
+
+
+def test_generation_batch_fits_the_training_token_budget():
+    """Rows per generate() call: the training micro-batch's tokens x 8 (no activations kept for a backward pass),
+    at least per_device_eval_batch_size, at most every row."""
+    from backend.task_metric import GENERATION_BUDGET, generation_batch
+
+    spec = validate_spec({"per_device_train_batch_size": 4, "cutoff_len": 512, "per_device_eval_batch_size": 2},
+                         check_files=False)
+    budget = GENERATION_BUDGET * 4 * 512
+    assert generation_batch(spec, 370, 32) == min(32, budget // 370) == 32
+    assert generation_batch(spec, 2000, 32) == budget // 2000 < 32
+    assert generation_batch(spec, 10 ** 6, 32) == 2

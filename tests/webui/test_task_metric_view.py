@@ -64,8 +64,7 @@ def test_preflight_shows_the_scoring_cost():
             "eval_metric": "json_field_f1", "eval_samples": 32, "max_steps": 40, "save_steps": 10,
             "per_device_eval_batch_size": 8, "max_new_tokens": 128}
     cost = preflight.scoring_cost(flat)
-    assert cost == {"metric": "json_field_f1", "samples": 32, "tokens": 128, "saves": 4, "generate_calls": 4,
-                    "total_tokens": 32 * 128 * 4}
+    assert cost == {"metric": "json_field_f1", "samples": 32, "tokens": 128, "saves": 4, "total_tokens": 32 * 128 * 4}
     md = preflight.summary_md(flat)
     assert "32 held-out rows" in md and "4 saves" in md and f"{32 * 128 * 4:,}" in md
     assert "one forward pass" in preflight.summary_md({**flat, "eval_metric": "eval_loss"})

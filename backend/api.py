@@ -3,8 +3,16 @@
     GET  /health                 {"status": "ok"}, no key needed (for a parent process waiting on it)
     GET  /v1/models              the served models: the base and each adapter
     POST /v1/chat/completions    non-streaming, or SSE streaming ending with `data: [DONE]`
-    POST /v1/completions         raw text prompt, no chat template (base models, eval harnesses); same
-                                 streaming; echo supported, one prompt and n = 1 per request
+    POST /v1/completions         raw text prompt (or token ids), no chat template (base models, eval
+                                 harnesses); same streaming; echo supported, one prompt and n = 1 per request
+
+Logprobs (not streamed): /v1/completions with `logprobs: k` gives OpenAI's legacy choices[].logprobs
+(tokens, token_logprobs, top_logprobs: the k likeliest tokens and the chosen one, text_offset into the
+choice's text); with `echo` they cover the prompt's tokens too (the first one's is null), and
+`max_tokens: 0` with `echo` scores the prompt without generating (lm-eval's `local-completions` sends
+token ids, echo and max_tokens 1, and reads the prompt's part). /v1/chat/completions with `logprobs: true`
+(+ `top_logprobs: k`) gives choices[].logprobs.content[] (token, logprob, bytes, top_logprobs). They are
+the model's own log-softmax (before temperature, top-p and the like), computed in one forward pass.
 
 Any OpenAI client works against it (base_url http://HOST:PORT/v1). The request's `model` picks the
 served model; unknown names get 404. With an API key (--api-key or $TUNEBOARD_API_KEY) every /v1
@@ -48,6 +56,7 @@ import uuid
 from typing import Any, Literal, Optional, Union
 
 API_KEY_ENV = "TUNEBOARD_API_KEY"
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit; its legacy completions allowed 5
 
 
 # ------------------------------------------------------------------------------------ request schema
@@ -95,23 +104,23 @@ def _models():
         max_completion_tokens: Optional[int] = Field(None, ge=1)
         tools: Optional[list[dict[str, Any]]] = None
         tool_choice: Union[str, dict[str, Any], None] = None
-        # accepted for client compatibility, no effect here
         logprobs: Optional[bool] = None
-        top_logprobs: Optional[int] = None
+        top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+        # accepted for client compatibility, no effect here
         parallel_tool_calls: Optional[bool] = None
         response_format: Optional[dict[str, Any]] = None
         metadata: Optional[dict[str, Any]] = None
         store: Optional[bool] = None
 
     class CompletionRequest(Sampling):
-        """OpenAI's legacy completions fields (raw prompt, no chat template). One prompt, n = 1."""
-        prompt: Union[str, list[str]]
-        max_tokens: Optional[int] = Field(16, ge=1)
+        """OpenAI's legacy completions fields (raw prompt or token ids, no chat template). One prompt, n = 1."""
+        prompt: Union[str, list[str], list[int], list[list[int]]]
+        max_tokens: Optional[int] = Field(16, ge=0)
         echo: bool = False
         suffix: Optional[str] = None
+        logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
         # accepted for client compatibility, no effect here
         best_of: Optional[int] = None
-        logprobs: Optional[int] = None
 
     return ChatRequest, CompletionRequest
 
@@ -234,7 +243,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from backend.engine import ContextLengthError, TokenCapError
+    from backend.engine import ContextLengthError, Reply, TokenCapError
 
     ChatRequest, CompletionRequest = _models()
     app = FastAPI(title="TuneBoard OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
@@ -377,6 +386,16 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         """What a request whose client left gets (nobody reads it; 499 as nginx logs it)."""
         return JSONResponse(error_body("client disconnected"), status_code=499)
 
+    async def scored(engine, ids: list[int], top: int, prompt_field: str):
+        """engine.score(ids, top) in a worker thread: each token's logprob and the `top` likeliest tokens."""
+        if not hasattr(engine, "score"):
+            raise APIError(400, "logprobs: not available with infer_backend vllm: serve with infer_backend: "
+                                "huggingface", param="logprobs")
+        try:
+            return await run_in_threadpool(engine.score, ids, top)
+        except ContextLengthError as exc:
+            raise APIError(400, f"{prompt_field}: {exc}", param=prompt_field, code="context_length_exceeded") from None
+
     def tools_of(req):
         if req.tool_choice == "none":
             return None
@@ -391,6 +410,10 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         messages = to_engine_messages(req.messages)
         tools, sampling = tools_of(req), sampling_of(req)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        if req.logprobs and req.stream:
+            raise APIError(400, "logprobs: not sent in a stream here; send stream: false", param="logprobs")
         if not req.stream:
             try:
                 reply = await generate(request, cid, engine.chat, messages, tools, **sampling, **limits)
@@ -406,8 +429,15 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                                        else None}
             if reply.tool_calls:
                 message["tool_calls"] = reply.tool_calls
+            logprobs = None
+            if req.logprobs:
+                prompt_ids = engine.prompt_ids(messages, tools)
+                answer = reply.token_ids[:-1] if reply.token_ids[-1:] and reply.token_ids[-1] in engine.eos_ids \
+                    else reply.token_ids  # the end-of-turn token is not part of the answer
+                tokens = (await scored(engine, prompt_ids + answer, req.top_logprobs or 0, "messages"))[len(prompt_ids):]
+                logprobs = chat_logprobs(engine.tokenizer, tokens)
             return {"id": cid, "object": "chat.completion", "created": now, "model": req.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                  "finish_reason": _finish(reply.finish_reason)}],
                     "usage": _usage(reply)}
 
@@ -450,21 +480,39 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         engine = pick(req.model)
         if req.n != 1:
             raise APIError(400, f"n: only n=1 is supported (got {req.n})", param="n")
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        one_ids = isinstance(req.prompt, list) and bool(req.prompt) and isinstance(req.prompt[0], int)
+        prompts = [req.prompt] if isinstance(req.prompt, str) or one_ids else req.prompt
         if len(prompts) != 1:
             raise APIError(400, f"prompt: one prompt per request is supported (got {len(prompts)})", param="prompt")
         if req.suffix:
             raise APIError(400, "suffix: insertion (fill-in-the-middle) is not supported", param="suffix")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: 0 only scores the prompt, which needs echo: true", param="max_tokens")
+        if req.stream and (req.logprobs is not None or req.max_tokens == 0):
+            field = "logprobs" if req.logprobs is not None else "max_tokens"
+            raise APIError(400, f"{field}: logprobs and max_tokens 0 are not streamed here; send stream: false",
+                           param=field)
         prompt, sampling = prompts[0], sampling_of(req)
+        if not isinstance(prompt, str) and not prompt:
+            raise APIError(400, "prompt: no tokens given", param="prompt")
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo = prompt if req.echo else ""
         try:
+            echo = "" if not req.echo else prompt if isinstance(prompt, str) else \
+                engine.tokenizer.decode(engine.prompt_ids(prompt))
             if not req.stream:
-                reply = await generate(request, cid, engine.chat, prompt, None, **sampling, **limits)
+                if req.max_tokens == 0:  # score the prompt, generate nothing
+                    reply = Reply("", finish_reason="length", prompt_tokens=len(engine.prompt_ids(prompt)))
+                else:
+                    reply = await generate(request, cid, engine.chat, prompt, None, **sampling, **limits)
                 if reply is None:
                     return gone_response()
+                logprobs = None
+                if req.logprobs is not None:
+                    prompt_ids = engine.prompt_ids(prompt)
+                    tokens = await scored(engine, prompt_ids + reply.token_ids, req.logprobs, "prompt")
+                    logprobs = legacy_logprobs(engine.tokenizer, tokens if req.echo else tokens[len(prompt_ids):])
                 return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
-                        "choices": [{"index": 0, "text": echo + reply.text, "logprobs": None,
+                        "choices": [{"index": 0, "text": echo + reply.text, "logprobs": logprobs,
                                      "finish_reason": _finish(reply.finish_reason)}],
                         "usage": _usage(reply)}
             stop_event = threading.Event()
@@ -487,6 +535,45 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                     usage=(lambda u: chunk(None, usage=u)) if _include_usage(req) else None)
 
     return app
+
+
+def _token_names(tokenizer, tokens) -> dict[int, str]:
+    """token id -> its text (special tokens written out), for every token and top token of `tokens`."""
+    ids = sorted({t.token_id for t in tokens} | {i for t in tokens for i, _ in t.top})
+    return dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}
+
+
+def legacy_logprobs(tokenizer, tokens) -> dict:
+    """OpenAI's legacy completions logprobs of engine TokenLogprobs: tokens, token_logprobs, top_logprobs
+    ({text: logprob} of the likeliest tokens and the chosen one; null where the logprob is) and text_offset
+    (where each token's text starts in the choice's text)."""
+    names, out, offset = _token_names(tokenizer, tokens), {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                           "text_offset": []}, 0
+    for t in tokens:
+        text = names[t.token_id]
+        top = None
+        if t.logprob is not None:
+            top = {}
+            for i, value in t.top:  # best first: a text two tokens share keeps the higher logprob
+                top.setdefault(names[i], value)
+            top.setdefault(text, t.logprob)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer, tokens) -> dict:
+    """OpenAI's chat logprobs of engine TokenLogprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    names = _token_names(tokenizer, tokens)
+
+    def entry(token_id: int, value: float) -> dict:
+        return {"token": names[token_id], "logprob": value, "bytes": list(names[token_id].encode("utf-8"))}
+
+    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                        for t in tokens], "refusal": None}
 
 
 def _include_usage(req) -> bool:

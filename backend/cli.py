@@ -81,6 +81,10 @@ def cmd_train(args: list[str]) -> int:
         print("error: checkpoints: it evaluates a finished run's checkpoints in `tuneboard eval` (this spec with "
               "adapter_name_or_path = the run folder); during training use eval_metric", file=sys.stderr)
         return 1
+    if spec.tasks:
+        print("error: tasks: lm-eval benchmarks run in `tuneboard eval` (this spec with tasks, on the trained adapter)",
+              file=sys.stderr)
+        return 1
     if print_launch:
         for node, line in enumerate(launch_commands(args, spec)):
             print(f"# node {node}" + (" (main: writes the run folder)" if node == 0 else ""))

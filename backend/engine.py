@@ -60,6 +60,17 @@ class Reply:
     finish_reason: str = "stop"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the generated tokens (end-of-turn included), for logprobs
+
+
+@dataclass
+class TokenLogprob:
+    """One token of a scored sequence: its log-probability given the tokens before it (None for the first,
+    which nothing predicts) and the `top` most likely tokens there, as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Stream:
@@ -398,6 +409,13 @@ class HFEngine:
         string is a raw completion prompt: no template, the tokenizer's own BOS if it adds one."""
         if isinstance(messages, str):
             return self.tokenizer(messages).input_ids
+        if isinstance(messages, (list, tuple)) and messages and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in messages):  # a prompt given as token ids
+            vocab = len(self.tokenizer)
+            bad = next((t for t in messages if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is not in this model's vocabulary (0 to {vocab - 1})")
+            return list(messages)
         if self.default_system and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": self.default_system}] + list(messages)
         tools = openai_tools(tools)
@@ -496,7 +514,37 @@ class HFEngine:
         if output is None:  # ended before its first turn (criteria says why)
             return self._finish("", criteria, s, len(ids), stops, None)
         text = self.tokenizer.decode(output[0][len(ids):], skip_special_tokens=True)
-        return self._finish(text, criteria, s, len(ids), stops, tools)
+        reply = self._finish(text, criteria, s, len(ids), stops, tools)
+        reply.token_ids = output[0][len(ids):].tolist()
+        return reply
+
+    def score(self, ids: list[int], top: int = 0) -> list[TokenLogprob]:
+        """The log-probability of each token of `ids` given those before it (the model's log-softmax, this
+        engine's adapter state), with the `top` most likely tokens at each position: one forward pass, in
+        the model's turn. A sequence longer than the model's context is a ContextLengthError."""
+        # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
+        import torch
+
+        if not ids:
+            raise ValueError("nothing to score: the prompt has no tokens")
+        if self.context_length and len(ids) > self.context_length:
+            raise ContextLengthError("prompt", len(ids), 0, self.context_length)
+        inputs = torch.tensor([ids], device=self.model.device)
+        self.lock.acquire()
+        try:
+            with torch.inference_mode():
+                self._activate()
+                logits = self.model(input_ids=inputs, attention_mask=torch.ones_like(inputs)).logits[0, :-1]
+        finally:
+            self.lock.release()
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, inputs[0, 1:, None])[:, 0].tolist()
+        best = logp.topk(min(top, logp.shape[-1]), dim=-1) if top else None
+        out = [TokenLogprob(ids[0], None)]
+        for i, token in enumerate(ids[1:]):
+            pairs = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
+            out.append(TokenLogprob(token, chosen[i], pairs))
+        return out
 
     def stream(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
                **sampling) -> Stream:
@@ -692,7 +740,7 @@ class VLLMEngine:
         if tools:
             text, calls = parse_tool_calls(text, self.template, tools)
             reason = "tool_calls" if calls else reason
-        return Reply(text, calls, reason, len(ids), len(done.token_ids))
+        return Reply(text, calls, reason, len(ids), len(done.token_ids), list(done.token_ids))
 
     def stream(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
                **sampling) -> Stream:

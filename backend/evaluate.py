@@ -21,6 +21,7 @@ from pathlib import Path
 
 from backend import checkpoint_eval
 from backend import judge_eval
+from backend import benchmarks
 from backend import predict as prediction  # prediction.predict looked up at call time (tests wrap it)
 from backend.callbacks import StopSwitch
 from backend.data import load_examples, split_train_val
@@ -92,6 +93,8 @@ def run(spec) -> int:
     if not any(parts.values()):
         parts = {"eval": True, "predict": True, "judge": False}
     out = eval_output_dir(spec)
+    if spec.tasks:  # lm-evaluation-harness benchmarks, base and tuned (backend/benchmarks.py), instead of the parts
+        return benchmarks.run(spec, out)
     if spec.checkpoints:  # each checkpoint of a training run on the same rows (backend/checkpoint_eval.py)
         return checkpoint_eval.run(spec, out, eval_examples)
     if any((out / name).exists() for name in (PREDICTIONS_FILE, RESULTS_FILE, JUDGE_FILE)):
@@ -196,6 +199,8 @@ def main(args: list[str]) -> int:
               "keys: model_name_or_path, adapter_name_or_path, template, eval_dataset (else the val_size split of "
               "dataset, else dataset), max_samples, output_dir, do_eval (loss/perplexity), do_predict (generation + "
               "BLEU/ROUGE/JSON metrics; neither = both), max_new_tokens, do_sample, per_device_eval_batch_size\n"
+              "tasks: lm-eval benchmarks instead (task names and/or task YAML paths, comma-separated; num_fewshot, "
+              f"limit): the base and the adapter side by side in output_dir/{benchmarks.LM_EVAL_FILE}\n"
               "do_judge: an LLM judge compares the tuned and the base model's greedy answers (judge_url, judge_model, "
               "judge_api_key_env or judge_api_key_file, judge_max_requests, judge_against base|reference)\n"
               "checkpoints: all or checkpoint-N,...,final with adapter_name_or_path = a training run folder: each on "

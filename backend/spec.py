@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from backend import allowed, gguf_header, paths, teacher_access
 from backend.atomic import read_json_dict
+from backend.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
 from backend.checkpoint_pick import CheckpointChoiceError, pick
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors, uses_fsdp, zero_stage
@@ -59,7 +60,7 @@ PASSTHROUGH_TITLE = "TrainingArguments passthrough"
 # Fields that hold a comma-separated list; a YAML list is accepted and joined.
 _COMMA_FIELDS = ("adapter_name_or_path", "lora_target", "additional_target", "freeze_trainable_modules",
                  "freeze_extra_modules", "galore_target", "dataset", "eval_dataset", "interleave_probs",
-                 "reward_funcs", "reward_weights", "checkpoints")
+                 "reward_funcs", "reward_weights", "tasks", "checkpoints")
 
 
 def _f(default: Any, description: str, group: str, *, methods: list[str] | None = None,
@@ -377,6 +378,16 @@ class RunSpec(BaseModel):
     judge_max_requests: int = _f(0, "Request budget of each judging (a tuneboard eval, or one save's eval_metric: judge), retries included (0 = no limit); when it is spent the rows judged so far are reported, marked incomplete.", "eval", ge=0)
     judge_against: Literal["base", "reference"] = _f("base", "do_judge: what the tuned answers are compared with: the base model's answers (without the adapter) or the rows' reference answers.", "eval")
     checkpoints: Optional[str] = _f(None, "tuneboard eval: evaluate the checkpoints of the training run in adapter_name_or_path (its output_dir): all, or checkpoint-N names and final, comma-separated; each on the same held-out rows with the base model loaded once; writes checkpoint_eval.json.", "eval")
+
+    # benchmarks (`tuneboard eval` with tasks: backend/benchmarks.py); not Train-form fields (webui/fields.py)
+    tasks: Optional[str] = _f(None, "tuneboard eval: lm-evaluation-harness tasks, comma-separated: task names (hellaswag, arc_easy; their data comes from the hub) and/or paths to task YAML files (data/lm_eval_tasks/tuneboard_mc.yaml runs offline); the base and the adapter side by side in lm_eval_results.json.", "eval")
+    num_fewshot: Optional[int] = _f(None, "Solved examples put before each question of tasks (default: each task's own).", "eval", ge=0)
+    limit: Optional[float] = _f(None, "Questions scored per task: a count (>= 1) or a share of the task (< 1) (default: all).", "eval", gt=0)
+    task: Optional[str] = _f(None, "LLaMA-Factory's evaluation task (mmlu_test, cmmlu_test, ceval_validation).", "eval", refused="LLaMA-Factory's own MMLU/CMMLU/C-Eval evaluator is not included: give lm-eval task names or task YAML paths in tasks (e.g. tasks: mmlu)")
+    n_shot: Optional[int] = _f(None, "LLaMA-Factory's few-shot count for task.", "eval", refused="use num_fewshot (lm-eval's name) with tasks")
+    lang: Optional[str] = _f(None, "LLaMA-Factory's language of task's prompts (en, zh).", "eval", refused="an lm-eval task name carries its language (e.g. cmmlu, ceval-valid, mmlu): pick the task in tasks")
+    task_dir: Optional[str] = _f(None, "LLaMA-Factory's folder of evaluation datasets.", "eval", refused="give the path of a task YAML file in tasks: its folder is lm-eval's include path")
+    save_dir: Optional[str] = _f(None, "LLaMA-Factory's folder for evaluation results.", "eval", refused="the results go to output_dir (lm_eval_results.json): set output_dir")
 
     # ---------------------------------------------------------------- export
     export_dir: Optional[str] = _f(None, "Folder to write the exported (merged) model to.", "export")
@@ -1130,6 +1141,26 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
             refuse("rope_scaling", f"it stretches the model's {limit} positions to cover cutoff_len (factor "
                    f"ceil(cutoff_len / {limit})), and cutoff_len {spec.cutoff_len} fits already: raise cutoff_len "
                    f"above {limit} or drop rope_scaling", "cutoff_len", "model_name_or_path")
+    errors.extend(_benchmark_errors(spec, check_files))
+    return errors
+
+
+def _benchmark_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, frozenset]]:
+    """tasks needs lm-eval and its task files; num_fewshot and limit only shape tasks."""
+    errors = []
+    for name in ("num_fewshot", "limit"):
+        if getattr(spec, name) is not None and not spec.tasks:
+            errors.append((name, f"{REFUSED}: {name} shapes the lm-eval benchmarks of tasks, and tasks is not set",
+                           frozenset({name, "tasks"})))
+    if spec.tasks:
+        missing = lm_eval_missing()
+        if missing:
+            errors.append(("tasks", f"{REFUSED}: {missing}", frozenset({"tasks"})))
+        if not split_tasks(spec.tasks):
+            errors.append(("tasks", "no task given", frozenset({"tasks"})))
+        if check_files:
+            errors.extend(("tasks", line.partition(": ")[2], frozenset({"tasks"}))
+                          for line in task_file_errors(split_tasks(spec.tasks)))
     return errors
 
 

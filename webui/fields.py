@@ -23,7 +23,7 @@ BOOSTER_FIELDS = ("flash_attn", "enable_liger_kernel")
 # Groups that belong to other tools (export, chat), not to a training run.
 SKIPPED_GROUPS = ("export", "generation")
 # Keys of `tuneboard eval` alone (the Evaluate tab sets them), never of a training run.
-EVAL_ONLY_FIELDS = ("do_judge", "checkpoints")
+EVAL_ONLY_FIELDS = ("do_judge", "checkpoints", "tasks", "num_fewshot", "limit")
 # Accordion order on the Train tab, and which start open (none: the first screen is the basic fields).
 ACCORDIONS = ("method", "train", "distributed", "data", *METHOD_GROUPS, "quantization", "logging", "eval", "model")
 OPEN_ACCORDIONS: tuple[str, ...] = ()

@@ -114,6 +114,10 @@ CONSUMED = {
     "eval_samples": "backend/test_task_metric.py::test_json_field_f1_at_each_save_and_the_best_checkpoint_is_the_adapter",
     "metric_for_best_model": "backend/test_task_metric.py::test_load_best_model_at_end_is_satisfied_by_the_task_metric",
     "early_stopping_patience": "backend/test_train_cli.py::test_early_stopping_ends_the_run_when_eval_loss_stops_improving",
+    # benchmark (tuneboard eval tasks=..., backend/benchmarks.py)
+    "tasks": "backend/test_benchmarks.py::test_shipped_task_in_process_equals_lm_eval_through_the_api",
+    "num_fewshot": "backend/test_benchmarks.py::test_num_fewshot_and_limit_reach_lm_eval",
+    "limit": "backend/test_benchmarks.py::test_num_fewshot_and_limit_reach_lm_eval",
     "do_judge": "backend/test_judge_eval.py::test_eval_judges_tuned_against_base_then_answers_from_the_cache",
     "judge_url": "backend/test_judge_eval.py::test_eval_judges_tuned_against_base_then_answers_from_the_cache",
     "judge_model": "backend/test_judge.py::test_spec_keys_reach_the_judge_and_are_refused_without_one",
@@ -155,6 +159,8 @@ SAMPLES = {
     "disable_gradient_checkpointing": (True, {"gradient_checkpointing": True}),
     "gradient_checkpointing": (False, {}),  # unset = on (LLaMA-Factory's default)
     "mix_strategy": ("interleave_under", {"dataset": "a,b"}),
+    "num_fewshot": (2, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),  # they shape tasks (refused alone)
+    "limit": (5, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),
     # a shipped config: reaches the Trainer (deepspeed=...), or, for FSDP on a CPU-only machine, is refused
     "deepspeed": ("examples/deepspeed/ds_z2_config.json", {}),
     "accelerate_config": ("examples/accelerate/fsdp_config.yaml", {}),

@@ -31,7 +31,7 @@ from backend import allowed, paths
 from backend.distill import read_report, report_rows
 from backend.rundir import DISTILL_REPORT_FILE
 from backend.spec import SpecError, validate_spec
-from webui import choices, jobs, judge_view, tools
+from webui import choices, eval_checkpoints, jobs, judge_view, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
 
@@ -83,6 +83,8 @@ def build(ctx) -> dict:
         c["judge_summary"] = gr.Markdown("", elem_id="eval-judge_summary")
         c["judge_rows"] = reg.comp(gr.Dataframe, "eval-judge_rows", value=empty_frame(judge_view.ROW_COLUMNS),
                                    interactive=False, wrap=True, max_height=520)
+    with reg.accordion("eval-group-checkpoints", open=False):  # a run's checkpoints: webui/eval_checkpoints.py
+        c.update(eval_checkpoints.build(reg))
     c["rm_note"] = gr.Markdown("", visible=False, elem_id="eval-rm-note")
     with gr.Row():
         c["start"] = reg.button("eval-start", variant="primary")
@@ -583,14 +585,24 @@ def wire(ctx, c: dict) -> None:
     view = [c["state"], c["progress"], c["message"], c["metrics"], c["rows"], c["log"], c["timer"]]
     judge_inputs = [c["judge"], c["judge_url"], c["judge_model"], c["judge_api_key_env"], c["judge_api_key_file"],
                     c["judge_max_requests"], c["judge_reference"]]
+    ckpt_inputs = [c["ckpt_mode"], c["ckpt_run"], c["ckpt_names"], c["ckpt_parts"]]
 
     def on_start(st, compare, lang, *values):
         """Inputs: state, compare, language, top bar (model, adapter, method, quantization, template),
         datasets, max samples, max new tokens, val size, the adapter to compare with, then the judge mode's
-        inputs (last: the API's earlier parameters keep their places). Outputs: the view."""
+        inputs, then the checkpoints part's (last: the API's earlier parameters keep their places). Outputs: the
+        view."""
+        values, checking = values[:-len(ckpt_inputs)], values[-len(ckpt_inputs):]  # the checkpoints part: last
         values, judging = values[:-len(judge_inputs)], values[-len(judge_inputs):]
         *values, other = values
         flat, judge = eval_flat(*values), judge_view.judge_flat(*judging)
+        ckpt = eval_checkpoints.ckpt_flat(*checking)
+        if ckpt:  # the run's checkpoints on its own base model, one part: no compare
+            refused = eval_checkpoints.refusals(ckpt, lang)
+            if refused:
+                return st, gr.skip(), refused, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            flat.update(ckpt)
+            compare, other = False, None
         if judge:  # the judge compares the tuned answers with the base's itself: no compare part
             refused = judge_view.refusals(judge, lang)
             if refused:
@@ -603,13 +615,15 @@ def wire(ctx, c: dict) -> None:
         return (st, tools.progress_html("starting", 0, None, f"{st['parts'][0]['name']}: loading…"),
                 message, empty_frame(["metric"]), empty_frame(["#"]), "", gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"], *judge_inputs],
+    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"], *judge_inputs,
+                                *ckpt_inputs],
                      view, api_name="eval_start")
     c["start"].click(lambda: ("", empty_frame(judge_view.ROW_COLUMNS)), None, [c["judge_summary"], c["judge_rows"]],
                      show_progress="hidden")
     c["timer"].tick(judge_view.refresh, [c["state"], top["lang"]], [c["judge_summary"], c["judge_rows"]],
                     show_progress="hidden")
     c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
+    eval_checkpoints.wire(c, c["start"], c["state"], c["timer"], top["lang"])
     # adapters trained since the page was built are offered too
     c["compare_adapter"].focus(lambda: gr.update(choices=choices.adapter_pairs()), None, [c["compare_adapter"]],
                                show_progress="hidden")

@@ -1,0 +1,89 @@
+"""The Evaluate tab's Checkpoints part: Start (the tab's own handler, as Gradio calls it) runs `tuneboard eval
+checkpoints=all` on a real tiny LoRA run under the saves folder as the tab's background job; the part's view
+builds the table (checkpoint x metric, ★ on the best) and the plot (metric by step) from the job's
+checkpoint_eval.json, and Promote makes the picked checkpoint the run's adapter (backend/promote.py)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from backend.rundir import CHECKPOINT_EVAL_FILE, PROMOTION_FILE
+from ui_handlers import form_args
+from waiting import wait_for
+from webui import eval_checkpoints
+from webui.tabs import evaluate
+
+
+def _on_start(demo):
+    return next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_start"
+                and any(getattr(c, "elem_id", None) == "eval-ckpt_mode" for c in f.inputs))
+
+
+def test_checkpoints_part_runs_as_the_tabs_job_then_table_plot_and_promote(root, lora_checkpoints_run, tiny_qwen2,
+                                                                        monkeypatch):
+    from webui.app import create_app
+
+    run = Path(shutil.copytree(lora_checkpoints_run, root / "lora-run"))
+    (root / "plain").mkdir()  # a folder without checkpoints is not offered
+    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", str(tiny_qwen2))
+    assert [folder for _, folder in eval_checkpoints.run_pairs()] == [str(run)]
+    assert eval_checkpoints.names_update(str(run))["choices"] == ["checkpoint-2", "checkpoint-4", "final"]
+
+    demo = create_app()
+    fn = _on_start(demo)
+    values = dict(dataset=["identity"], max_samples=2, max_new_tokens=4, ckpt_mode=True, lang="en")
+    # nothing picked: one line says what to pick, nothing starts
+    st, _, message, *_ = fn.fn(*form_args(fn, **values))
+    assert message == "✖ Checkpoints mode: pick a training run." and not (st or {}).get("parts")
+
+    st, _, message, *_ = fn.fn(*form_args(fn, **values, ckpt_run=str(run), ckpt_names=[]))
+    assert st["parts"] and st["spec"]["checkpoints"] == "all", message
+    assert st["spec"]["model_name_or_path"] == str(tiny_qwen2)  # the run's own base model
+    ticks = []
+
+    def ended() -> bool:
+        ticks.append(evaluate.poll(st, False))
+        return not ticks[-1][-1].active
+
+    wait_for(ended, timeout=300, what="the checkpoints eval to end")
+    assert "Eval done" in ticks[-1][2], ticks[-1][2]
+    report = json.loads((Path(st["parts"][0]["dir"]) / CHECKPOINT_EVAL_FILE).read_text())
+    entries = report["checkpoints"]
+    assert [e["checkpoint"] for e in entries] == ["checkpoint-2", "checkpoint-4", "final"]
+
+    summary, table, plot, metric, pick = eval_checkpoints.view(st, "eval_loss", "en")
+    assert list(table["checkpoint"]) == ["checkpoint-2", "checkpoint-4", "final"] and list(table["step"]) == [2, 4, 4]
+    assert "eval_loss" in table.columns and "rouge-l" in table.columns
+    for column in ("eval_loss", "rouge-l"):  # one ★ per column at least, on the best value of it
+        assert any(str(v).endswith("★") for v in table[column]), table[column]
+    best = report["best"]["eval_loss"]["checkpoint"]
+    assert table.loc[table["checkpoint"] == best, "eval_loss"].item().endswith("★")
+    assert f"Best eval_loss: `{best}`" in summary
+    frame = plot["value"]
+    assert list(frame["step"]) == [2, 4, 4] and list(frame["value"]) == [e["eval_loss"] for e in entries]
+    assert metric["value"] == "eval_loss" and "predict_rouge-l" in metric["choices"]
+    assert pick["choices"] == ["checkpoint-2", "checkpoint-4"]  # the final adapter is the run's already
+    # another metric, the same rows
+    _, _, plot, _, _ = eval_checkpoints.view(st, "predict_rouge-l", "en")
+    assert list(plot["value"]["value"]) == [e["predict_rouge-l"] for e in entries]
+    zh, table_zh, *_ = eval_checkpoints.view(st, "eval_loss", "zh")
+    assert "最佳 eval_loss" in zh and list(table_zh.columns[:2]) == ["检查点", "步"], list(table_zh.columns)
+
+    message = eval_checkpoints.promote_picked(st, "checkpoint-2", "en")
+    assert "`checkpoint-2` is now the adapter of `lora-run`" in message, message
+    assert json.loads((run / PROMOTION_FILE).read_text())["checkpoint"] == "checkpoint-2"
+    assert (run / "adapter_model.safetensors").read_bytes() == (run / "checkpoint-2" / "adapter_model.safetensors").read_bytes()
+    # after a reload the tab re-attaches to the job and the view reads the same files
+    again = evaluate.attach(str(Path(st["parts"][0]["dir"]).parent))
+    assert eval_checkpoints.view(again, "eval_loss", "en")[1].equals(table)
+
+
+def test_view_skips_other_jobs_and_flat_keys(tmp_path):
+    assert eval_checkpoints.view({"parts": [{"dir": str(tmp_path)}], "spec": {}}, None) == (
+        eval_checkpoints.gr.skip(),) * 5
+    assert eval_checkpoints.ckpt_flat(False, "x", [], ["loss"]) == {}
+    flat = eval_checkpoints.ckpt_flat(True, str(tmp_path), ["checkpoint-2", "final"], ["predict"])
+    assert flat == {"adapter_name_or_path": str(tmp_path), "checkpoints": "checkpoint-2,final", "do_eval": False,
+                    "do_predict": True}
+    assert eval_checkpoints.refusals(dict(flat, do_predict=False)) == "✖ Checkpoints mode: pick at least one metric."

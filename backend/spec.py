@@ -1161,6 +1161,11 @@ def _benchmark_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[str
         if check_files:
             errors.extend(("tasks", line.partition(": ")[2], frozenset({"tasks"}))
                           for line in task_file_errors(split_tasks(spec.tasks)))
+        parts = [name for name in ("do_eval", "do_predict", "do_judge") if getattr(spec, name)]
+        if parts:  # the run is the benchmark alone: these would be accepted and not run
+            errors.append(("tasks", f"{REFUSED} together with {', '.join(parts)}: an eval with tasks runs the lm-eval "
+                           "benchmarks alone; run the other parts in a separate tuneboard eval (without tasks)",
+                           frozenset({"tasks", *parts})))
     return errors
 
 

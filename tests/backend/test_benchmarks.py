@@ -240,3 +240,13 @@ def test_train_refuses_tasks():
     done = tuneboard("train", "tasks=data/lm_eval_tasks/tuneboard_mc.yaml", timeout=300)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error: tasks: lm-eval benchmarks run in `tuneboard eval`")
+
+
+def test_tasks_run_alone_other_parts_are_refused():
+    from backend.spec import SpecError, validate_spec
+
+    for part in ("do_eval", "do_predict", "do_judge"):
+        with pytest.raises(SpecError) as err:
+            validate_spec({"tasks": str(SHIPPED_TASK), part: True}, check_files=False)
+        assert [f for f, m in err.value.errors if f == "tasks" and part in m and "alone" in m]
+    assert validate_spec({"tasks": str(SHIPPED_TASK), "limit": 0.5}, check_files=False).limit == 0.5

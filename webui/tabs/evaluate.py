@@ -31,6 +31,7 @@ from backend import allowed, paths
 from backend.distill import read_report, report_rows
 from backend.rundir import DISTILL_REPORT_FILE
 from backend.spec import SpecError, validate_spec
+from webui import bench_view
 from webui import choices, eval_checkpoints, jobs, judge_view, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
@@ -85,6 +86,8 @@ def build(ctx) -> dict:
                                    interactive=False, wrap=True, max_height=520)
     with reg.accordion("eval-group-checkpoints", open=False):  # a run's checkpoints: webui/eval_checkpoints.py
         c.update(eval_checkpoints.build(reg))
+    with reg.accordion("eval-group-bench", open=False):  # lm-eval benchmarks, base vs tuned: webui/bench_view.py
+        c.update(bench_view.build(reg))
     c["rm_note"] = gr.Markdown("", visible=False, elem_id="eval-rm-note")
     with gr.Row():
         c["start"] = reg.button("eval-start", variant="primary")
@@ -256,7 +259,7 @@ def plan(flat: dict, compare: bool, other_adapter: str | None = None) -> tuple[l
     """The eval parts to run ([tuned] / [base] / [tuned, base] / [adapter, other adapter]) or (None, why
     not)."""
     other_adapter = (other_adapter or "").strip() or None
-    if not (flat.get("eval_dataset") or flat.get("dataset")):
+    if not (flat.get("eval_dataset") or flat.get("dataset") or flat.get("tasks")):  # tasks: lm-eval's own data
         return None, "✖ Pick at least one dataset to evaluate on."
     if compare and is_rm(flat):
         return None, ("✖ Compare with base is not available for a reward model: the base model has no trained "
@@ -636,6 +639,7 @@ def wire(ctx, c: dict) -> None:
 
     c["abort"].click(on_abort, [c["state"], top["lang"]], [c["message"], c["state"]])
     c["timer"].tick(poll, [c["state"], c["worst_first"], top["lang"]], view, show_progress="hidden")
+    bench_view.wire(c, view, inputs, eval_flat, start_eval, top["lang"])
 
     def relabel_idle(st, lang):
         """Before any eval: the idle card and the empty metrics table in the new language. Inputs: state,

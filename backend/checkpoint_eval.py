@@ -142,7 +142,7 @@ def run(spec, out: Path, examples_of) -> int:
         if entries:  # the last adapter's results, where a plain tuneboard eval of it writes them
             last = entries[-1]
             write_json_atomic(out / EVAL_RESULTS_FILE, {"model": spec.model_name_or_path, "template": template.name,
-                                                        "rows": n, "adapters_evaluated": len(entries), **last})
+                                                        "rows": n, **{k: v for k, v in last.items() if k != "step"}})
             if parts["predict"]:
                 shutil.copyfile(out / last["checkpoint"] / PREDICTIONS_FILE, out / PREDICTIONS_FILE)
     except Exception as exc:  # noqa: BLE001 - the status says why

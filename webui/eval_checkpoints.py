@@ -10,10 +10,11 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from backend import paths
 from backend.atomic import read_json_dict
 from backend.checkpoint_pick import ALL, FINAL, available
 from backend.rundir import CHECKPOINT_EVAL_FILE, read_status
-from webui import choices, jobs, tools
+from webui import jobs, tools
 from webui.i18n import headers, tr
 from webui.live import fmt_duration
 from webui.plots import empty_loss, plot_axes
@@ -27,8 +28,10 @@ NOT_SHOWN = ("checkpoint", "step", "stopped")
 
 def run_pairs(root: Path | None = None) -> list[tuple[str, str]]:
     """(label, folder) of each training run under the saves folder that has complete adapter checkpoints,
-    newest first, labelled as the adapter picker labels runs."""
-    return [(choices.adapter_label(run), str(run)) for run in jobs.iter_run_dirs(root) if available(run)]
+    newest first, named as the Runs tab names them (the path under the saves folder)."""
+    base = Path(root or paths.saves_dir())
+    return [(str(run.relative_to(base)) if run.is_relative_to(base) else str(run), str(run))
+            for run in jobs.iter_run_dirs(base) if available(run)]
 
 
 def run_update(current=None):
@@ -77,10 +80,18 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
 
 
+def ranked(report: dict) -> dict:
+    """The report's best per metric, for the metrics whose values differ between the adapters (a tie of all
+    of them has no best to mark)."""
+    entries = report.get("checkpoints") or []
+    return {m: held for m, held in (report.get("best") or {}).items()
+            if len(entries) < 2 or len({e.get(m) for e in entries}) > 1}
+
+
 def table(report: dict, lang: str = "en") -> pd.DataFrame:
     """One line per evaluated adapter: checkpoint, step, each metric (★ on the best value of each)."""
     metrics = metric_names(report)
-    best = report.get("best") or {}
+    best = ranked(report)
     rows = []
     for entry in report.get("checkpoints") or []:
         line = [entry.get("checkpoint"), entry.get("step")]
@@ -110,7 +121,7 @@ def summary_md(report: dict, status: dict, lang: str = "en") -> str:
     if status.get("state") == "running":
         lines.append(tr(lang, "eval.ckpt_running", checkpoint=status.get("checkpoint") or "…", done=done,
                         n=len(asked) or "?", eta=fmt_duration(status.get("eta_s"))))
-    for metric, held in (report.get("best") or {}).items():
+    for metric, held in ranked(report).items():
         lines.append(tr(lang, "eval.ckpt_best", metric=metric.removeprefix("predict_"),
                         checkpoint=held.get("checkpoint"), value=_fmt(held.get("value"))))
     if report.get("stopped"):
@@ -135,7 +146,7 @@ def view(st: dict, metric: str | None, lang: str = "en") -> tuple:
     metrics = metric_names(report)
     metric = metric if metric in metrics else (metrics[0] if metrics else None)
     names = [e.get("checkpoint") for e in report.get("checkpoints") or [] if e.get("checkpoint") != FINAL]
-    best = ((report.get("best") or {}).get(metric) or {}).get("checkpoint")
+    best = (ranked(report).get(metric) or {}).get("checkpoint")
     return (summary_md(report, status, lang), table(report, lang),
             gr.update(value=plot_frame(report, metric), **plot_axes("ckpt_plot", lang)),
             gr.update(choices=metrics, value=metric),
@@ -163,7 +174,7 @@ def build(reg) -> dict:
     with gr.Row(equal_height=True):
         c["ckpt_metric"] = reg.comp(gr.Dropdown, "eval-ckpt_metric", choices=[], value=None, scale=1)
         c["ckpt_plot"] = reg.comp(gr.LinePlot, "eval-ckpt_plot", value=empty_loss(), x="step", y="value",
-                                  color="series", height=300, scale=3, **plot_axes("ckpt_plot"))
+                                  height=300, scale=3, **plot_axes("ckpt_plot"))
     with gr.Row(equal_height=True):
         c["ckpt_promote_pick"] = reg.comp(gr.Dropdown, "eval-ckpt_promote_pick", choices=[], value=None, scale=2)
         c["ckpt_promote"] = reg.button("eval-ckpt_promote", scale=1)

@@ -27,7 +27,7 @@ def test_checkpoints_part_runs_as_the_tabs_job_then_table_plot_and_promote(root,
     run = Path(shutil.copytree(lora_checkpoints_run, root / "lora-run"))
     (root / "plain").mkdir()  # a folder without checkpoints is not offered
     monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", str(tiny_qwen2))
-    assert [folder for _, folder in eval_checkpoints.run_pairs()] == [str(run)]
+    assert eval_checkpoints.run_pairs() == [("lora-run", str(run))]  # named as the Runs tab names it
     assert eval_checkpoints.names_update(str(run))["choices"] == ["checkpoint-2", "checkpoint-4", "final"]
 
     demo = create_app()
@@ -55,8 +55,10 @@ def test_checkpoints_part_runs_as_the_tabs_job_then_table_plot_and_promote(root,
     summary, table, plot, metric, pick = eval_checkpoints.view(st, "eval_loss", "en")
     assert list(table["checkpoint"]) == ["checkpoint-2", "checkpoint-4", "final"] and list(table["step"]) == [2, 4, 4]
     assert "eval_loss" in table.columns and "rouge-l" in table.columns
-    for column in ("eval_loss", "rouge-l"):  # one ★ per column at least, on the best value of it
-        assert any(str(v).endswith("★") for v in table[column]), table[column]
+    for column in ("eval_loss", "perplexity", "bleu-4", "rouge-l"):  # a ★ where the adapters differ, none on a tie
+        raw = {e.get(column if column in ("eval_loss", "perplexity") else f"predict_{column}") for e in entries}
+        stars = sum(str(v).endswith("★") for v in table[column])
+        assert stars == (1 if len(raw) > 1 else 0), (column, list(table[column]))
     best = report["best"]["eval_loss"]["checkpoint"]
     assert table.loc[table["checkpoint"] == best, "eval_loss"].item().endswith("★")
     assert f"Best eval_loss: `{best}`" in summary

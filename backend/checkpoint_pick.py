@@ -115,6 +115,6 @@ def pick(run_dir: str | Path | None, wanted: str | None) -> list[Choice]:
                                         "was cut short)")
         else:
             offered = ", ".join(list(by_name) + ([FINAL] if final else []))
-            raise CheckpointChoiceError(f"checkpoints: {raw} is not a checkpoint of {run} (it has {offered})")
+            raise CheckpointChoiceError(f"checkpoints: {name} is not a checkpoint of {run} (it has {offered})")
     unique = list({c.name: c for c in out}.values())
     return sorted(unique, key=lambda c: (c.name == FINAL, c.step if c.step is not None else -1))

@@ -29,6 +29,7 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+@pytest.mark.slow
 def test_every_checkpoint_and_the_final_on_the_same_rows(lora_checkpoints_run, tiny_qwen2, tmp_path):
     run = lora_checkpoints_run
     out = tmp_path / "all"
@@ -64,6 +65,7 @@ def test_every_checkpoint_and_the_final_on_the_same_rows(lora_checkpoints_run, t
     assert top["checkpoint"] == "final" and top["eval_loss"] == entries[-1]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_a_list_of_names_one_base_and_a_stop(lora_checkpoints_run, tiny_qwen2, tmp_path, monkeypatch):
     """checkpoints=final,4,checkpoint-2 evaluates those in step order on one loaded base model (the adapters are
     swapped on it); a STOP file that appears once the second one is scored ends the eval before the third: exit
@@ -97,6 +99,7 @@ def test_a_list_of_names_one_base_and_a_stop(lora_checkpoints_run, tiny_qwen2, t
     assert _read(out / STATUS_FILE)["state"] == "aborted"
 
 
+@pytest.mark.slow
 def test_refusals_one_line_each(lora_checkpoints_run, tiny_qwen2, tmp_path):
     run = lora_checkpoints_run
     # an adapter folder without checkpoints (the CLI: one line naming the key, nothing written)
@@ -142,6 +145,30 @@ def test_refusals_one_line_each(lora_checkpoints_run, tiny_qwen2, tmp_path):
                                        f"output_dir={tmp_path / 'train'}"],
                           cwd="/tmp", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: checkpoints:"), proc.stderr
+
+
+def test_pick_on_a_run_folder_written_by_hand(tmp_path):
+    """checkpoint_pick alone (fast tier): names in step order, final last, "N" for checkpoint-N, the kept final
+    after a promote, and the refusals."""
+    run = tmp_path / "run"
+    for step in (10, 2):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "adapter_config.json").write_text("{}")
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (run / "checkpoint-12").mkdir()  # cut short: no trainer_state.json
+    (run / "checkpoint-12" / "adapter_config.json").write_text("{}")
+    assert available(run) == ["checkpoint-2", "checkpoint-10"]  # no final adapter yet
+    (run / "adapter_config.json").write_text("{}")
+    (run / "status.json").write_text(json.dumps({"step": 12}))
+    assert [(c.name, c.step) for c in pick(run, "all")] == [("checkpoint-2", 2), ("checkpoint-10", 10), ("final", 12)]
+    assert [c.name for c in pick(run, "final, 10,checkpoint-2,10")] == ["checkpoint-2", "checkpoint-10", "final"]
+    assert pick(run, "final")[0].folder == run
+    for wanted, words in (("checkpoint-12", "checkpoint-12 of"), ("3", "checkpoint-3 is not a checkpoint"),
+                          ("", "give all, or checkpoint-N names")):
+        with pytest.raises(CheckpointChoiceError, match=words):
+            pick(run, wanted)
+    with pytest.raises(CheckpointChoiceError, match="set adapter_name_or_path to one training run folder"):
+        pick(f"{run},{run}", "all")
 
 
 def test_best_is_per_metric():

@@ -8,6 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from backend.rundir import CHECKPOINT_EVAL_FILE, PROMOTION_FILE
 from ui_handlers import form_args
 from waiting import wait_for
@@ -20,6 +22,7 @@ def _on_start(demo):
                 and any(getattr(c, "elem_id", None) == "eval-ckpt_mode" for c in f.inputs))
 
 
+@pytest.mark.slow
 def test_checkpoints_part_runs_as_the_tabs_job_then_table_plot_and_promote(root, lora_checkpoints_run, tiny_qwen2,
                                                                         monkeypatch):
     from webui.app import create_app

@@ -4,8 +4,9 @@ Reads top to bottom: the tasks (lm-eval task names, checked against lm-eval's in
 their folders added to its include path and their relative data_files read from the YAML's folder) are
 built first, so an unknown task or a hub dataset that cannot be reached offline is one clear line before
 any model loads -> the base model (model_name_or_path) through lm-eval's HFLM, in this process -> the
-same model with adapter_name_or_path applied, when there is one -> LM_EVAL_FILE in output_dir: per task
-and metric the base and tuned values, their standard errors and the delta.
+same model with adapter_name_or_path applied, when there is one (or, when adapter_name_or_path is a merged
+export folder, that whole model) -> LM_EVAL_FILE in output_dir: per task and metric the base and tuned
+values, their standard errors and the delta.
 
 lm-eval is an optional extra (`pip install -e '.[lm-eval]'`, installed by `make setup`); it is imported
 only here, in functions. A STOP file or SIGINT/SIGTERM ends the run after the model being scored
@@ -28,6 +29,12 @@ from backend.rundir import LM_EVAL_FILE, RunDir, write_json_atomic
 
 class BenchmarkError(ValueError):
     """A task that cannot run here, said in one line."""
+
+
+def merged_model(path) -> bool:
+    """A whole model folder (a merged `tuneboard export`), not an adapter."""
+    folder = Path(str(path or "")).expanduser()
+    return (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file()
 
 
 def _limit(value):
@@ -177,7 +184,15 @@ def run(spec, out: Path) -> int:
         for i, name in enumerate(models):
             if switch.reason:
                 break
-            if name == "tuned":  # the base was scored first: the adapter may be merged into its weights
+            if name == "tuned" and merged_model(spec.adapter_name_or_path):  # a merged export: its own weights
+                del model
+                merged = spec.model_copy(update={"model_name_or_path": spec.adapter_name_or_path,
+                                                 "adapter_name_or_path": None})
+                resolved = resolve_model(spec.adapter_name_or_path)
+                tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
+                model = load_model(merged, resolved, for_training=False, warn=run_dir.warn)
+                model.eval()
+            elif name == "tuned":  # the base was scored first: the adapter may be merged into its weights
                 model = apply_finetuning(model, spec, for_training=False, warn=run_dir.warn)
                 model.eval()
             run_dir.log(f"lm-eval on the {name} model: {', '.join(tasks)}")

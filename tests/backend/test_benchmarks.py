@@ -250,3 +250,26 @@ def test_tasks_run_alone_other_parts_are_refused():
             validate_spec({"tasks": str(SHIPPED_TASK), part: True}, check_files=False)
         assert [f for f, m in err.value.errors if f == "tasks" and part in m and "alone" in m]
     assert validate_spec({"tasks": str(SHIPPED_TASK), "limit": 0.5}, check_files=False).limit == 0.5
+
+
+def test_a_merged_export_is_scored_as_the_tuned_model(tiny_qwen2, tuned, tmp_path):
+    """adapter_name_or_path = a merged model folder (what `tuneboard export` writes): the tuned column is that
+    model, and scores as the base + adapter does."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = tmp_path / "merged"
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    PeftModel.from_pretrained(base, str(tuned)).merge_and_unload().save_pretrained(merged)
+    AutoTokenizer.from_pretrained(tiny_qwen2).save_pretrained(merged)
+    results = {}
+    for name, adapter in (("adapter", tuned), ("merged", merged)):
+        done = tuneboard("eval", f"model_name_or_path={tiny_qwen2}", f"adapter_name_or_path={adapter}",
+                         f"tasks={SHIPPED_TASK}", "limit=10", f"output_dir={tmp_path / name}")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        results[name] = json.loads((tmp_path / name / LM_EVAL_FILE).read_text())["rows"]
+    assert len(results["merged"]) == 2
+    for a, m in zip(results["adapter"], results["merged"]):
+        assert (a["metric"], a["n"]) == (m["metric"], m["n"]) == (a["metric"], 10)
+        assert m["base"] == pytest.approx(a["base"]) and m["tuned"] == pytest.approx(a["tuned"])

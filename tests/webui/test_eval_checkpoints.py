@@ -92,3 +92,14 @@ def test_view_skips_other_jobs_and_flat_keys(tmp_path):
     assert flat == {"adapter_name_or_path": str(tmp_path), "checkpoints": "checkpoint-2,final", "do_eval": False,
                     "do_predict": True}
     assert eval_checkpoints.refusals(dict(flat, do_predict=False)) == "✖ Checkpoints mode: pick at least one metric."
+
+
+def test_summary_while_running_and_after_a_stop():
+    report = {"asked": ["checkpoint-2", "checkpoint-4", "final"],
+              "checkpoints": [{"checkpoint": "checkpoint-2", "step": 2, "eval_loss": 2.5}],
+              "best": {"eval_loss": {"checkpoint": "checkpoint-2", "step": 2, "value": 2.5}}}
+    text = eval_checkpoints.summary_md(report, {"state": "running", "checkpoint": "checkpoint-4", "eta_s": 75})
+    assert text.splitlines()[0] == "Evaluating `checkpoint-4`: 1 of 3 done, about 1:15 left  "
+    assert "Best eval_loss: `checkpoint-2` (2.5)" in text
+    stopped = eval_checkpoints.summary_md(dict(report, stopped="STOP file found"), {"state": "aborted"}, "de")
+    assert "Angehalten (STOP file found): 1 von 3 bewertet" in stopped and "Bewerte" not in stopped

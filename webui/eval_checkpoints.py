@@ -52,7 +52,7 @@ def ckpt_flat(enabled, run, names, parts) -> dict:
     if not enabled:
         return {}
     spec = jobs.read_spec_dict(Path(run)) if run else {}
-    flat = {k: spec[k] for k in RUN_KEYS if spec.get(k) not in (None, "")}
+    flat = {k: spec.get(k) for k in RUN_KEYS} if spec else {}  # quantization_bit None too: not the top bar's
     picked = [n for n in (names or []) if n]
     parts = list(parts or [])
     return {**flat, "adapter_name_or_path": run or None, "checkpoints": ",".join(picked) or ALL,

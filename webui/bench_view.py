@@ -125,9 +125,12 @@ def start(st, lang, eval_flat, start_eval, flat_values, tasks, num_fewshot, limi
     bench, why = bench_flat(tasks, num_fewshot, limit, lang)
     if why:
         return st, gr.skip(), why, gr.skip(), gr.skip(), gr.skip(), gr.skip()
-    st, message, started = start_eval(st, apply(eval_flat(*flat_values), bench), False, lang)
+    flat = apply(eval_flat(*flat_values), bench)
+    st, message, started = start_eval(st, flat, False, lang)
     if not started:
         return st, gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    what = tr(lang, "eval.bench_both") if flat.get("adapter_name_or_path") else tr(lang, "eval.bench_base_only")
+    message = tr(lang, "eval.bench_started", tasks=", ".join(split_tasks(bench["tasks"])), what=what)
     return (st, tools.progress_html("starting", 0, None, f"{st['parts'][0]['name']}: loading…"), message,
             pd.DataFrame([], columns=["metric"]), pd.DataFrame([], columns=["#"]), "", gr.Timer(active=True))
 

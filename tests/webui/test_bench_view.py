@@ -53,6 +53,7 @@ def test_run_benchmarks_as_the_tabs_job_base_and_tuned_side_by_side(root, tiny_l
 
     st, _, message, *_ = fn.fn(*form_args(fn, **values, bench_limit="6"))  # the shipped task is the default
     assert len(st["parts"]) == 1 and st["spec"]["tasks"] == str(SHIPPED_TASK), message
+    assert message == f"Running the benchmarks {SHIPPED_TASK} on the base model and the tuned one…"
     assert "eval_dataset" not in st["spec"] and "max_new_tokens" not in st["spec"]
     ticks = []
 
@@ -61,6 +62,8 @@ def test_run_benchmarks_as_the_tabs_job_base_and_tuned_side_by_side(root, tiny_l
         return not ticks[-1][-1].active
 
     wait_for(ended, timeout=600, what="the benchmark eval to end")
+    assert "**Benchmarks done**" in ticks[-1][2], ticks[-1][2]
+    assert any("scoring model" in str(t[1]) for t in ticks[:-1]) or len(ticks) < 3
     report = json.loads((Path(st["parts"][0]["dir"]) / LM_EVAL_FILE).read_text())
     summary, frame = bench_view.refresh(st, "en")
     assert "**Benchmarks**" in summary and "tuneboard_mc.yaml" in summary and str(adapter) in summary

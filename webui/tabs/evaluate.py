@@ -544,6 +544,7 @@ def poll(st: dict, worst_first: bool, lang: str = "en") -> tuple:
     n = len(st["parts"])
     idx = st["parts"].index(part) + 1
     doing = "eval.progress_pair" if is_rm(st.get("spec")) else "eval.progress_row"
+    doing = "eval.progress_model" if (st.get("spec") or {}).get("tasks") else doing  # benchmarks: models, no rows
     label = tr(lang, doing if total else "eval.progress_loading", name=part["name"], idx=idx, n=n, done=done,
                total=total)
     return (st, tools.progress_html("running", int(done), total, label, lang), gr.skip(), gr.skip(), gr.skip(), log,
@@ -568,6 +569,8 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str =
         n_rows = len(st["rows"].get(st["parts"][0]["name"], []))
         where = Path(st["parts"][0]["dir"]).parent
         message = tr(lang, "eval.done", n=n_rows, dir=where)
+        if (st.get("spec") or {}).get("tasks"):  # lm-eval benchmarks (webui/bench_view.py): no rows
+            message = tr(lang, "eval.bench_done", dir=where)
         if is_rm(st.get("spec")):
             acc = st["results"].get(st["parts"][0]["name"], {}).get("eval_accuracy")
             acc = tr(lang, "eval.rm_accuracy", acc=f"{acc:.3f}") if isinstance(acc, (int, float)) else ""

@@ -3,6 +3,7 @@ it; the batched generation it uses; the refusals of the keys. Tiny models, real 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,76 @@ def test_generation_batch_fits_the_training_token_budget():
     assert generation_batch(spec, 370, 32) == min(32, budget // 370) == 32
     assert generation_batch(spec, 2000, 32) == budget // 2000 < 32
     assert generation_batch(spec, 10 ** 6, 32) == 2
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_the_scores_of_the_checkpoint_it_resumed_from(tiny_llama, tmp_path):
+    """Stopped after 4 of 6 steps (max_steps=4), resumed to 6: checkpoint_scores.json holds each save once, the
+    earlier ones as they were, and the trainer_log.jsonl lines agree."""
+    out = tmp_path / "resumed"
+    proc = train(*extraction_args(tiny_llama, out, "eval_metric=exact_match", "max_steps=4"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, _ = scores_and_log(out, "eval_exact_match")
+    proc = train(*extraction_args(tiny_llama, out, "eval_metric=exact_match", "max_steps=6",
+                                  "resume_from_checkpoint=true", "overwrite_output_dir=true"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record, logged = scores_and_log(out, "eval_exact_match")
+    assert [s["step"] for s in record["scores"]] == [2, 4, 6] == sorted(logged)
+    assert record["scores"][:2] == first["scores"]
+    assert {s["step"]: s["value"] for s in record["scores"]} == logged
+
+
+JUDGED = [{"instruction": f"Say something nice about the number {i}.", "output": f"{i} is a good number."}
+          for i in range(12)]
+
+
+@pytest.mark.slow
+def test_judge_metric_asks_the_endpoint_at_each_save(tiny_llama, tmp_path):
+    """eval_metric judge: at each save the judge (tests/fake_teacher.py: prefers the answer that says "good")
+    compares each held-out answer with its reference in both orders; the score is the answers' win rate (x 100),
+    the key never lands in the run folder."""
+    from fake_teacher import KEY, FakeTeacher, no_key_under
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rows.json").write_text(json.dumps(JUDGED))
+    (data / "dataset_info.json").write_text(json.dumps({"judged": {"file_name": "rows.json"}}))
+    judge = FakeTeacher(mode="judge_word", key=KEY).start()
+    try:
+        out = tmp_path / "run"
+        env = dict(os.environ, JUDGE_TEST_KEY=KEY)
+        proc = subprocess.run(TUNEBOARD + ["train", f"model_name_or_path={tiny_llama}", f"output_dir={out}",
+                                           "template=llama3", f"dataset_dir={data}", "dataset=judged", "val_size=3",
+                                           "cutoff_len=128", "per_device_train_batch_size=2", "max_steps=2",
+                                           "save_steps=1", "max_new_tokens=4", "plot_loss=false",
+                                           "eval_metric=judge", f"judge_url={judge.url}", "judge_model=judge-model",
+                                           "judge_api_key_env=JUDGE_TEST_KEY"],
+                              cwd="/tmp", capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        record, logged = scores_and_log(out, "eval_judge")
+        assert [s["step"] for s in record["scores"]] == [1, 2] == sorted(logged)
+        # the tiny model's 4 new tokens never say "good" and every reference does: the references win each pair
+        assert all(s["value"] == 0.0 for s in record["scores"])
+        orders = {("good" in r["body"]["messages"][-1]["content"].split("</answer_a>")[0]) for r in judge.requests}
+        assert orders == {True, False}  # the reference shown first and second
+        assert len(judge.requests) <= 2 * 3 * 2  # two orders x three rows x two saves (the cache may answer some)
+        no_key_under(out)
+        assert KEY not in proc.stdout + proc.stderr
+    finally:
+        judge.stop()
+
+
+@pytest.mark.slow
+def test_two_processes_score_on_rank_zero_and_load_the_same_best(tiny_llama, tmp_path):
+    """DDP on the CPU (gloo, launched by tuneboard train): rank 0 scores, the other rank waits at the broadcast;
+    one line per save in the logs, and the final adapter is the best checkpoint's."""
+    out = tmp_path / "ddp"
+    proc = train(*extraction_args(tiny_llama, out, "per_device_train_batch_size=1", "nproc_per_node=2",
+                                  "eval_metric=exact_match", "load_best_model_at_end=true"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record, logged = scores_and_log(out, "eval_exact_match")
+    assert [s["step"] for s in record["scores"]] == [2, 4, 6] == sorted(logged)
+    lines = [json.loads(x) for x in (out / LOG_FILE).read_text().splitlines()]
+    assert sum(1 for r in lines if "eval_seconds" in r) == 3
+    adapter = "adapter_model.safetensors"
+    assert same(weights(out, adapter), weights(out / record["best"]["checkpoint"], adapter))

@@ -15,7 +15,6 @@ only here, in functions. A STOP file or SIGINT/SIGTERM ends the run after the mo
 from __future__ import annotations
 
 import difflib
-import os
 import sys
 import time
 from pathlib import Path
@@ -112,8 +111,8 @@ def build_tasks(tasks: list[str], log=print):
             if _unreachable(exc):
                 raise BenchmarkError(
                     f"tasks: {task}: its dataset is on the Hugging Face hub, which cannot be reached here (offline): "
-                    "run it once where the hub is reachable (it is cached then), or give a task YAML over local "
-                    "files (like data/lm_eval_tasks/tuneboard_mc.yaml)") from None
+                    "run it once where the hub is reachable, with HF_HUB_OFFLINE=0 (it is cached then), or give a "
+                    "task YAML over local files (like data/lm_eval_tasks/tuneboard_mc.yaml)") from None
             raise BenchmarkError(f"tasks: {task}: lm-eval cannot build it ({type(exc).__name__}: {exc})") from None
     return specs, manager
 
@@ -162,7 +161,6 @@ def run(spec, out: Path) -> int:
         print(f"error: output_dir {out} already holds benchmark results ({LM_EVAL_FILE}); pick another output_dir "
               "or set overwrite_output_dir: true", file=sys.stderr)
         return 1
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # no network here: fail at once instead of retrying
     out.mkdir(parents=True, exist_ok=True)
     run_dir = RunDir(out)
     run_dir.start()

@@ -9,6 +9,8 @@ its predictions in output_dir/<name>/ -> CHECKPOINT_EVAL_FILE: one entry per ada
 metrics) and the best per metric, rewritten after each adapter so the UI shows them as they come.
 eval_results.json and generated_predictions.jsonl at the top of output_dir are the last adapter's (the final
 one when evaluated), as a plain `tuneboard eval` of it would write them.
+A full / freeze run (model_name_or_path = the run folder, finetuning_type full or freeze) has whole models as
+checkpoints: each is loaded in turn as the model (the previous one released first), the rest is the same.
 
 Progress in status.json: step = adapters done x rows + rows of the current one, total_steps = adapters x rows,
 eta_s from the time per row so far, checkpoint = the one being evaluated. SIGINT, SIGTERM or a STOP file end
@@ -26,7 +28,8 @@ from peft import PeftModel
 
 from backend import predict as prediction
 from backend.callbacks import StopSwitch
-from backend.checkpoint_pick import CheckpointChoiceError, Choice, pick
+from backend.checkpoint_pick import CheckpointChoiceError, Choice, pick_for
+from backend.methods import is_adapter
 from backend.models import load_model, load_tokenizer, resolve_model
 from backend.predict import eval_loss
 from backend.preprocess import build_sft_dataset
@@ -64,8 +67,15 @@ def _swap(model, choice: Choice, index: int):
     return model
 
 
+def _load(spec, choice: Choice, warn):
+    """A full / freeze run's checkpoint (or final weights) as the model: its own weights, the spec's settings."""
+    return load_model(spec.model_copy(update={"model_name_or_path": str(choice.folder)}),
+                      resolve_model(str(choice.folder)), for_training=False, warn=warn)
+
+
 def report(spec, chosen: list[Choice], entries: list[dict], rows: int, stopped: str | None) -> dict:
-    out = {"run": spec.adapter_name_or_path, "model": spec.model_name_or_path, "rows": rows,
+    run = spec.adapter_name_or_path if is_adapter(spec.finetuning_type) else spec.model_name_or_path
+    out = {"run": run, "model": spec.model_name_or_path, "rows": rows,
            "asked": [c.name for c in chosen], "checkpoints": entries, "best": best(entries)}
     if stopped:
         out["stopped"] = stopped
@@ -76,7 +86,7 @@ def run(spec, out: Path, examples_of) -> int:
     """Evaluate the run's checkpoints; return the exit code. Never raises. `examples_of(spec, log)`: the
     held-out rows (backend.evaluate.eval_examples: the same rows a plain `tuneboard eval` scores)."""
     try:
-        chosen = pick(spec.adapter_name_or_path, spec.checkpoints)
+        chosen = pick_for(spec)
     except CheckpointChoiceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -100,13 +110,15 @@ def run(spec, out: Path, examples_of) -> int:
         tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
         template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn,
                                  enable_thinking=spec.enable_thinking)
-        run_dir.log(f"eval of {len(chosen)} adapters of {spec.adapter_name_or_path} ({', '.join(c.name for c in chosen)}) "
-                    f"on model {spec.model_name_or_path}, template {template.name}, output {out}")
+        adapters = is_adapter(spec.finetuning_type)  # else a full / freeze run: each checkpoint is a whole model
+        run_dir.log(f"eval of {len(chosen)} " + (f"adapters of {spec.adapter_name_or_path} on model "
+                    f"{spec.model_name_or_path}" if adapters else f"checkpoints of {spec.model_name_or_path}")
+                    + f" ({', '.join(c.name for c in chosen)}), template {template.name}, output {out}")
         examples = examples_of(spec, log=run_dir.log)
         n = len(examples)
         loss_rows = build_sft_dataset(examples, template, tokenizer, spec.cutoff_len, log=run_dir.warn)[0] \
             if parts["eval"] else []
-        model = load_model(spec, resolved, for_training=False, warn=run_dir.warn)
+        model = load_model(spec, resolved, for_training=False, warn=run_dir.warn) if adapters else None
         total = len(chosen) * n
         run_dir.update_status(total_steps=total, step=0)
         started = time.time()
@@ -119,7 +131,11 @@ def run(spec, out: Path, examples_of) -> int:
         for i, choice in enumerate(chosen):
             if stop():
                 break
-            model = _swap(model, choice, i).eval()
+            if adapters:
+                model = _swap(model, choice, i).eval()
+            else:
+                model = None  # the previous checkpoint's weights go before the next ones load
+                model = _load(spec, choice, run_dir.warn).eval()
             entry: dict = {"checkpoint": choice.name, "step": choice.step}
             run_dir.log(f"{choice.name} ({i + 1}/{len(chosen)}, step {choice.step}): {choice.folder}")
             if parts["eval"]:

@@ -1,7 +1,8 @@
 """Which adapters `tuneboard eval checkpoints=...` evaluates: the complete checkpoint-N folders of a training
 run (adapter_name_or_path = the run folder) and its final adapter, by name ("all", or a comma list of
-checkpoint-N / N / final). Each refusal is one line naming the key. Light (standard library + yaml): the spec's
-validation and the Evaluate tab's checkpoint picker use it.
+checkpoint-N / N / final); of a full / freeze run (model_name_or_path = the run folder, finetuning_type full or
+freeze) its checkpoints and final weights are model folders. Each refusal is one line naming the key. Light
+(standard library + yaml): the spec's validation and the Evaluate tab's checkpoint picker use it.
 
 The final adapter is the run's top-level one; after a promote (backend/promote.py) that is a checkpoint's copy,
 so "final" is then the run's own final adapter, kept in PROMOTION_KEEP_DIR."""
@@ -12,6 +13,7 @@ from typing import NamedTuple
 
 import yaml
 
+from backend.methods import is_adapter
 from backend.promote import promoted_checkpoint
 from backend.rundir import (CHECKPOINT_PREFIX, PROMOTION_KEEP_DIR, SPEC_FILE, checkpoint_step, checkpoints,
                             is_complete_checkpoint, is_reward_model_dir, last_logged_step, read_status)
@@ -19,6 +21,7 @@ from backend.rundir import (CHECKPOINT_PREFIX, PROMOTION_KEEP_DIR, SPEC_FILE, ch
 ALL = "all"
 FINAL = "final"
 ADAPTER_CONFIG = "adapter_config.json"  # peft's adapter folder marker
+MODEL_CONFIG = "config.json"  # a model folder's marker (a full / freeze run's checkpoints and final weights)
 
 
 class CheckpointChoiceError(ValueError):
@@ -43,11 +46,13 @@ def _finetuning_type(run: Path) -> str | None:
     return str(spec.get("finetuning_type") or "lora") if isinstance(spec, dict) else None
 
 
-def final_folder(run: Path) -> Path | None:
-    """The run's own final adapter folder (the kept one after a promote), None while it has none."""
-    if promoted_checkpoint(run) and (run / PROMOTION_KEEP_DIR / ADAPTER_CONFIG).is_file():
+def final_folder(run: Path, models: bool = False) -> Path | None:
+    """The run's own final adapter (or model, `models`) folder (the kept one after a promote), None while it
+    has none."""
+    marker = MODEL_CONFIG if models else ADAPTER_CONFIG
+    if promoted_checkpoint(run) and (run / PROMOTION_KEEP_DIR / marker).is_file():
         return run / PROMOTION_KEEP_DIR
-    return run if (run / ADAPTER_CONFIG).is_file() else None
+    return run if (run / marker).is_file() else None
 
 
 def final_step(run: Path) -> int | None:
@@ -55,37 +60,50 @@ def final_step(run: Path) -> int | None:
     return step if isinstance(step, int) else last_logged_step(run)
 
 
+def is_model_run(run_dir: str | Path | None) -> bool:
+    """A full / freeze run: its complete checkpoints are model folders, not adapters."""
+    complete = [p for p in checkpoints(run_dir) if is_complete_checkpoint(p)] if run_dir else []
+    return bool(complete) and not any((p / ADAPTER_CONFIG).is_file() for p in complete) \
+        and any((p / MODEL_CONFIG).is_file() for p in complete)
+
+
 def available(run_dir: str | Path | None) -> list[str]:
     """The names a run offers: its complete checkpoint-N folders (oldest first), then final when it has one.
-    [] for anything that is not an adapter training run folder."""
-    if not run_dir or not Path(run_dir).expanduser().is_dir():
+    [] for anything that is not a training run folder with checkpoints (or a reward model's)."""
+    if not run_dir or not Path(run_dir).expanduser().is_dir() or is_reward_model_dir(run_dir):
         return []
     run = Path(run_dir).expanduser()
-    names = [p.name for p in checkpoints(run) if is_complete_checkpoint(p) and (p / ADAPTER_CONFIG).is_file()]
-    return names + ([FINAL] if names and final_folder(run) else [])
+    models = is_model_run(run)
+    marker = MODEL_CONFIG if models else ADAPTER_CONFIG
+    names = [p.name for p in checkpoints(run) if is_complete_checkpoint(p) and (p / marker).is_file()]
+    return names + ([FINAL] if names and final_folder(run, models) else [])
 
 
-def pick(run_dir: str | Path | None, wanted: str | None) -> list[Choice]:
-    """The adapters to evaluate, in step order (final last), or CheckpointChoiceError saying why not."""
+def pick(run_dir: str | Path | None, wanted: str | None, models: bool = False) -> list[Choice]:
+    """The adapters (`models`: the model folders of a full / freeze run) to evaluate, in step order (final
+    last), or CheckpointChoiceError saying why not."""
+    key = "model_name_or_path" if models else "adapter_name_or_path"
     if not run_dir or "," in str(run_dir):
-        raise CheckpointChoiceError("checkpoints: set adapter_name_or_path to one training run folder (the "
-                                    "output_dir of a LoRA run that saved checkpoints)")
+        raise CheckpointChoiceError(f"checkpoints: set {key} to one training run folder (the output_dir of a run "
+                                    "that saved checkpoints)")
     run = Path(str(run_dir).strip()).expanduser()
     if not run.is_dir():
-        raise CheckpointChoiceError(f"checkpoints: adapter_name_or_path {run} is not a folder")
+        raise CheckpointChoiceError(f"checkpoints: {key} {run} is not a folder")
     if run.name.startswith(CHECKPOINT_PREFIX) and checkpoint_step(run) is not None:
-        raise CheckpointChoiceError(f"checkpoints: {run} is one checkpoint; set adapter_name_or_path to its run "
-                                    f"folder {run.parent}")
+        raise CheckpointChoiceError(f"checkpoints: {run} is one checkpoint; set {key} to its run folder {run.parent}")
     if is_reward_model_dir(run):
         raise CheckpointChoiceError(f"checkpoints: {run} is a reward model: its checkpoints score pairs; evaluate "
                                     "one at a time with stage rm (adapter_name_or_path=<run>/checkpoint-N)")
     found = checkpoints(run)
     complete = [p for p in found if is_complete_checkpoint(p)]
-    if complete and not any((p / ADAPTER_CONFIG).is_file() for p in complete):
+    if complete and is_model_run(run) and not models:
         kind = _finetuning_type(run) or "full weights"
         raise CheckpointChoiceError(
-            f"checkpoints: {run} is a {kind} run: its checkpoints are whole models, not adapters on one base "
-            f"model; evaluate one at a time with model_name_or_path={run}/checkpoint-N")
+            f"checkpoints: {run} is a {kind} run: its checkpoints are whole models, not adapters: set "
+            f"model_name_or_path={run} and finetuning_type {kind} (each checkpoint is loaded as the model)")
+    if complete and models and not is_model_run(run):
+        raise CheckpointChoiceError(f"checkpoints: {run} is an adapter run: set adapter_name_or_path={run} and its "
+                                    "base model as model_name_or_path")
     if not complete:
         if found:
             raise CheckpointChoiceError(f"checkpoints: {run} has no complete checkpoint ({', '.join(p.name for p in found)} "
@@ -94,7 +112,7 @@ def pick(run_dir: str | Path | None, wanted: str | None) -> list[Choice]:
                                     "training checkpoints): train with save_steps to keep some, or evaluate it "
                                     "without checkpoints")
     by_name = {p.name: p for p in complete}
-    final = final_folder(run)
+    final = final_folder(run, models)
     names = split_names(wanted)
     if not names:
         raise CheckpointChoiceError("checkpoints: give all, or checkpoint-N names, comma-separated")
@@ -105,8 +123,8 @@ def pick(run_dir: str | Path | None, wanted: str | None) -> list[Choice]:
         name = f"{CHECKPOINT_PREFIX}{raw}" if raw.isdigit() else raw.rstrip("/").split("/")[-1]
         if name == FINAL:
             if final is None:
-                raise CheckpointChoiceError(f"checkpoints: {run} has no final adapter yet (no {ADAPTER_CONFIG}): "
-                                            "pick its checkpoints")
+                raise CheckpointChoiceError(f"checkpoints: {run} has no final weights yet (no "
+                                            f"{MODEL_CONFIG if models else ADAPTER_CONFIG}): pick its checkpoints")
             out.append(Choice(FINAL, final, final_step(run)))
         elif name in by_name:
             out.append(Choice(name, by_name[name], checkpoint_step(name)))
@@ -118,3 +136,13 @@ def pick(run_dir: str | Path | None, wanted: str | None) -> list[Choice]:
             raise CheckpointChoiceError(f"checkpoints: {name} is not a checkpoint of {run} (it has {offered})")
     unique = list({c.name: c for c in out}.values())
     return sorted(unique, key=lambda c: (c.name == FINAL, c.step if c.step is not None else -1))
+
+
+def pick_for(spec) -> list[Choice]:
+    """pick() for a spec: an adapter method's run is adapter_name_or_path, a full / freeze run is
+    model_name_or_path itself."""
+    models = not is_adapter(spec.finetuning_type)
+    if not models and not spec.adapter_name_or_path and is_model_run(spec.model_name_or_path):
+        raise CheckpointChoiceError(f"checkpoints: {spec.model_name_or_path} is a full-weights run: set its "
+                                    "finetuning_type (full or freeze) to load each checkpoint as the model")
+    return pick(spec.model_name_or_path if models else spec.adapter_name_or_path, spec.checkpoints, models)

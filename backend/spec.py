@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from backend import allowed, gguf_header, paths, teacher_access
 from backend.atomic import read_json_dict
 from backend.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
-from backend.checkpoint_pick import CheckpointChoiceError, pick
+from backend.checkpoint_pick import CheckpointChoiceError, pick_for
 from backend.dataset_info import DatasetError, read_dataset_info
 from backend.launch import distributed_errors, uses_fsdp, zero_stage
 from backend.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
@@ -377,7 +377,7 @@ class RunSpec(BaseModel):
     judge_api_key_file: Optional[str] = _f(None, "A file whose first line is the judge's API key (instead of judge_api_key_env).", "eval")
     judge_max_requests: int = _f(0, "Request budget of each judging (a tuneboard eval, or one save's eval_metric: judge), retries included (0 = no limit); when it is spent the rows judged so far are reported, marked incomplete.", "eval", ge=0)
     judge_against: Literal["base", "reference"] = _f("base", "do_judge: what the tuned answers are compared with: the base model's answers (without the adapter) or the rows' reference answers.", "eval")
-    checkpoints: Optional[str] = _f(None, "tuneboard eval: evaluate the checkpoints of the training run in adapter_name_or_path (its output_dir): all, or checkpoint-N names and final, comma-separated; each on the same held-out rows with the base model loaded once; writes checkpoint_eval.json.", "eval")
+    checkpoints: Optional[str] = _f(None, "tuneboard eval: evaluate the checkpoints of the training run in adapter_name_or_path (its output_dir; a full / freeze run: model_name_or_path): all, or checkpoint-N names and final, comma-separated; each on the same held-out rows with the base model loaded once; writes checkpoint_eval.json.", "eval")
 
     # benchmarks (`tuneboard eval` with tasks: backend/benchmarks.py); not Train-form fields (webui/fields.py)
     tasks: Optional[str] = _f(None, "tuneboard eval: lm-evaluation-harness tasks, comma-separated: task names (hellaswag, arc_easy; their data comes from the hub) and/or paths to task YAML files (data/lm_eval_tasks/tuneboard_mc.yaml runs offline); the base and the adapter side by side in lm_eval_results.json.", "eval")
@@ -978,7 +978,7 @@ def _checkpoint_errors(spec: RunSpec, check_files: bool) -> list[tuple[str, str,
     prediction metrics of each adapter of one run folder; the names it gives exist (checkpoint_pick)."""
     if not spec.checkpoints:
         return []
-    involved = frozenset({"checkpoints", "adapter_name_or_path"})
+    involved = frozenset({"checkpoints", "adapter_name_or_path", "model_name_or_path", "finetuning_type"})
     tasks = getattr(spec, "tasks", None)  # the lm-eval benchmarks' key (backend/benchmarks.py)
     if tasks or spec.do_judge:
         other = "tasks" if tasks else "do_judge"
@@ -989,7 +989,7 @@ def _checkpoint_errors(spec: RunSpec, check_files: bool) -> list[tuple[str, str,
                  "adapter_name_or_path=<run>/checkpoint-N)", involved | {"stage"})]
     if check_files:
         try:
-            pick(spec.adapter_name_or_path, spec.checkpoints)
+            pick_for(spec)
         except CheckpointChoiceError as exc:
             return [("checkpoints", str(exc).removeprefix("checkpoints: "), involved)]
     return []

@@ -12,7 +12,8 @@ import pandas as pd
 
 from backend import paths
 from backend.atomic import read_json_dict
-from backend.checkpoint_pick import ALL, FINAL, available
+from backend.checkpoint_pick import ALL, FINAL, available, is_model_run
+from backend.methods import is_adapter
 from backend.rundir import CHECKPOINT_EVAL_FILE, read_status
 from webui import jobs, tools
 from webui.i18n import headers, tr
@@ -48,20 +49,28 @@ def names_update(run):
 
 def ckpt_flat(enabled, run, names, parts) -> dict:
     """The spec keys of a checkpoints eval ({} when the part is off): the run folder as adapter_name_or_path,
-    the run's own base model, template and method (its run_spec.yaml), the names (none = all) and the parts."""
+    the run's own base model, template and method (its run_spec.yaml), the names (none = all) and the parts. A
+    full / freeze run's folder is the model itself (each checkpoint is loaded as the model)."""
     if not enabled:
         return {}
     spec = jobs.read_spec_dict(Path(run)) if run else {}
     flat = {k: spec.get(k) for k in RUN_KEYS} if spec else {}  # quantization_bit None too: not the top bar's
     picked = [n for n in (names or []) if n]
     parts = list(parts or [])
-    return {**flat, "adapter_name_or_path": run or None, "checkpoints": ",".join(picked) or ALL,
-            "do_eval": "loss" in parts, "do_predict": "predict" in parts}
+    where = {"model_name_or_path": run, "adapter_name_or_path": None} if run and is_model_run(run) else \
+        {"adapter_name_or_path": run or None}
+    return {**flat, **where, "checkpoints": ",".join(picked) or ALL, "do_eval": "loss" in parts,
+            "do_predict": "predict" in parts}
+
+
+def run_of(flat: dict) -> str | None:
+    """The evaluated run folder of a checkpoints eval's spec."""
+    return flat.get("adapter_name_or_path") if is_adapter(flat.get("finetuning_type")) else flat.get("model_name_or_path")
 
 
 def refusals(flat: dict, lang: str = "en") -> str:
     """'' when the part can start; else one ✖ line saying what to pick."""
-    if not flat.get("adapter_name_or_path"):
+    if not run_of(flat):
         return tr(lang, "eval.ckpt_pick_run")
     if not (flat.get("do_eval") or flat.get("do_predict")):
         return tr(lang, "eval.ckpt_pick_parts")
@@ -156,7 +165,7 @@ def view(st: dict, metric: str | None, lang: str = "en") -> tuple:
 def promote_picked(st: dict, checkpoint: str | None, lang: str = "en") -> str:
     """Make the picked checkpoint the evaluated run's adapter (webui/promotion.py, backend/promote.py); the
     message says what happened or why not."""
-    run = ((st or {}).get("spec") or {}).get("adapter_name_or_path") if _part_dir(st) else None
+    run = run_of((st or {}).get("spec") or {}) if _part_dir(st) else None
     return promote_checkpoint(run, checkpoint, lang=lang)[1]
 
 

@@ -177,3 +177,34 @@ def test_best_is_per_metric():
     best = checkpoint_eval.best(entries)
     assert best == {"eval_loss": {"checkpoint": "checkpoint-2", "step": 2, "value": 1.0},
                     "predict_bleu-4": {"checkpoint": "checkpoint-4", "step": 4, "value": 7.0}}
+
+
+@pytest.mark.slow
+def test_a_full_run_loads_each_checkpoint_as_the_model(tiny_qwen2, tmp_path):
+    """finetuning_type full, model_name_or_path = the run folder: each checkpoint is a whole model, loaded in turn;
+    checkpoint-2's figures equal a plain eval of checkpoint-2 as the model."""
+    run = tmp_path / "full"
+    proc = subprocess.run(TUNEBOARD + ["train", f"model_name_or_path={tiny_qwen2}", f"output_dir={run}",
+                                       "dataset=identity", "finetuning_type=full", "cutoff_len=64",
+                                       "per_device_train_batch_size=2", "logging_steps=1", "learning_rate=0.001",
+                                       "max_steps=4", "save_steps=2", "plot_loss=false"],
+                          cwd="/tmp", capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # asked as an adapter run: one line says how to ask for a full run
+    with pytest.raises(SpecError) as info:
+        validate_spec({"model_name_or_path": str(tiny_qwen2), "adapter_name_or_path": str(run), "checkpoints": "all",
+                       "dataset": "identity"})
+    assert any(f == "checkpoints" and f"model_name_or_path={run}" in m for f, m in info.value.errors)
+    out = tmp_path / "all"
+    proc = _eval(f"model_name_or_path={run}", "finetuning_type=full", "checkpoints=all", f"output_dir={out}", *ROWS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    entries = _read(out / CHECKPOINT_EVAL_FILE)["checkpoints"]
+    assert [e["checkpoint"] for e in entries] == ["checkpoint-2", "checkpoint-4", "final"]
+    assert entries[0]["eval_loss"] != entries[1]["eval_loss"]
+    single = tmp_path / "single"
+    proc = _eval(f"model_name_or_path={run}/checkpoint-2", "finetuning_type=full", f"output_dir={single}", *ROWS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    alone = _read(single / EVAL_RESULTS_FILE)
+    assert entries[0]["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-5)
+    assert entries[0]["predict_rouge-l"] == pytest.approx(alone["predict_rouge-l"], abs=1e-6)
+

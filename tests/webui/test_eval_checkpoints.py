@@ -104,3 +104,19 @@ def test_summary_while_running_and_after_a_stop():
     assert "Best eval_loss: `checkpoint-2` (2.5)" in text
     stopped = eval_checkpoints.summary_md(dict(report, stopped="STOP file found"), {"state": "aborted"}, "de")
     assert "Angehalten (STOP file found): 1 von 3 bewertet" in stopped and "Bewerte" not in stopped
+
+
+def test_a_full_run_is_the_model(tmp_path):
+    """A full run's folder (hand-made: its checkpoints are model folders) is offered and becomes the model of
+    the eval, not an adapter; Promote acts on it."""
+    run = tmp_path / "full-run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    for name in ("config.json", "trainer_state.json"):
+        (run / "checkpoint-2" / name).write_text("{}")
+    (run / "config.json").write_text("{}")
+    (run / "run_spec.yaml").write_text("model_name_or_path: some/base\nfinetuning_type: full\ntemplate: auto\n")
+    assert eval_checkpoints.run_pairs(tmp_path) == [("full-run", str(run))]
+    flat = eval_checkpoints.ckpt_flat(True, str(run), [], ["loss"])
+    assert flat["model_name_or_path"] == str(run) and flat["adapter_name_or_path"] is None
+    assert flat["finetuning_type"] == "full" and flat["checkpoints"] == "all"
+    assert eval_checkpoints.run_of(flat) == str(run) and eval_checkpoints.refusals(flat) == ""

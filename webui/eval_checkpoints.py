@@ -35,11 +35,14 @@ def run_pairs(root: Path | None = None) -> list[tuple[str, str]]:
             for run in jobs.iter_run_dirs(base) if available(run)]
 
 
+NO_RUN = ("—", "")  # the picker's empty choice: an API call without a run gets the "pick a run" line
+
+
 def run_update(current=None):
     """The run picker's choices now (runs trained since the page was built), the picked one kept."""
     pairs = run_pairs()
     folders = [f for _, f in pairs]
-    return gr.update(choices=pairs, value=current if current in folders else None)
+    return gr.update(choices=[NO_RUN, *pairs], value=current if current in folders else "")
 
 
 def names_update(run):
@@ -174,7 +177,8 @@ def build(reg) -> dict:
     c: dict = {}
     c["ckpt_mode"] = reg.comp(gr.Checkbox, "eval-ckpt_mode", value=False)
     with gr.Row(equal_height=True):
-        c["ckpt_run"] = reg.comp(gr.Dropdown, "eval-ckpt_run", choices=run_pairs(), value=None, scale=3)
+        c["ckpt_run"] = reg.comp(gr.Dropdown, "eval-ckpt_run", choices=[NO_RUN, *run_pairs()], value="",
+                                   scale=3)
         c["ckpt_names"] = reg.comp(gr.Dropdown, "eval-ckpt_names", choices=[], value=[], multiselect=True, scale=2)
         c["ckpt_parts"] = reg.dropdown("eval-ckpt_parts", list(PARTS), value=list(PARTS), multiselect=True, scale=2)
     c["ckpt_summary"] = gr.Markdown("", elem_id="eval-ckpt_summary")

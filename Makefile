@@ -19,7 +19,7 @@ export DS_BUILD_OPS=0
 
 setup: $(VENV)/.installed allocator
 
-# jemalloc for training processes (backend/allocator.py: as lean as glibc with a fixed mmap threshold, ~35%
+# jemalloc for training processes (backend/training/allocator.py: as lean as glibc with a fixed mmap threshold, ~35%
 # faster); training runs with glibc malloc when it is missing.
 allocator:
 	@/sbin/ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2 \

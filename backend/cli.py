@@ -1,7 +1,7 @@
 """`tuneboard` command line: train | validate | preview | chat | api | export | webui.
 
 Every command that takes a run spec takes it the same way: an optional YAML file followed by
-`key=value` overrides (LLaMA-Factory's key vocabulary), validated by backend.spec before anything
+`key=value` overrides (LLaMA-Factory's key vocabulary), validated by backend.core.spec before anything
 heavy is imported.
 """
 from __future__ import annotations
@@ -34,9 +34,10 @@ Run `tuneboard <command> --help` for a command's options.
 """
 
 
-from backend import allocator, supervise  # light: no torch
-from backend.launch import launch_commands, visible_accelerators  # light: no torch
-from backend.spec import load_or_report, spec_fields  # light: no torch
+from backend.core import supervise  # light: no torch
+from backend.training import allocator
+from backend.core.launch import launch_commands, visible_accelerators  # light: no torch
+from backend.core.spec import load_or_report, spec_fields  # light: no torch
 
 
 def _offline_env() -> None:
@@ -90,13 +91,13 @@ def cmd_train(args: list[str]) -> int:
             print(f"# node {node}" + (" (main: writes the run folder)" if node == 0 else ""))
             print(line)
         return 0
-    from backend.train import run  # lazy: a command loads only what it runs
+    from backend.training.train import run  # lazy: a command loads only what it runs
 
     return run(spec, args)
 
 
 def cmd_probe(args: list[str]) -> int:
-    from backend.probe import main as probe_main  # lazy: a command loads only what it runs
+    from backend.training.probe import main as probe_main  # lazy: a command loads only what it runs
 
     return probe_main(args)
 
@@ -109,7 +110,7 @@ def cmd_fields(args: list[str]) -> int:
 
 
 def cmd_preview(args: list[str]) -> int:
-    from backend.preview import main as preview_main  # lazy: a command loads only what it runs
+    from backend.dataprep.preview import main as preview_main  # lazy: a command loads only what it runs
 
     return preview_main(args)
 
@@ -122,13 +123,13 @@ def cmd_chat(args: list[str]) -> int:
     spec = load_or_report(opts.spec)
     if spec is None:
         return 1
-    from backend.chat import main as chat_main  # lazy: a command loads only what it runs
+    from backend.serving.chat import main as chat_main  # lazy: a command loads only what it runs
 
     return chat_main(spec, query=opts.query)
 
 
 def cmd_api(args: list[str]) -> int:
-    from backend.api import main as api_main  # lazy: a command loads only what it runs
+    from backend.serving.api import main as api_main  # lazy: a command loads only what it runs
 
     return api_main(args)
 
@@ -148,7 +149,7 @@ def cmd_distill(args: list[str]) -> int:
 
 
 def cmd_promote(args: list[str]) -> int:
-    from backend.promote import main as promote_main  # lazy: a command loads only what it runs
+    from backend.core.promote import main as promote_main  # lazy: a command loads only what it runs
 
     return promote_main(args)
 
@@ -163,13 +164,13 @@ def cmd_webui(args: list[str]) -> int:
 
 
 def cmd_export(args: list[str]) -> int:
-    from backend.export import main as export_main  # lazy: a command loads only what it runs
+    from backend.exporting.export import main as export_main  # lazy: a command loads only what it runs
 
     return export_main(args)
 
 
 def cmd_eval(args: list[str]) -> int:
-    from backend.evaluate import main as eval_main  # lazy: a command loads only what it runs
+    from backend.evaluation.evaluate import main as eval_main  # lazy: a command loads only what it runs
 
     return eval_main(args)
 
@@ -205,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if command is cmd_train and own_command_line and supervise.available():
         try:
-            env = allocator.preload_env()  # jemalloc/tcmalloc preloaded when installed: see backend/allocator.py
+            env = allocator.preload_env()  # jemalloc/tcmalloc preloaded when installed: see backend/training/allocator.py
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        # the training process runs as a watched child, with the allocator preloaded: backend/supervise.py
+        # the training process runs as a watched child, with the allocator preloaded: backend/core/supervise.py
         return supervise.run([sys.executable, *sys.orig_argv[1:]], env or dict(os.environ))
     return command(argv[1:])
 

@@ -36,11 +36,11 @@ def batches(n_batches: int, batch: int = 4) -> tuple[str, list[list[dict]]]:
         import make_data
         import yaml
 
-        from backend.data import load_examples
-        from backend.models import load_tokenizer, materialize_gguf, resolve_model
-        from backend.paths import default_model_file
-        from backend.preprocess import build_sft_dataset
-        from backend.resolve import pick_template
+        from backend.dataprep.data import load_examples
+        from backend.training.models import load_tokenizer, materialize_gguf, resolve_model
+        from backend.core.paths import default_model_file
+        from backend.dataprep.preprocess import build_sft_dataset
+        from backend.dataprep.resolve import pick_template
 
         make_data.main()
         folder = materialize_gguf(default_model_file())
@@ -86,7 +86,7 @@ def build(folder: str, mode: str):
     if "ckpt" in words and "no" not in words:
         if "selective" in mode:
             sys.path.insert(0, str(REPO))
-            from backend.models import enable_checkpointing
+            from backend.training.models import enable_checkpointing
 
             enable_checkpointing(model, "selective")
         else:
@@ -99,7 +99,7 @@ def build(folder: str, mode: str):
             p.data = p.data.float()
     if "chunked" in words:
         sys.path.insert(0, str(REPO))
-        from backend.models import install_chunked_loss
+        from backend.training.models import install_chunked_loss
 
         problem = install_chunked_loss(model)
         assert problem is None, problem

@@ -66,10 +66,10 @@ def recipe_facts(model_dir: Path) -> dict:
     import yaml
 
     sys.path.insert(0, str(REPO))
-    from backend.data import load_examples
-    from backend.models import load_tokenizer, resolve_model
-    from backend.preprocess import build_sft_dataset
-    from backend.resolve import pick_template
+    from backend.dataprep.data import load_examples
+    from backend.training.models import load_tokenizer, resolve_model
+    from backend.dataprep.preprocess import build_sft_dataset
+    from backend.dataprep.resolve import pick_template
 
     recipe = yaml.safe_load(RECIPE.read_text())
     resolved = resolve_model(str(model_dir))
@@ -94,8 +94,8 @@ LEVERS = {
     "padded+plain-loss": ([], {"TUNEBOARD_PADDING_FREE": "0", "TUNEBOARD_CHUNKED_LOSS": "0"}),
     "no-ckpt": (["gradient_checkpointing=false"], {}),
     "bf16": (["bf16=true"], {}),
-    "full-recompute": ([], {"TUNEBOARD_SELECTIVE_CHECKPOINT": "0"}),  # plain checkpointing (backend/checkpointing.py)
-    "glibc": ([], {"TUNEBOARD_ALLOCATOR": "glibc"}),  # no jemalloc: glibc with a 1 MiB mmap threshold (backend.train)
+    "full-recompute": ([], {"TUNEBOARD_SELECTIVE_CHECKPOINT": "0"}),  # plain checkpointing (backend/core/checkpointing.py)
+    "glibc": ([], {"TUNEBOARD_ALLOCATOR": "glibc"}),  # no jemalloc: glibc with a 1 MiB mmap threshold (backend.training.train)
     "jemalloc-decay": ([], {"MALLOC_CONF": ""}),  # jemalloc's own decay (freed pages returned after 10 s)
     "glibc-heap": ([], {"TUNEBOARD_ALLOCATOR": "glibc", "TUNEBOARD_MMAP_THRESHOLD": "0"}),  # glibc's own defaults
 }
@@ -195,8 +195,8 @@ def main() -> int:
     sys.path.insert(0, str(BENCH))
     import make_data
 
-    from backend.models import materialize_gguf
-    from backend.paths import default_model_file
+    from backend.training.models import materialize_gguf
+    from backend.core.paths import default_model_file
 
     make_data.main()
     model_dir = materialize_gguf(default_model_file())

@@ -29,7 +29,7 @@ HELD_OUT = 32  # val_size rows: the default eval_samples
 def train(model: str, out: Path, steps: int, save_steps: int, metric: str | None) -> dict:
     """One `tuneboard train` of the recipe; its train_runtime and (with a metric) the scoring seconds per save."""
     sys.path.insert(0, str(REPO))
-    from backend.rundir import CHECKPOINT_SCORES_FILE, STATUS_FILE
+    from backend.core.rundir import CHECKPOINT_SCORES_FILE, STATUS_FILE
 
     shutil.rmtree(out, ignore_errors=True)
     argv = [sys.executable, "-m", "backend.cli", "train", str(RECIPE), f"model_name_or_path={model}",
@@ -64,8 +64,8 @@ def main() -> int:
     if args.model:
         model = args.model
     else:
-        from backend.models import materialize_gguf
-        from backend.paths import default_model_file
+        from backend.training.models import materialize_gguf
+        from backend.core.paths import default_model_file
 
         model = str(materialize_gguf(default_model_file()))
     plain, scored = [], []

@@ -1,8 +1,8 @@
-"""Record the installed `transformers.TrainingArguments` fields as JSON for backend/spec.py.
+"""Record the installed `transformers.TrainingArguments` fields as JSON for backend/core/spec.py.
 
 Why: like LLaMA-Factory, a TuneBoard spec accepts every TrainingArguments key (typed, passed through),
-but backend/spec.py is imported by the web UI and must not import transformers. So the field table is
-generated here, committed as backend/hf_training_args.json, and kept honest by
+but backend/core/spec.py is imported by the web UI and must not import transformers. So the field table is
+generated here, committed as backend/core/hf_training_args.json, and kept honest by
 tests/backend/test_spec_training_args.py, which fails when the JSON no longer matches the installed
 transformers.
 
@@ -19,7 +19,7 @@ import types
 import typing
 from pathlib import Path
 
-OUT_PATH = Path(__file__).resolve().parents[1] / "backend" / "hf_training_args.json"
+OUT_PATH = Path(__file__).resolve().parents[1] / "backend" / "core" / "hf_training_args.json"
 
 _BASIC = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict"}
 

@@ -41,8 +41,8 @@ run full_bf16 bf16=true finetuning_type=full
 python3 - <<'PY'
 # which dtype and attention did the bf16 run really use? (reload the saved adapter on the base)
 import torch
-from backend.spec import RunSpec
-from backend.models import resolve_model, load_model
+from backend.core.spec import RunSpec
+from backend.training.models import resolve_model, load_model
 spec = RunSpec(model_name_or_path=".gpu/tiny_llama", bf16=True, flash_attn="fa2", enable_liger_kernel=True)
 warnings = []
 m = load_model(spec, resolve_model(spec.model_name_or_path), for_training=True, warn=warnings.append)

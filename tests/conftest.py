@@ -34,8 +34,8 @@ TINY_FAMILIES = {
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The bundled SmolLM2-135M-Instruct GGUF as a plain HF folder (converted once, cached across runs)."""
-    from backend.models import materialize_gguf
-    from backend.paths import default_model_file
+    from backend.training.models import materialize_gguf
+    from backend.core.paths import default_model_file
 
     return materialize_gguf(default_model_file())
 
@@ -118,7 +118,7 @@ def identity_adapter(tmp_path_factory):
     import subprocess
     import sys
 
-    from backend.paths import REPO_ROOT
+    from backend.core.paths import REPO_ROOT
 
     run = tmp_path_factory.mktemp("identity") / "run"
     proc = subprocess.run([sys.executable, "-m", "backend.cli", "train", "examples/sft_lora_identity.yaml",

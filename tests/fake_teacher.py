@@ -11,7 +11,7 @@ word: "empty" -> empty answer, "prose" -> not JSON, "wrong" -> a schema error, "
 length, else valid), huge (a valid reply whose answer is `huge_bytes` of prose, Content-Length declared),
 huge_stream (the same without Content-Length: the body ends when the connection closes), gate (valid for the
 first `gate_after` requests; later ones wait until `gate` is set), redirect (307 to `redirect_to` + the path).
-A judge (backend/judge.py) stand-in: judge_word (a reason, then `Verdict: A|B|tie`: the answer that contains
+A judge (backend/evaluation/judge.py) stand-in: judge_word (a reason, then `Verdict: A|B|tie`: the answer that contains
 `judge_word`, tie when both or neither do), judge_first (always `Verdict: A`), judge_unparsed (prose, no verdict).
 With `key`, a request without `Authorization: Bearer <key>` gets 401.
 """
@@ -164,7 +164,7 @@ class FakeTeacher:
 
 
 def judge_reply(fake: "FakeTeacher", body: dict, content: str) -> dict:
-    """A judge's reply to backend.judge's message (<answer_a>...</answer_a>, <answer_b>...</answer_b>)."""
+    """A judge's reply to backend.evaluation.judge's message (<answer_a>...</answer_a>, <answer_b>...</answer_b>)."""
     if fake.mode == "judge_first":
         text = "The first one reads better.\nVerdict: A"
     elif fake.mode == "judge_unparsed":

@@ -1,4 +1,4 @@
-"""The allowed roots of a web UI under test (backend/allowed.py): its own saves and cache folders, and folders
+"""The allowed roots of a web UI under test (backend/core/allowed.py): its own saves and cache folders, and folders
 added the way `tuneboard webui --allow-path` adds them; the UI's code policy back to its default (off)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 
-from backend import allowed
+from backend.core import allowed
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr  # noqa: E402
 
-from backend import allowed, paths, teacher_access  # noqa: E402
+from backend.core import allowed, paths, teacher_access  # noqa: E402
 from webui import choices, jobs, tools  # noqa: E402
 from webui.form import inputs_of  # noqa: E402
 from webui import fields as F  # noqa: E402
@@ -32,6 +32,7 @@ from webui.tabs import train as train_tab  # noqa: E402
 from webui.tab_context import TabContext  # noqa: E402
 from webui.tailer import run_state  # noqa: E402
 from webui.ui import Registry  # noqa: E402
+from webui.login import LoginGuard
 
 # The tabs, in page order: (tab id, module). Each module keeps the tab contract (webui/tab_context.py:
 # build(ctx) -> dict, wire(ctx, c)); its label is the locale key tab-<id>. A new tab: its module + one line here.
@@ -232,9 +233,8 @@ def launch_kwargs(login: dict | None = None, max_upload: str | int = DEFAULT_MAX
     `login`: its settings (LoginGuard's keyword arguments). `max_upload`: the largest file an upload may be
     (Gradio's max_file_size: "2gb", "500mb", or bytes); a bigger one is refused with HTTP 413 naming the
     limit, before it fills the disk, and the page shows Gradio's "exceeded the maximum file size" note."""
-    from starlette.middleware import Middleware
+    from starlette.middleware import Middleware  # heavy: loaded on use, so importing this module stays light
 
-    from webui.login import LoginGuard
 
     login = dict(login or {})
     note = LOGIN_NOTE.format(n=login.get("max_failures", 5), minutes=round(login.get("lockout_s", 300) / 60, 1))
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --allow-path {d}: no such folder", file=sys.stderr)
             return 2
     allowed.add_roots([os.path.abspath(os.path.expanduser(d)) for d in opts.allow_path])  # from the shell's folder
-    try:  # the operator's teacher keys and URLs, in env vars the UI's subprocesses inherit (backend.teacher_access)
+    try:  # the operator's teacher keys and URLs, in env vars the UI's subprocesses inherit (backend.core.teacher_access)
         teacher_access.configure(opts.teacher_key_env, opts.allow_teacher_url)
     except ValueError as exc:
         print(f"error: --teacher-key-env / --allow-teacher-url: {exc}", file=sys.stderr)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from backend.atomic import read_json_dict
-from backend.benchmark_tasks import SHIPPED_TASK, lm_eval_missing, split_tasks
-from backend.rundir import LM_EVAL_FILE
+from backend.core.atomic import read_json_dict
+from backend.core.benchmark_tasks import SHIPPED_TASK, lm_eval_missing, split_tasks
+from backend.core.rundir import LM_EVAL_FILE
 from webui import tools
 from webui.i18n import tr
 

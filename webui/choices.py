@@ -6,15 +6,16 @@ from pathlib import Path
 
 import yaml
 
-from backend import paths, registry
-from backend.atomic import read_json_dict
-from backend.dataset_info import DatasetError, read_dataset_info
-from backend.rundir import CHECKPOINT_PREFIX, LOG_FILE, last_value
+from backend.core import paths, registry
+from backend.core.atomic import read_json_dict
+from backend.core.dataset_info import DatasetError, read_dataset_info
+from backend.core.rundir import CHECKPOINT_PREFIX, LOG_FILE, last_value
 from webui import jobs
+from webui.i18n import tr
 
 
 def model_ids() -> list[str]:
-    """The bundled default model first, then every id in backend/model_registry.yaml."""
+    """The bundled default model first, then every id in backend/core/model_registry.yaml."""
     ids = [paths.DEFAULT_MODEL_ID]
     try:
         ids += [m for m in registry.model_ids() if m != paths.DEFAULT_MODEL_ID]
@@ -78,7 +79,6 @@ def adapter_label(run_dir: Path, checkpoint: str | None = None) -> str:
 def adapter_pairs(root: Path | None = None, lang: str = "en") -> list[tuple[str, str]]:
     """(label, path) of every adapter and checkpoint-N folder (newest run first), after a "none" choice (in
     `lang`)."""
-    from webui.i18n import tr
 
     pairs, seen = [(tr(lang, "choice.no_adapter"), "")], set()
     for path in adapter_choices(root):

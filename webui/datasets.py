@@ -12,11 +12,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from backend import dataset_info, paths
-from backend.dataset_info import FORMATTINGS, DatasetError
+from backend.core import dataset_info, paths
+from backend.core.dataset_info import FORMATTINGS, DatasetError
 from webui import jobs
+from webui.i18n import tr
+import yaml
 
-FORMATS = FORMATTINGS  # the backend's list (backend.dataset_info)
+FORMATS = FORMATTINGS  # the backend's list (backend.core.dataset_info)
 COLUMN_KEYS = ("prompt", "query", "response", "history", "system", "messages", "tools")
 SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -59,8 +61,6 @@ _TAG_STYLE = {"desirable": "background:rgba(22,163,74,.15);color:#15803d",
 
 
 def _part(part: dict, name: str, label: str, lang: str = "en") -> str:
-    from webui.i18n import tr
-
     tokens = tr(lang, "data.n_tokens", n=part.get("num_tokens", "?"))
     return (f'<div class="tb-pref-part" data-part="{name}"><div class="tb-pref-label" {_PART_LABEL}>'
             f'{html.escape(label)} · {html.escape(tokens)}</div>'
@@ -71,7 +71,6 @@ def render_row(row: dict, lang: str = "en") -> str:
     """One previewed row as HTML, by its kind: a conversation (trained spans in colour); a ranking pair as
     its prompt once, then the chosen and the rejected answer side by side; a KTO row with its tag. Labels
     in `lang`."""
-    from webui.i18n import tr
 
     kind = row.get("kind")
     if kind == "ranking":
@@ -96,7 +95,6 @@ def template_system_prompt(row: dict) -> str | None:
     """The default system prompt of a template (templates/*.yaml: default_system) when a previewed row's
     rendered text holds it: the template put it there, the row had none (smollm2's "... named SmolLM" on
     identity rows that teach another name)."""
-    import yaml
 
     texts = [s.get("text", "") for s in row.get("segments") or []]
     for part in ("prompt", "chosen"):
@@ -113,8 +111,6 @@ def template_system_prompt(row: dict) -> str | None:
 
 
 def row_summary(row: dict, lang: str = "en") -> str:
-    from webui.i18n import tr
-
     parts = ["**" + tr(lang, "data.row_title", source=row.get("source", ""), row=row.get("row", "")) + "**"]
     if row.get("kind") == "ranking":
         parts.append(tr(lang, "data.pair_tokens", prompt=row["prompt"]["num_tokens"], chosen=row["chosen"]["num_tokens"],
@@ -220,7 +216,7 @@ def preview_entry(name: str, entry: dict, count: int = 3) -> dict:
 
 
 def write_entry(name: str, entry: dict, data_dir: Path | None = None) -> Path:
-    """Adds one entry to dataset_info.json through the backend's one writer (backend.dataset_info.write_entry:
+    """Adds one entry to dataset_info.json through the backend's one writer (backend.core.dataset_info.write_entry:
     re-read, refuse duplicates, atomic replace; a malformed existing file is an error, never overwritten)."""
     try:
         return dataset_info.write_entry(Path(data_dir or paths.DATA_DIR), name, entry)

@@ -10,11 +10,11 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import paths
-from backend.atomic import read_json_dict
-from backend.checkpoint_pick import ALL, FINAL, available, is_model_run
-from backend.methods import is_adapter
-from backend.rundir import CHECKPOINT_EVAL_FILE, read_status
+from backend.core import paths
+from backend.core.atomic import read_json_dict
+from backend.core.checkpoint_pick import ALL, FINAL, available, is_model_run
+from backend.core.methods import is_adapter
+from backend.core.rundir import CHECKPOINT_EVAL_FILE, read_status
 from webui import jobs, tools
 from webui.i18n import headers, tr
 from webui.live import fmt_duration
@@ -166,7 +166,7 @@ def view(st: dict, metric: str | None, lang: str = "en") -> tuple:
 
 
 def promote_picked(st: dict, checkpoint: str | None, lang: str = "en") -> str:
-    """Make the picked checkpoint the evaluated run's adapter (webui/promotion.py, backend/promote.py); the
+    """Make the picked checkpoint the evaluated run's adapter (webui/promotion.py, backend/core/promote.py); the
     message says what happened or why not."""
     run = run_of((st or {}).get("spec") or {}) if _part_dir(st) else None
     return promote_checkpoint(run, checkpoint, lang=lang)[1]

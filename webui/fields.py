@@ -1,5 +1,5 @@
 """The one field table of the Train form: every RunSpec field -> widget kind, bounds, choices, group,
-visible-when (stage / finetuning type), generated from `backend.spec.spec_fields()` plus a small override
+visible-when (stage / finetuning type), generated from `backend.core.spec.spec_fields()` plus a small override
 table. A new hyperparameter is one spec field, (maybe) one override row, and its locale key.
 
 Also the two conversions the form needs, both ways: widget values -> flat spec dict (-> validate_spec) and
@@ -13,8 +13,9 @@ from typing import Any
 
 import yaml
 
-from backend.launch import shipped_accelerate_configs, shipped_deepspeed_configs
-from backend.spec import METHOD_GROUPS, spec_fields
+from backend.core.launch import shipped_accelerate_configs, shipped_deepspeed_configs
+from backend.core.spec import METHOD_GROUPS, spec_fields
+from backend.stages import STAGES
 
 # Shown in the top bar (shared by all tabs), not in the accordions.
 TOPBAR_FIELDS = ("model_name_or_path", "finetuning_type", "adapter_name_or_path", "quantization_bit", "template")
@@ -109,7 +110,6 @@ def _kind(f: dict) -> str:
 
 def shared_field_stages() -> dict[str, tuple[str, ...]]:
     """field -> the implemented stages that declare it in `shared_fields` (backend/stages): shown for them only."""
-    from backend.stages import STAGES
 
     out: dict[str, tuple[str, ...]] = {}
     for stage in STAGES.values():

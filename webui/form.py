@@ -9,12 +9,14 @@ from pathlib import Path
 
 import gradio as gr
 
-from backend import allowed
-from backend.spec import SpecError, validate_spec
+from backend.core import allowed
+from backend.core.spec import SpecError, validate_spec
 from webui import choices, jobs
 from webui import datasets as D
 from webui import fields as F
 from webui.i18n import choice_pairs, field_help, refusal, tr
+from backend.core.launch import launch_commands
+from backend.core.spec import _all_keys
 
 
 def inputs_of(top: dict, train: dict) -> list:
@@ -42,7 +44,7 @@ def collect(names: list[str], top_names: list[str], values: list) -> tuple[dict,
 
 
 def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None, list[tuple[str, str]]]:
-    """Validate like the CLI does, and refuse paths outside the allowed folders (backend.allowed: output_dir,
+    """Validate like the CLI does, and refuse paths outside the allowed folders (backend.core.allowed: output_dir,
     dataset_dir, a model that is not a model folder, ...); returns (spec, []) or (None, [(field, message), ...])."""
     if pre_errors:
         return None, pre_errors
@@ -111,7 +113,6 @@ def preview_of(spec) -> tuple[str, str]:
     spec_path = Path(spec.output_dir) / jobs.SPEC_FILE
     command = shlex.join(jobs.train_argv(spec_path))
     if spec.nnodes > 1:  # Start runs node 0 here; each other node is started by hand (ssh, a scheduler)
-        from backend.launch import launch_commands
 
         others = launch_commands([str(spec_path)], spec)[1:]
         command += ("\n\n# the other nodes (each needs this spec file and the model, data and run folder "
@@ -141,7 +142,6 @@ def save_target_check(path, overwrite, lang: str = "en") -> tuple[Path | None, s
 def looks_like_spec(data: dict) -> bool:
     """An empty mapping, or one whose keys are at least half TuneBoard spec keys: only then do Load's
     errors (which quote keys and values) describe the file."""
-    from backend.spec import _all_keys
 
     if not data:
         return True

@@ -3,15 +3,15 @@ the labels of dropdown choices. English is the reference; a test checks every lo
 
 Field help (the small print under a form field): locales/fields/<lang>.yaml, key = the spec field name (or
 the elem_id of a field outside the Train form), value = the translated help. English is the spec's own
-description (backend.spec), so there is no English file and a field without a translation shows it."""
+description (backend.core.spec), so there is no English file and a field without a translation shows it."""
 from __future__ import annotations
 
 import functools
 
 import yaml
 
-from backend import allowed
-from backend.paths import LOCALES_DIR
+from backend.core import allowed
+from backend.core.paths import LOCALES_DIR
 
 LANGS = ("en", "zh", "ja", "ko", "ru", "de", "fr", "es")
 LANG_NAMES = {"en": "English", "zh": "简体中文", "ja": "日本語", "ko": "한국어", "ru": "Русский",
@@ -91,7 +91,7 @@ def headers(lang: str | None, frame):
 
 
 def refusal(lang: str | None, exc, with_field: bool = True) -> str:
-    """A backend.allowed.PathRefused in `lang`: which path, why, and the allowed folders. `with_field`:
+    """A backend.core.allowed.PathRefused in `lang`: which path, why, and the allowed folders. `with_field`:
     prefixed with ✖ and the field (a message line); without it, the text for a field's own error."""
     text = tr(lang, exc.key(), **exc.kwargs())
     return f"✖ `{exc.field}`: {text}" if with_field else text

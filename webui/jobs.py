@@ -26,9 +26,9 @@ from pathlib import Path
 import psutil
 import yaml
 
-from backend import paths, rundir
-from backend.atomic import read_json_dict, write_text_atomic
-from backend.rundir import (CHECKPOINT_PREFIX, LAUNCH_FILE, PROCESS_LOG, SPEC_FILE, STATUS_FILE, STOP_FILE,  # noqa: F401
+from backend.core import paths, rundir
+from backend.core.atomic import read_json_dict, write_text_atomic
+from backend.core.rundir import (CHECKPOINT_PREFIX, LAUNCH_FILE, PROCESS_LOG, SPEC_FILE, STATUS_FILE, STOP_FILE,  # noqa: F401
                             mark_ended)
 
 QUEUE_DIRNAME = ".queue"

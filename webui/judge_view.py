@@ -1,5 +1,5 @@
 """The Evaluate tab's judge mode (issue 20 item 5): the judge_* spec keys from the tab's inputs, the UI's checks
-of the judge endpoint (backend.teacher_access: an offered key for its own base URL, no internal address unless
+of the judge endpoint (backend.core.teacher_access: an offered key for its own base URL, no internal address unless
 the operator allowed it), and what the eval's judge_results.json shows: win / tie / loss with the interval, and
 one line per row with both answers and the judge's reasons in both orders. Light: no torch."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from backend import allowed, teacher_access
-from backend.atomic import read_json_dict
-from backend.rundir import JUDGE_FILE
+from backend.core import allowed, teacher_access
+from backend.core.atomic import read_json_dict
+from backend.core.rundir import JUDGE_FILE
 from webui.i18n import refusal, tr
 
 ROW_COLUMNS = ["#", "question", "tuned", "other", "verdict", "reason (tuned first)", "reason (tuned second)"]

@@ -9,11 +9,14 @@ from datetime import datetime
 
 import pandas as pd
 
-from backend.curves import smooth
-from backend.paths import DEFAULT_MODEL_ID
-from backend.rundir import PHASE_SAVING, PHASE_TRAINING
+from backend.core.curves import smooth
+from backend.core.paths import DEFAULT_MODEL_ID
+from backend.core.rundir import PHASE_SAVING, PHASE_TRAINING
 from backend.stages import STAGES, get_stage, matches
 from webui.i18n import has, tr
+import json
+from pathlib import Path
+from backend.core.rundir import COMPLETIONS_FILE
 
 MAX_POINTS = 2000  # a LinePlot value is sent whole each tick: thin long runs instead of sending 100k points
 
@@ -133,13 +136,10 @@ COMPLETION_COLUMNS = ("step", "reward", "rewards", "completion")
 
 
 def completions_frame(run_dir, n: int = 8, max_chars: int = 400) -> pd.DataFrame:
-    """The newest `n` completions of a GRPO run (backend.rundir.COMPLETIONS_FILE) for the table under the plots:
+    """The newest `n` completions of a GRPO run (backend.core.rundir.COMPLETIONS_FILE) for the table under the plots:
     step, total reward, each function's reward, the completion (cut at max_chars). Reads only the file's
     last 256 KiB, whatever its size; an unreadable line is skipped."""
-    import json
-    from pathlib import Path
 
-    from backend.rundir import COMPLETIONS_FILE
 
     path = Path(run_dir) / COMPLETIONS_FILE
     rows = []
@@ -240,9 +240,9 @@ _TOTAL = re.compile(r"^datasets total: (\d+) examples kept")
 def phase(log_lines: list[str], total: int | None = None, model: str = "", lang: str = "en",
           status: dict | None = None) -> str:
     """What a training process is doing, for the progress card. The trainer writes its phase into status.json
-    at each transition (backend.rundir PHASE_*): once it says "training", step N+1 of the total is in progress
+    at each transition (backend.core.rundir PHASE_*): once it says "training", step N+1 of the total is in progress
     (N = the status's steps done); "saving" after the last step. Before that ("loading", or a status from before
-    phases) the log lines the backend writes at each loading step tell which (backend/train.py, backend/stages):
+    phases) the log lines the backend writes at each loading step tell which (backend/training/train.py, backend/stages):
     starting, loading the tokenizer (a GGUF model is converted once), tokenizing N rows, loading the model,
     adding the adapter, the reference model, then preparing the trainer (TRL tokenizes or packs there too) until
     the first step begins."""

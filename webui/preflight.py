@@ -12,7 +12,7 @@ of up to 4 x 4096 packed tokens, 123,912 tokens, jemalloc keeping freed pages) r
 quiet machine, 2026-12-01, with a peak RSS of 5,120 MiB (/usr/bin/time); this formula says 5,661 MiB (+11%).
 The old formula said 2,706 MiB (no runtime, checkpointing keeping 1/8 of the activations). Runs without
 checkpointing are unchanged but for the runtime. The formula stays a guess: the Train tab's "Measure memory"
-(tuneboard probe, backend/probe.py) measures the exact spec."""
+(tuneboard probe, backend/training/probe.py) measures the exact spec."""
 from __future__ import annotations
 
 import html
@@ -21,13 +21,20 @@ from pathlib import Path
 
 import psutil
 
-from backend import checkpointing, launch, stages
-from backend.atomic import write_text_atomic
-from backend.methods import METHODS, is_adapter
-from backend.paths import DEFAULT_MODEL_ID
-from backend.spec import RunSpec
+from backend import stages
+from backend.core import checkpointing, launch
+from backend.core.atomic import write_text_atomic
+from backend.core.methods import METHODS, is_adapter
+from backend.core.paths import DEFAULT_MODEL_ID
+from backend.core.spec import RunSpec
 from backend.stages import uses_reference
 from webui.i18n import tr
+from backend.core.rundir import PROBE_RESULT_FILE, PHASE_TRAINING, RUNNING_LOG
+from webui import jobs, tools, live
+from backend.core.curves import step_seconds
+import time
+from backend.core import paths
+import html as _html
 
 KNOWN_PARAMS = {DEFAULT_MODEL_ID.lower(): 135e6}
 RUNTIME_BYTES = 850 * 2 ** 20  # one training process before its first step, less the weights (measured, see above)
@@ -155,8 +162,8 @@ def summary_md(flat: dict, lang: str = "en") -> str:
 
 
 def scoring_cost(flat: dict) -> dict | None:
-    """What eval_metric adds (backend/task_metric.py): at each save, eval_samples held-out rows, each answered with
-    up to max_new_tokens greedy tokens (fewer where the references are short: backend/task_metric.py), or one
+    """What eval_metric adds (backend/evaluation/task_metric.py): at each save, eval_samples held-out rows, each answered with
+    up to max_new_tokens greedy tokens (fewer where the references are short: backend/evaluation/task_metric.py), or one
     forward pass over them for eval_loss; saves = max_steps // save_steps when both are known (None: per save only)."""
     metric = flat.get("eval_metric")
     if not metric or flat.get("save_strategy") == "no":
@@ -182,7 +189,7 @@ def scoring_md(flat: dict, lang: str = "en") -> str:
 
 
 # ------------------------------------------------------------------ the measured pre-flight (tuneboard probe)
-# The formula above is a guess; `tuneboard probe` (backend/probe.py) trains the exact spec for 2 steps with its
+# The formula above is a guess; `tuneboard probe` (backend/training/probe.py) trains the exact spec for 2 steps with its
 # longest rows first in a subprocess and measures. Here it runs as a background job like Export / Evaluate
 # (saves/.tools/probe-<time>/, webui/tools.py); the tab polls the JSON it writes. No torch in this process.
 
@@ -207,8 +214,6 @@ def unsure_md(e: dict, lang: str = "en") -> str:
 def start_probe(spec_yaml: str, root=None, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """Launches `tuneboard probe --out <job>/probe.json <job>/tool_spec.yaml` in its own session; returns the job
     folder."""
-    from backend.rundir import PROBE_RESULT_FILE
-    from webui import jobs, tools
 
     job = tools.new_job_dir("probe", root)
     job.mkdir(parents=True, exist_ok=True)
@@ -222,7 +227,6 @@ def start_probe(spec_yaml: str, root=None, timeout_s: float = PROBE_TIMEOUT_S) -
 
 def stop_probe(job) -> bool:
     """Abort: the probe's process group is stopped (it kills its child and removes its folder)."""
-    from webui import tools
 
     if not job or not tools.alive(job):
         return False
@@ -231,18 +235,14 @@ def stop_probe(job) -> bool:
 
 
 def probe_result(job) -> dict:
-    from backend.rundir import PROBE_RESULT_FILE
-    from webui import jobs
-
     return jobs.read_json(Path(job) / PROBE_RESULT_FILE) if job else {}
 
 
-_PROBE_DIR_LINE = re.compile(r"^probe: \d+ steps of the spec, longest rows first, in (.+)$")  # backend/probe.py run_probe
+_PROBE_DIR_LINE = re.compile(r"^probe: \d+ steps of the spec, longest rows first, in (.+)$")  # backend/training/probe.py run_probe
 
 
 def probe_child_dir(job) -> Path | None:
     """The run folder of a probe job's `tuneboard train` child, from the line the probe prints first."""
-    from webui import jobs
 
     try:
         with open(Path(job) / jobs.PROCESS_LOG, encoding="utf-8", errors="replace") as f:
@@ -257,9 +257,6 @@ def probe_progress_md(job, lang: str = "en") -> str:
     """While a probe runs: what its child is doing (the phase the progress card shows for a run) and, once a
     step is done, about how long the rest of its steps take (the steps so far, timed by its own log); "" before
     the child has a folder."""
-    from backend.curves import step_seconds
-    from backend.rundir import PHASE_TRAINING, RUNNING_LOG
-    from webui import jobs, live
 
     child = probe_child_dir(job)
     if child is None or not child.is_dir():
@@ -279,9 +276,7 @@ def probe_progress_md(job, lang: str = "en") -> str:
 
 def waiting_md(busy_run: str, since: float, lang: str = "en") -> str:
     """A measurement held back while `busy_run` trains: which run, why it waits, and how to start it anyway."""
-    import time
 
-    from backend import paths
 
     try:
         name = str(Path(busy_run).relative_to(paths.saves_dir()))
@@ -303,10 +298,7 @@ def _duration(seconds: float) -> str:
 def probe_md(job, lang: str = "en") -> tuple[str, bool]:
     """(what the probe job says, still running?): progress while it runs; then the measured peak, the
     verdict, s/step and the projected time, and what to change when it will not fit."""
-    import html as _html
-    import time
 
-    from webui import jobs, tools
 
     if not job:
         return "", False

@@ -1,13 +1,13 @@
 """A run's checkpoints for a tab (the Runs tab; the Evaluate tab may show the same): the table (step, loss,
 the task metric, which one is the adapter now) and Promote / Undo promote with a message in the page's
-language. The promote itself is backend/promote.py; this module only words it. Light: no torch."""
+language. The promote itself is backend/core/promote.py; this module only words it. Light: no torch."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pandas as pd
 
-from backend import paths, promote
+from backend.core import paths, promote
 from webui.i18n import headers, tr
 
 CHECKPOINT_COLUMNS = ["step", "checkpoint", "loss", "adapter"]

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.rundir import LOG_FILE, PROCESS_LOG, RUNNING_LOG, STATUS_FILE
+from backend.core.rundir import LOG_FILE, PROCESS_LOG, RUNNING_LOG, STATUS_FILE
 from webui.tools import clean_line
 
 # Bytes of the file head remembered to notice an in-place rewrite that is not shorter than before.

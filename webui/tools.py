@@ -24,10 +24,13 @@ from pathlib import Path
 
 import yaml
 
-from backend import paths
-from backend.atomic import write_text_atomic
-from backend.rundir import EVAL_RESULTS_FILE, EXPORT_REPORT_FILE, PREDICTIONS_FILE, stamp, unique_dir
+from backend.core import paths
+from backend.core.atomic import write_text_atomic
+from backend.core.rundir import EVAL_RESULTS_FILE, EXPORT_REPORT_FILE, PREDICTIONS_FILE, stamp, unique_dir
 from webui import jobs
+from backend.core.rundir import reward_model_folder
+from webui.choices import dataset_info
+from webui.live import state_word
 
 TOOLS_DIRNAME = ".tools"
 TOOL_SPEC = "tool_spec.yaml"
@@ -211,7 +214,7 @@ def checks_rows(report: dict, lines: list[str] | None = None) -> list[list]:
     when there is no report (a run that failed before writing it)."""
     rows = []
     for c in report.get("checks") or []:
-        # a check's figures are its other keys (backend/export.py: max_abs_diff, tolerance, identical, ...)
+        # a check's figures are its other keys (backend/exporting/export.py: max_abs_diff, tolerance, identical, ...)
         figures = c.get("figures") if isinstance(c.get("figures"), dict) else \
             {k: v for k, v in c.items() if k not in ("name", "ok", "detail", "figures")}
         fig = ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items())
@@ -257,8 +260,7 @@ def metric_names(results: list[dict]) -> list[str]:
 
 def is_reward_model(model: str | None, adapter: str | None) -> bool:
     """Whether the top bar's model (+ adapter) is a reward model (stage rm's output), from its JSON / YAML
-    files (backend.rundir.is_reward_model_dir: the same check the backend's eval and export use)."""
-    from backend.rundir import reward_model_folder
+    files (backend.core.rundir.is_reward_model_dir: the same check the backend's eval and export use)."""
 
     return reward_model_folder(model, adapter) is not None
 
@@ -266,7 +268,6 @@ def is_reward_model(model: str | None, adapter: str | None) -> bool:
 def ranking_datasets(dataset_dir: str | Path | None = None) -> list[str]:
     """The datasets of dataset_info.json with chosen / rejected pairs ("ranking": true): what a reward model
     is evaluated on."""
-    from webui.choices import dataset_info
 
     return [n for n, e in dataset_info(dataset_dir).items() if isinstance(e, dict) and e.get("ranking") is True]
 
@@ -357,7 +358,6 @@ def short(text, limit: int = 400) -> str:
 
 def progress_html(state: str, done: int, total: int | None, text: str = "", lang: str = "en") -> str:
     """Badge + bar + one line, with data-state/data-step for tests (same look as the training bar)."""
-    from webui.live import state_word
 
     pct = round(100 * min(done / total, 1.0), 1) if total else 0.0
     cls = {"running": "running", "starting": "running", "passed": "ok", "completed": "ok",

@@ -7,7 +7,7 @@ the submodules: documents (loading, chunking), teacher (the HTTP client), pipeli
 
 A distill run folder (output_dir) holds, written by the backend only:
     distill_spec.yaml   the resolved spec (it never holds an API key: the spec cannot carry one)
-    status.json, running_log.txt   as a training run (backend.rundir)
+    status.json, running_log.txt   as a training run (backend.core.rundir)
     progress.json       counts (chunks, asked, accepted, rejected by reason), tokens used, ETA, the latest pairs
     cache/<hash>.json   one file per answered chunk (hash of chunk + task + teacher): a restart resumes
     rejected.jsonl      every rejected pair or chunk with its reason
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.atomic import read_json_dict
-from backend.rundir import DISTILL_REPORT_FILE
+from backend.core.atomic import read_json_dict
+from backend.core.rundir import DISTILL_REPORT_FILE
 
 SPEC_FILE = "distill_spec.yaml"
 PROGRESS_FILE = "progress.json"
@@ -42,7 +42,7 @@ class DistillError(ValueError):
 
 
 def student_prompt(task: str, chunk: str) -> str:
-    """What the student sees: the alpaca row's instruction and input joined as backend.data joins them."""
+    """What the student sees: the alpaca row's instruction and input joined as backend.dataprep.data joins them."""
     return f"{task.strip()}\n{chunk}"
 
 

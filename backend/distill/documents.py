@@ -16,6 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+import random
 
 SUFFIXES = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".jsonl")
 
@@ -40,15 +41,15 @@ class Chunk:
 
 
 def html_to_text(raw: str) -> str:
-    import trafilatura
+    import trafilatura  # heavy: loaded on use, so importing this module stays light
 
     text = trafilatura.extract(raw, favor_recall=True, include_tables=True, include_comments=False)
     return text if text and text.strip() else trafilatura.html2txt(raw)
 
 
 def pdf_to_text(path: Path) -> str:
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
+    from pypdf import PdfReader  # heavy: loaded on use, so importing this module stays light
+    from pypdf.errors import PdfReadError  # heavy: loaded on use, so importing this module stays light
 
     try:
         reader = PdfReader(str(path))
@@ -195,7 +196,6 @@ def near_duplicates(chunks: list[Chunk], threshold: float) -> dict[str, str]:
 def split_documents(doc_ids: list[str], eval_ratio: float, seed: int) -> set[str]:
     """The held-out documents: a seeded shuffle of the ids, the first round(n * eval_ratio) (at least one
     when eval_ratio > 0 and there are two documents or more). Chunks follow their document."""
-    import random
 
     ids = sorted(set(doc_ids))
     if eval_ratio <= 0 or len(ids) < 2:

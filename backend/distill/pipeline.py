@@ -24,8 +24,8 @@ from pathlib import Path
 
 from jsonschema import Draft202012Validator
 
-from backend import allowed, paths, teacher_access
-from backend.atomic import write_text_atomic
+from backend.core import allowed, paths, teacher_access
+from backend.core.atomic import write_text_atomic
 from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, REJECTED_FILE, SPEC_FILE,
                              TEACHER_LOG, TRAIN_DIRNAME, DistillError, read_progress)
 from backend.distill.documents import (DocumentError, chunk_documents, load_documents, near_duplicates,
@@ -34,9 +34,9 @@ from backend.distill.scorecard import score
 from backend.distill.spec import DistillSpec, DistillSpecError, distill_fields, load_distill
 from backend.distill.teacher import (CUT, Budget, BudgetExhausted, LocalTeacher, Teacher, TeacherError, TeacherFatal,
                                      read_api_key, reply_budget, teacher_messages)
-from backend.metrics import parse_json
-from backend.resolve import pick_template
-from backend.rundir import RUNNING_LOG, RunDir
+from backend.core.metrics import parse_json
+from backend.dataprep.resolve import pick_template
+from backend.core.rundir import RUNNING_LOG, RunDir
 
 LATEST = 20          # pairs shown in the UI's table (progress.json keeps this many, each field clipped)
 LATEST_CHARS = 300   # of a pair's prompt, answer and detail in progress.json (the table shows 300)
@@ -193,7 +193,7 @@ def rejected_row(record: dict) -> dict:
 
 # ------------------------------------------------------------------------------- teacher access
 def check_teacher_access(spec: DistillSpec) -> None:
-    """For a run the web UI started (backend.teacher_access.restricted()), the UI's checks once more: the
+    """For a run the web UI started (backend.core.teacher_access.restricted()), the UI's checks once more: the
     key's variable is one the operator offers for this base URL, a key file lies in the allowed folders,
     the URL is no internal address unless allowed. DistillError names every refusal; a CLI run passes."""
     if spec.teacher == "local" or not teacher_access.restricted():
@@ -221,7 +221,7 @@ def guarded(spec: DistillSpec) -> bool:
 def generate(spec: DistillSpec, run_dir, stop) -> int:
     """The generate step; returns the exit code (0 ok, 1 failed, 130 stopped). Never raises for a user's
     mistake: the status and the log say what went wrong."""
-    from backend.models import load_tokenizer, resolve_model  # heavy (torch): the UI imports this module
+    from backend.training.models import load_tokenizer, resolve_model  # heavy (torch): the UI imports this module
 
     check_teacher_access(spec)
     out = spec.resolved_output_dir()
@@ -436,9 +436,9 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
 
 def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokenizer, overhead: int, by_id) -> dict:
     """<dataset_dir>/<name>.json (+ <name>_eval.json) in LLaMA-Factory's alpaca format, registered in
-    dataset_info.json through backend.data.register_dataset (checked, written atomically). A name already
+    dataset_info.json through backend.dataprep.data.register_dataset (checked, written atomically). A name already
     registered for another file is refused (dataset_name)."""
-    from backend.data import DatasetError, load_dataset_info, register_dataset  # heavy (datasets): UI imports this
+    from backend.dataprep.data import DatasetError, load_dataset_info, register_dataset  # heavy (datasets): UI imports this
 
     ddir = spec.resolved_dataset_dir()
     ddir.mkdir(parents=True, exist_ok=True)
@@ -517,7 +517,7 @@ def _cli(value) -> str:
 # --------------------------------------------------------------------------------------------- run
 def run(spec: DistillSpec) -> int:
     """Every step of spec.steps in order, in one run folder; returns the exit code."""
-    from backend.callbacks import StopSwitch  # heavy (transformers): the UI imports this module
+    from backend.training.callbacks import StopSwitch  # heavy (transformers): the UI imports this module
 
     out = spec.resolved_output_dir()
     out.mkdir(parents=True, exist_ok=True)

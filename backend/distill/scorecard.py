@@ -3,21 +3,21 @@ model, and the tuned adapter) against the teacher's: JSON validity, schema valid
 the student's generation speed (tokens/s) -> distill_report.json (+ scorecard_predictions.jsonl, one line
 per row and model).
 
-The per-row scores are backend.rewards' functions (json_valid, json_schema's schema_score, field_f1,
+The per-row scores are backend.core.rewards' functions (json_valid, json_schema's schema_score, field_f1,
 exact_match), the same ones GRPO rewards with, so "schema valid" here and a reward of 1.0 there agree.
-Generation is greedy, through backend.engine (the same engine as chat and the API).
+Generation is greedy, through backend.serving.engine (the same engine as chat and the API).
 """
 from __future__ import annotations
 
 import json
 import time
 
-from backend import rewards
-from backend.atomic import write_text_atomic
+from backend.core import rewards
+from backend.core.atomic import write_text_atomic
 from backend.distill import PAIRS_FILE, REPORT_FILE, TRAIN_DIRNAME, DistillError, student_prompt
 from backend.distill.spec import DistillSpec
-from backend.engine import load_engines
-from backend.spec import validate_spec
+from backend.serving.engine import load_engines
+from backend.core.spec import validate_spec
 
 PREDICTIONS_FILE = "scorecard_predictions.jsonl"
 

@@ -14,8 +14,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from backend import paths
+from backend.core import paths
 from backend.distill import STEPS
+import yaml
+from backend.core.spec import RunSpec, SpecError, parse_overrides, read_spec_file
 
 SECRET_KEYS = ("teacher_api_key", "api_key", "openai_api_key", "key")
 
@@ -145,8 +147,6 @@ class DistillSpec(BaseModel):
         return json.loads(text)
 
     def to_yaml(self) -> str:
-        import yaml
-
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
 
 
@@ -176,8 +176,8 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
         errors.append(("json_schema", f"cannot read it: {exc}"))
         schema = None
     if schema is not None:
-        from jsonschema import Draft202012Validator
-        from jsonschema.exceptions import SchemaError
+        from jsonschema import Draft202012Validator  # heavy: loaded on use, so importing this module stays light
+        from jsonschema.exceptions import SchemaError  # heavy: loaded on use, so importing this module stays light
 
         try:
             Draft202012Validator.check_schema(schema)
@@ -191,8 +191,6 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
     except (OSError, ValueError) as exc:
         errors.append(("examples", f"cannot read them: {exc}"))
     if "train" in spec.steps:
-        from backend.spec import RunSpec
-
         unknown = [k for k in spec.train_args if k not in RunSpec.model_fields]
         if unknown:
             errors.append(("train_args", f"unknown run-spec key(s) {', '.join(unknown)} (see `tuneboard fields`)"))
@@ -238,7 +236,6 @@ def validate_distill(data: dict[str, Any], check_files: bool = True) -> DistillS
 
 def load_distill(args: list[str], check_files: bool = True) -> DistillSpec:
     """`[SPEC.yaml] [key=value ...]` -> DistillSpec (DistillSpecError names the problems)."""
-    from backend.spec import SpecError, parse_overrides, read_spec_file
 
     path = args[0] if args and "=" not in args[0] else None
     overrides = args[1:] if path else list(args)

@@ -11,7 +11,7 @@ openai client retries on its own and hides the attempts. Failures are sorted int
 The API key comes from an environment variable or a file; it is sent in the Authorization header and is
 never logged: every message built here goes through `redact()`. No redirect is followed (a 3xx is fatal and
 names its target), so the header only ever goes to the base URL the key was configured with; for the web
-UI (backend.teacher_access.restricted()) the client also refuses, at connect time, a host that resolves to
+UI (backend.core.teacher_access.restricted()) the client also refuses, at connect time, a host that resolves to
 an internal address, unless the operator allowed its base URL.
 
 A reply is read up to a byte budget derived from max_tokens (reply_budget: 16 bytes a token + 32 KiB for
@@ -31,8 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend import paths, teacher_access
-from backend.supervise import die_with_parent
+from backend.core import paths, teacher_access
+from backend.core.supervise import die_with_parent
+import httpx
 
 RETRY_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 60.0
@@ -97,8 +98,7 @@ class Teacher:
     def __init__(self, base_url: str, model: str, api_key: str | None, *, timeout: float, max_retries: int,
                  backoff: float, temperature: float, max_tokens: int, budget: Budget, stop=lambda: False,
                  log=print, guard: bool = False):
-        """`guard`: refuse to connect to an internal address (the web UI's policy, backend.teacher_access)."""
-        import httpx
+        """`guard`: refuse to connect to an internal address (the web UI's policy, backend.core.teacher_access)."""
 
         self.base_url, self.model, self.temperature, self.max_tokens = base_url.rstrip("/"), model, temperature, max_tokens
         self.max_retries, self.backoff, self.budget, self.stop, self.log = max_retries, backoff, budget, stop, log
@@ -139,7 +139,6 @@ class Teacher:
     def ask(self, messages: list[dict]) -> Answer:
         """One chat completion, with retries on 429/5xx/timeouts/malformed replies, each attempt taken from
         the budget. Raises TeacherError, TeacherFatal or BudgetExhausted."""
-        import httpx
 
         body = {"model": self.model, "messages": messages, "temperature": self.temperature,
                 "max_tokens": self.max_tokens}
@@ -243,7 +242,7 @@ def _read_capped(r, limit: int) -> tuple[bytes, int, bool]:
 
 
 def _guarded_backend():
-    import httpcore
+    import httpcore  # heavy: loaded on use, so importing this module stays light
 
     class GuardedBackend(httpcore.SyncBackend):
         """Resolves the host itself, refuses it when any address is internal, and connects to the address it

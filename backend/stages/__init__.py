@@ -14,7 +14,7 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
   per-function rewards/<name>/mean|std, named after the user's functions).
 - `alias_of` + `pref_loss`: `stage: orpo` is `stage: dpo` with `pref_loss: orpo` (LLaMA-Factory has
   them as losses of dpo; the aliases keep older recipes running).
-- `rules`: the stage's own validation rules (backend/stages/rules.py), run in this order by backend.spec after
+- `rules`: the stage's own validation rules (backend/stages/rules.py), run in this order by backend.core.spec after
   the rules of every stage; spec names no stage.
 - flags other modules read instead of naming a stage: `is_reward_model` (it trains a score head: eval scores
   pairs, its run folder is a reward model), `packs_by_default` (packing is on unless the spec says),
@@ -24,7 +24,7 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
   a run with an eval_metric logs it).
 
 The heavy part (tokenizer -> rows -> model -> trainer) is `backend/stages/<module>.py` with
-`run(spec, run_dir, stop) -> StageResult`; `backend.train` imports it through `stage_module()`.
+`run(spec, run_dir, stop) -> StageResult`; `backend.training.train` imports it through `stage_module()`.
 Adding a stage = its module, its declaration below, and its locale key `train-stage.<id>`.
 """
 from __future__ import annotations
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable
 
-from backend.metrics import TASK_METRICS, task_log_key
+from backend.core.metrics import TASK_METRICS, task_log_key
 from backend.stages import rules
+import importlib
 
 DATA_KINDS = ("text", "plain", "ranking", "kto", "prompts")
 NEEDED_COLUMN = {"kto": "kto_tag"}  # a dataset kind that needs a column of dataset_info.json's `columns`
@@ -211,6 +212,5 @@ def pairwise(stage_id: str | None) -> bool:
 
 def stage_module(stage_id: str):
     """The heavy module that trains this stage (imports torch): backend.stages.<module>."""
-    import importlib
 
     return importlib.import_module(f"backend.stages.{get_stage(stage_id).module}")

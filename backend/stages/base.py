@@ -1,9 +1,9 @@
 """The steps every training stage shares: rows, batching, the trainable model, TrainingArguments, and
 `fit()` (the Trainer with our logging callback, resume, save, plot).
 
-Stage modules (backend/stages/<id>.py) import these; backend.train (the run life cycle) imports the
+Stage modules (backend/stages/<id>.py) import these; backend.training.train (the run life cycle) imports the
 stage modules, never the other way round. The top of this module stays light (no torch, transformers,
-datasets): backend.train imports it at its own top and has written the run's status before the heavy stack
+datasets): backend.training.train imports it at its own top and has written the run's status before the heavy stack
 loads; the functions import that stack where they need it.
 """
 from __future__ import annotations
@@ -14,15 +14,16 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend import paths, probe
-from backend.checkpointing import checkpoint_kwargs, described, given_by_spec
-from backend.curves import loss_summary
-from backend.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
-from backend.methods import method
-from backend.plot import plot_loss
-from backend.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
-from backend.resolve import pick_template
-from backend.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PREDICTIONS_FILE, RunDir, checkpoint_step, checkpoints,
+from backend.core import paths
+from backend.training import probe
+from backend.core.checkpointing import checkpoint_kwargs, described, given_by_spec
+from backend.core.curves import loss_summary
+from backend.core.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
+from backend.core.methods import method
+from backend.training.plot import plot_loss
+from backend.dataprep.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
+from backend.dataprep.resolve import pick_template
+from backend.core.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PREDICTIONS_FILE, RunDir, checkpoint_step, checkpoints,
                             is_complete_checkpoint)
 from backend.stages import get_stage
 
@@ -170,7 +171,7 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from transformers import TrainingArguments
 
-    from backend.models import gradient_checkpointing_on
+    from backend.training.models import gradient_checkpointing_on  # heavy: loaded on use, so importing this module stays light
 
     args_class = args_class or TrainingArguments
     kwargs = fit_to_installed(spec.training_arguments(), args_class)
@@ -187,7 +188,7 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     import torch
 
-    from backend.models import compute_dtype
+    from backend.training.models import compute_dtype  # heavy: loaded on use, so importing this module stays light
 
     if "dataloader_pin_memory" not in spec.passthrough:
         kwargs["dataloader_pin_memory"] = torch.cuda.is_available()
@@ -232,10 +233,10 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     (task_metric_callback()) scores eval_metric at each save and, by it, picks the final weights."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from transformers import EarlyStoppingCallback, Trainer
-    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import PrinterCallback  # heavy: loaded on use, so importing this module stays light
 
-    from backend.callbacks import RunDirCallback, agreed_stop
-    from backend.models import install_optimizer
+    from backend.training.callbacks import RunDirCallback, agreed_stop  # heavy: loaded on use, so importing this module stays light
+    from backend.training.models import install_optimizer  # heavy: loaded on use, so importing this module stays light
 
     out = run_dir.path
     checkpoint = resume_checkpoint(spec, out, log=run_dir.log)
@@ -254,14 +255,14 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         early = EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience)
         callbacks.append(early)
 
-    if probe.active():  # a `tuneboard probe` child: longest rows first, measured (backend/probe.py)
+    if probe.active():  # a `tuneboard probe` child: longest rows first, measured (backend/training/probe.py)
         train_dataset, collator = probe.instrument(train_dataset, collator, callbacks)
     trainer = (trainer_class or Trainer)(
         model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         data_collator=collator, processing_class=tokenizer, callbacks=callbacks, **trainer_kwargs,
     )
     trainer.remove_callback(PrinterCallback)  # our callback logs each step as one readable line
-    install_optimizer(trainer, spec)  # LoRA+ / GaLore build their own optimizer (backend.models)
+    install_optimizer(trainer, spec)  # LoRA+ / GaLore build their own optimizer (backend.training.models)
     save_checkpoints_atomically(trainer)
     if run_dir.writer:
         remove_staged_checkpoints(out, log=run_dir.log)
@@ -277,7 +278,7 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
                     f"{args.metric_for_best_model} did not improve for {spec.early_stopping_patience} evaluations"
                     + (f" (best {best:.4g}, from {trainer.state.best_model_checkpoint})" if best is not None else ""))
     if task_metric is not None and spec.best_by_task_metric:
-        from backend.task_metric import load_best  # heavy (torch): this module's top stays light
+        from backend.evaluation.task_metric import load_best  # heavy (torch): this module's top stays light
 
         load_best(trainer, task_metric, run_dir)
     trainer.save_model(str(out))  # every rank takes part (ZeRO-3 gathers the weights); rank 0 writes
@@ -306,7 +307,7 @@ def tokenizer_and_template(spec, run_dir: RunDir):
     """(resolved model, tokenizer, template): step 1 of every conversation stage, so new_special_tokens,
     the template and enable_thinking mean the same in sft, dpo, kto and rm."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.models import load_tokenizer, resolve_model
+    from backend.training.models import load_tokenizer, resolve_model
 
     resolved = resolve_model(spec.model_name_or_path)
     tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
@@ -318,10 +319,10 @@ def tokenizer_and_template(spec, run_dir: RunDir):
 
 def task_metric_callback(spec, run_dir: RunDir, stop, tokenizer, template, val_examples: list[dict]):
     """eval_metric: the callback that scores it at each save on the first eval_samples held-out rows
-    (backend/task_metric.py), for fit(task_metric=...); None when the spec sets none."""
+    (backend/evaluation/task_metric.py), for fit(task_metric=...); None when the spec sets none."""
     if not spec.eval_metric:
         return None
-    from backend.task_metric import TaskMetricCallback  # heavy (torch): this module's top stays light
+    from backend.evaluation.task_metric import TaskMetricCallback  # heavy (torch): this module's top stays light
 
     if not val_examples:
         raise RunError("eval_metric: no held-out rows left to score (val_size / eval_dataset gave none)")
@@ -338,7 +339,7 @@ def predict_held_out(spec, run_dir: RunDir, result: StageResult, model, tokenize
     """do_predict: generate answers for the held-out rows into generated_predictions.jsonl (streamed) and
     add the scores to the result's metrics; nothing after a stopped run."""
     if spec.do_predict and val_examples and not result.stopped:
-        from backend import predict as prediction  # heavy (torch): this module's top stays light
+        from backend.evaluation import predict as prediction  # heavy (torch): this module's top stays light
 
         run_dir.log(f"predicting {len(val_examples)} held-out rows -> generated_predictions.jsonl")
         model.eval()
@@ -350,7 +351,7 @@ def predict_held_out(spec, run_dir: RunDir, result: StageResult, model, tokenize
 def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
     """Examples of the named datasets, with the data report in the run log."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.data import load_examples
+    from backend.dataprep.data import load_examples
 
     examples, report = load_examples(
         names, spec.resolved_dataset_dir(), stage=stage, max_samples=spec.max_samples,
@@ -365,7 +366,7 @@ def load_rows(spec, run_dir: RunDir, names: str, stage: str) -> list[dict]:
 def train_and_eval_rows(spec, run_dir: RunDir, stage: str) -> tuple[list[dict], list[dict]]:
     """Training rows and held-out rows: `eval_dataset` if given, else the `val_size` split."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.data import split_train_val
+    from backend.dataprep.data import split_train_val
 
     train, held_out = split_train_val(load_rows(spec, run_dir, spec.dataset, stage), spec.val_size, spec.seed)
     if spec.eval_dataset:
@@ -376,10 +377,10 @@ def train_and_eval_rows(spec, run_dir: RunDir, stage: str) -> tuple[list[dict], 
 def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
     """(rows, collator): packed sequences without cross-attention; else, given the model of an sft/pt run,
     padding-free batches (each batch's rows concatenated: the same rows per step as padding, no pad token
-    computed) where they are exact for its attention (backend.models.padding_free_problem); else padded rows.
+    computed) where they are exact for its attention (backend.training.models.padding_free_problem); else padded rows.
     TUNEBOARD_PADDING_FREE=0 in the environment keeps padding (for side-by-side measurements: bench/)."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.models import padding_free_problem
+    from backend.training.models import padding_free_problem
 
     if not rows:
         raise RunError("no training rows left after preprocessing (see the warnings above)")
@@ -404,11 +405,11 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
 
 
 def _use_varlen(model) -> str | None:
-    """Switch a model that passed the padding-free probe to the varlen SDPA (backend/attention.py: one causal
+    """Switch a model that passed the padding-free probe to the varlen SDPA (backend/training/attention.py: one causal
     SDPA per row of a concatenated batch, rows from the collator's cu_seq_lens): None when switched, else why
     not. TUNEBOARD_VARLEN=0 keeps SDPA."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.attention import use_varlen_attention
+    from backend.training.attention import use_varlen_attention
 
     if os.environ.get("TUNEBOARD_VARLEN", "1") == "0":
         return "TUNEBOARD_VARLEN=0"
@@ -422,11 +423,11 @@ def _flash(model) -> bool:
 def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = False, **load_kwargs):
     """The model loaded for training, with adapters / frozen layers as the spec says (load_kwargs go to
     load_model, e.g. reward_head=True for stage rm). chunked_loss (sft, pt): the training loss is computed
-    from the last hidden state in chunks, never the full logits (backend.losses), where that is exact for
+    from the last hidden state in chunks, never the full logits (backend.training.losses), where that is exact for
     this model; TUNEBOARD_CHUNKED_LOSS=0 in the environment keeps the plain loss (for bench/)."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.adapters import apply_finetuning, count_parameters
-    from backend.models import describe_model, gradient_checkpointing_on, install_chunked_loss, load_model
+    from backend.training.adapters import apply_finetuning, count_parameters
+    from backend.training.models import describe_model, gradient_checkpointing_on, install_chunked_loss, load_model  # heavy: loaded on use, so importing this module stays light
 
     model = load_model(spec, resolved, for_training=True, warn=run_dir.warn, **load_kwargs)
     run_dir.log(f"model: {describe_model(model)}")
@@ -468,7 +469,7 @@ def reference_model(spec, run_dir: RunDir, resolved, policy):
       the base model the reference even after SFT (its issue #8459 reports that as a bug); we keep TRL's choice.
     - full / freeze: a frozen copy of the base model (the training changes the weights themselves)."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
-    from backend.models import load_model, resolve_model
+    from backend.training.models import load_model, resolve_model
 
     if spec.ref_model:
         try:

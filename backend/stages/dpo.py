@@ -23,10 +23,11 @@ from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-from backend.preference import build_preference_dataset
+from backend.dataprep.preference import build_preference_dataset
 from backend.stages import REFERENCE_FREE_LOSSES, get_stage
 from backend.stages.base import (RunError, StageResult, fit, reference_model, tokenizer_and_template, train_and_eval_rows,
                                  trainable_model)
+import torch
 
 REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")  # DPOTrainer, with a reference model; orpo / simpo need none
 
@@ -113,7 +114,7 @@ def dpo_loss_terms(loss: str, ftx: float, label_smoothing: float) -> tuple[list[
 
 
 # -- TRL's trainers fed with our tokens ----------------------------------------------------------
-# Our rows are already tokenized by our templates (backend/preference.py). The trainers below change
+# Our rows are already tokenized by our templates (backend/dataprep/preference.py). The trainers below change
 # only the step where TRL would tokenize text itself, so the tokens it trains on are exactly ours.
 
 def _without_ref_adapter_files(output_dir) -> None:
@@ -161,7 +162,6 @@ def _count_pair_tokens(trainer, inputs) -> None:
     """A pair batch has no input_ids for the Trainer to count tokens/s by: count both sequences' real tokens."""
     if trainer.args.include_num_input_tokens_seen == "no":
         return
-    import torch
 
     seen = inputs["chosen_attention_mask"].sum() + inputs["rejected_attention_mask"].sum()
     seen = torch.as_tensor(seen, device=trainer.args.device, dtype=torch.int64)

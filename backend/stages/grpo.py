@@ -21,7 +21,7 @@ weights (TRL's "ref" adapter), so the reference is that SFT model. full / freeze
 model. grpo_beta 0: no reference, no kl.
 
 What a user sees besides the metrics: every logging step appends a sample of the latest completions with
-their rewards to completions.jsonl (backend.rundir.COMPLETIONS_FILE) and puts the best one in the run log.
+their rewards to completions.jsonl (backend.core.rundir.COMPLETIONS_FILE) and puts the best one in the run log.
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from backend.adapters import _upcast_trainable
-from backend.engine import stop_token_ids
-from backend.methods import method
-from backend.rewards import RewardError, build_reward_funcs, load_schema, split_names
-from backend.rundir import COMPLETIONS_FILE
+from backend.training.adapters import _upcast_trainable
+from backend.serving.engine import stop_token_ids
+from backend.core.methods import method
+from backend.core.rewards import RewardError, build_reward_funcs, load_schema, split_names
+from backend.core.rundir import COMPLETIONS_FILE
 from backend.stages.base import (RunError, StageResult, adapter_is_identity, fit, load_rows, tokenizer_and_template,
                                  trainable_model)
 from backend.stages.dpo import _without_ref_adapter_files

@@ -20,8 +20,8 @@ from accelerate.utils import is_peft_model
 from datasets import Dataset
 from trl import KTOConfig, KTOTrainer
 
-from backend.adapters import _upcast_trainable
-from backend.preference import build_kto_dataset
+from backend.training.adapters import _upcast_trainable
+from backend.dataprep.preference import build_kto_dataset
 from backend.stages.base import (StageResult, adapter_is_identity, fit, predict_held_out, reference_model,
                                  tokenizer_and_template, train_and_eval_rows, trainable_model)
 
@@ -65,7 +65,7 @@ def _kto_trainer_class(spec):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # TRL casts a quantized model's trainable weights to bf16 (the QLoRA paper's choice); we keep them
-            # in fp32 as every stage does (backend.models: trained weights not in bf16 unless pure_bf16).
+            # in fp32 as every stage does (backend.training.models: trained weights not in bf16 unless pure_bf16).
             _upcast_trainable(self.model, spec)
             # TRL copies a PeftModel's adapter as the reference ("ref"). A fresh LoRA adapter (B = 0) changes
             # nothing yet, so disabling it gives the same reference without the copy.
@@ -76,7 +76,7 @@ def _kto_trainer_class(spec):
                 model.set_adapter("default")
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-            # Our rows are already tokenized by our templates (backend.preference): TRL's own preparation would
+            # Our rows are already tokenized by our templates (backend.dataprep.preference): TRL's own preparation would
             # look for text prompt / completion columns and tokenize them with the tokenizer's chat template.
             # Keep the one step it adds to tokenized rows: the KL completions, each prompt paired with the
             # previous row's answer within a batch (sequential sampling keeps those batches together).

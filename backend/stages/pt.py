@@ -5,8 +5,8 @@ Reads top to bottom: tokenizer -> text rows -> blocks of cutoff_len (packed unle
 """
 from __future__ import annotations
 
-from backend.models import load_tokenizer, resolve_model
-from backend.preprocess import build_pt_dataset
+from backend.training.models import load_tokenizer, resolve_model
+from backend.dataprep.preprocess import build_pt_dataset
 from backend.stages.base import StageResult, batching, fit, train_and_eval_rows, trainable_model
 
 

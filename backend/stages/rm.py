@@ -4,7 +4,7 @@
 Reads top to bottom: tokenizer/template -> pairs -> model with a score head (+adapter) -> trainer -> train
 -> save -> scores of the held-out pairs (do_predict).
 
-What a run saves and how it reloads (backend.reward_score.load_reward_model; `tuneboard eval` with stage rm, and PPO's
+What a run saves and how it reloads (backend.evaluation.reward_score.load_reward_model; `tuneboard eval` with stage rm, and PPO's
 `reward_model`, go through it):
 - lora: the adapter (task_type SEQ_CLS) with the trained score head inside it (peft modules_to_save), on the
   run's base model (run_spec.yaml's model_name_or_path);
@@ -20,12 +20,12 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import RewardConfig, RewardTrainer
 
-from backend.adapters import _upcast_trainable
-from backend.models import load_tokenizer, resolve_model
-from backend.preference import build_preference_dataset
-from backend.resolve import pick_template
-from backend.reward_score import encode_pairs, pair_metrics, score_pairs, sequences, set_pad_token, write_scores
-from backend.rundir import PREDICTIONS_FILE
+from backend.training.adapters import _upcast_trainable
+from backend.training.models import load_tokenizer, resolve_model
+from backend.dataprep.preference import build_preference_dataset
+from backend.dataprep.resolve import pick_template
+from backend.evaluation.reward_score import encode_pairs, pair_metrics, score_pairs, sequences, set_pad_token, write_scores
+from backend.core.rundir import PREDICTIONS_FILE
 from backend.stages.base import StageResult, fit, train_and_eval_rows, trainable_model
 
 
@@ -75,7 +75,7 @@ def _reward_trainer_class(spec):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # TRL casts a quantized model's trainable weights to bf16 (the QLoRA paper's choice); we keep them
-            # in fp32 as every stage does (backend.models), and the score head must match the fp32 hidden
+            # in fp32 as every stage does (backend.training.models), and the score head must match the fp32 hidden
             # states it reads (a bf16 head fails on them where no autocast runs, e.g. on CPU).
             _upcast_trainable(self.model, spec)
 

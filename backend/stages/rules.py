@@ -1,8 +1,8 @@
 """The stages' own validation rules: what each stage refuses or needs, beside the stage declarations
-(backend/stages/__init__.py names, per stage, which of these run, in order). backend.spec runs them after the
+(backend/stages/__init__.py names, per stage, which of these run, in order). backend.core.spec runs them after the
 rules of every stage and names no stage itself.
 
-Light (no torch): the web UI validates forms through backend.spec. A rule is `rule(spec, stage, check_files)`
+Light (no torch): the web UI validates forms through backend.core.spec. A rule is `rule(spec, stage, check_files)`
 -> [(field, message, fields involved)]; `stage` is the stage's declaration (an alias's fixed pref_loss, say).
 The involved set lets validate_spec() drop a rule whose inputs were themselves invalid."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 import re
 from pathlib import Path
 
-from backend import rewards
-from backend.methods import field_applies
-from backend.refusals import REFUSED
+from backend.core import rewards
+from backend.core.methods import field_applies
+from backend.core.refusals import REFUSED
 
 Errors = list[tuple[str, str, frozenset]]
 

@@ -4,7 +4,7 @@ Reads top to bottom: tokenizer/template -> dataset -> model (+adapter) -> traine
 """
 from __future__ import annotations
 
-from backend.preprocess import build_sft_dataset
+from backend.dataprep.preprocess import build_sft_dataset
 from backend.stages.base import (StageResult, batching, fit, predict_held_out, task_metric_callback,
                                  tokenizer_and_template, train_and_eval_rows, trainable_model)
 

@@ -1,4 +1,4 @@
-"""backend/allocator.py: `tuneboard train` re-executes itself once with jemalloc (else tcmalloc) preloaded when
+"""backend/training/allocator.py: `tuneboard train` re-executes itself once with jemalloc (else tcmalloc) preloaded when
 installed, logs which allocator it runs with, and TUNEBOARD_ALLOCATOR picks or refuses. Real processes: the
 allocator is read from the process's own memory map."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import allocator
+from backend.training import allocator
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALLED = [name for name in allocator.LIBRARIES if allocator.find(name)]
@@ -21,7 +21,7 @@ needs_one = pytest.mark.skipif(not INSTALLED, reason="neither libjemalloc2 nor l
 SCRIPT = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {repo!r})
-    from backend import allocator
+    from backend.training import allocator
     print("pid", os.getpid(), flush=True)
     allocator.relaunch()
     print("loaded", allocator.loaded(), "|", allocator.describe(), flush=True)

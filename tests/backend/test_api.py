@@ -14,7 +14,7 @@ import openai
 import pytest
 from waiting import wait_for
 
-from backend.paths import REPO_ROOT
+from backend.core.paths import REPO_ROOT
 
 KEY = "sk-test-123"
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]

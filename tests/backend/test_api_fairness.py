@@ -13,9 +13,9 @@ import pytest
 from test_api import KEY, adapter_dir, start_server, stop_server  # noqa: F401  (adapter_dir: a fixture)
 from waiting import wait_for
 
-from backend.engine import load_engines
-from backend.scheduler import TurnLock
-from backend.spec import load_spec
+from backend.serving.engine import load_engines
+from backend.training.scheduler import TurnLock
+from backend.core.spec import load_spec
 
 CAP = 240  # the cap of the server below, and the long request's max_tokens: the most it may ask
 PROMPT = "The quick brown fox"  # greedy, the tiny model runs on from it without an end of turn

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness benchmarks (`tuneboard eval tasks=...`, backend/benchmarks.py) and logprobs in
+"""lm-evaluation-harness benchmarks (`tuneboard eval tasks=...`, backend/evaluation/benchmarks.py) and logprobs in
 `tuneboard api`: the shipped multiple-choice task scored in-process (lm-eval's HFLM on our loaded model, base
 and adapter) gives the same accuracy as lm-eval's `local-completions` model scoring it through the API's
 /v1/completions logprobs; the API's logprobs are the model's log-softmax; bad tasks are one line each."""
@@ -12,9 +12,9 @@ import time
 import openai
 import pytest
 
-from backend.benchmark_tasks import SHIPPED_TASK, lm_eval_missing
-from backend.paths import REPO_ROOT
-from backend.rundir import LM_EVAL_FILE
+from backend.core.benchmark_tasks import SHIPPED_TASK, lm_eval_missing
+from backend.core.paths import REPO_ROOT
+from backend.core.rundir import LM_EVAL_FILE
 
 pytestmark = pytest.mark.skipif(lm_eval_missing() is not None, reason="the lm-eval extra is not installed")
 
@@ -75,7 +75,7 @@ def tuneboard(*args, cwd=REPO_ROOT, env=None, timeout=600):
 def test_shipped_task_in_process_equals_lm_eval_through_the_api(tiny_qwen2, tuned, api, tmp_path):
     from lm_eval import simple_evaluate
 
-    from backend.benchmarks import build_tasks
+    from backend.evaluation.benchmarks import build_tasks
 
     # in-process, run from another working directory: the task's data_files are found next to its YAML
     out = tmp_path / "bench"
@@ -200,7 +200,7 @@ def test_logprobs_are_the_models_log_softmax(tiny_qwen2, api):
 
 
 def test_bad_tasks_are_one_line_each(tiny_qwen2, tmp_path):
-    from backend.benchmarks import BenchmarkError, build_tasks
+    from backend.evaluation.benchmarks import BenchmarkError, build_tasks
 
     with pytest.raises(BenchmarkError, match=r"tasks: hellaswagg: not an lm-eval task name \(did you mean .*hellaswag"):
         build_tasks(["hellaswagg"])
@@ -243,7 +243,7 @@ def test_train_refuses_tasks():
 
 
 def test_tasks_run_alone_other_parts_are_refused():
-    from backend.spec import SpecError, validate_spec
+    from backend.core.spec import SpecError, validate_spec
 
     for part in ("do_eval", "do_predict", "do_judge"):
         with pytest.raises(SpecError) as err:

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backend.adapters import apply_finetuning
-from backend.models import compute_dtype, cpu_bf16_supported, install_chunked_loss, load_model, resolve_model
+from backend.training.adapters import apply_finetuning
+from backend.training.models import compute_dtype, cpu_bf16_supported, install_chunked_loss, load_model, resolve_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (a GPU decides bf16 by itself)")
 
@@ -29,7 +29,7 @@ def test_bf16_request_follows_the_cpu():
 
 
 def test_trainer_gets_bf16_only_where_the_model_is_bf16(tmp_path):
-    from backend.spec import RunSpec
+    from backend.core.spec import RunSpec
     from backend.stages.base import training_arguments
 
     args = training_arguments(RunSpec(bf16=True), tmp_path, has_eval=False)

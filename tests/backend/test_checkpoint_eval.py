@@ -1,4 +1,4 @@
-"""tuneboard eval checkpoints=... (backend/checkpoint_eval.py) on a real tiny LoRA run with two checkpoints: one
+"""tuneboard eval checkpoints=... (backend/evaluation/checkpoint_eval.py) on a real tiny LoRA run with two checkpoints: one
 result per checkpoint and the final adapter, the same numbers as a plain `tuneboard eval` of one checkpoint, the
 base model loaded once, a STOP between checkpoints, and the refusals (one line each)."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from backend import checkpoint_eval, evaluate
-from backend import predict as prediction
-from backend.checkpoint_pick import CheckpointChoiceError, available, pick
-from backend.rundir import CHECKPOINT_EVAL_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE, STATUS_FILE, STOP_FILE
-from backend.spec import SpecError, load_spec, validate_spec
+from backend.evaluation import checkpoint_eval, evaluate
+from backend.evaluation import predict as prediction
+from backend.core.checkpoint_pick import CheckpointChoiceError, available, pick
+from backend.core.rundir import CHECKPOINT_EVAL_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE, STATUS_FILE, STOP_FILE
+from backend.core.spec import SpecError, load_spec, validate_spec
 
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]
 ROWS = ["dataset=identity", "max_samples=3", "max_new_tokens=8", "do_sample=false"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.adapters import apply_finetuning
-from backend.models import gradient_checkpointing_on, load_model, resolve_model
-from backend.spec import RunSpec, training_args_fields
+from backend.training.adapters import apply_finetuning
+from backend.training.models import gradient_checkpointing_on, load_model, resolve_model
+from backend.core.spec import RunSpec, training_args_fields
 
 CKPT_KEY = "activation_checkpointing" if "activation_checkpointing" in training_args_fields() else "gradient_checkpointing"
 
@@ -35,7 +35,7 @@ def test_checkpointing_default_and_switches(given, expected):
 
 def test_recipe_yaml_default_is_on_and_round_trips(tmp_path):
     """A run_spec.yaml written with defaults keeps 'unset' (not an explicit false that would switch it off)."""
-    from backend.spec import load_spec
+    from backend.core.spec import load_spec
 
     path = tmp_path / "run_spec.yaml"
     path.write_text(RunSpec(output_dir=str(tmp_path / "o")).to_yaml())
@@ -68,7 +68,7 @@ def one_step(folder, checkpointing: bool):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-@pytest.mark.parametrize("selective", ["1", "0"])  # backend/checkpointing.py: keep matmul/attention outputs, or not
+@pytest.mark.parametrize("selective", ["1", "0"])  # backend/core/checkpointing.py: keep matmul/attention outputs, or not
 def test_checkpointing_on_and_off_give_the_same_step(tiny_models, family, selective, monkeypatch):
     monkeypatch.setenv("TUNEBOARD_SELECTIVE_CHECKPOINT", selective)
     loss_on, grads_on = one_step(tiny_models[family], True)
@@ -85,7 +85,7 @@ def test_selective_checkpointing_keeps_the_costly_outputs_and_recomputes_the_res
     narrowing products are kept; the widening (gate/up) products and element-wise ops are recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from backend import checkpointing
+    from backend.core import checkpointing
 
     seen: dict[str, list] = {"saved": [], "recomputed": []}
     original = checkpointing._policy
@@ -115,7 +115,7 @@ def test_selective_only_where_its_extra_memory_fits(monkeypatch):
     """The bench recipe's micro-batch (4 x 512 tokens, SmolLM2: hidden 576, 30 layers, fp32) keeps ~0.6 GiB more:
     selective with 20 GiB free, plain with 4 GiB free; the guide's recipe (4 x 4096 packed) keeps ~5 GiB more:
     plain with 20 GiB free. The environment variable forces either."""
-    from backend.checkpointing import ENV, decide, extra_bytes
+    from backend.core.checkpointing import ENV, decide, extra_bytes
 
     monkeypatch.delenv(ENV, raising=False)
     gib = 2 ** 30
@@ -137,7 +137,7 @@ def test_checkpoint_kwargs_given_by_the_spec_are_left_as_they_are(tiny_models):
 
     from transformers import AutoModelForCausalLM
 
-    from backend import checkpointing
+    from backend.core import checkpointing
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     spec = SimpleNamespace(stage="sft", per_device_train_batch_size=1, cutoff_len=16,

@@ -1,4 +1,4 @@
-"""Chunked linear + cross-entropy (backend.losses): the same loss and gradients as transformers' plain
+"""Chunked linear + cross-entropy (backend.training.losses): the same loss and gradients as transformers' plain
 causal-LM loss, without ever holding the [tokens x vocab] logits; installed on the four tiny families
 (Gemma 2 with its logit soft-capping), refused by the probe where the head is not a plain projection."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend import losses
-from backend.losses import causal_lm_loss
-from backend.models import install_chunked_loss
+from backend.training import losses
+from backend.training.losses import causal_lm_loss
+from backend.training.models import install_chunked_loss
 
 FAMILIES = ["llama", "qwen2", "gemma2", "mistral"]
 
@@ -130,8 +130,8 @@ def test_lora_model_and_liger_gate(tiny_llama):
     """Through the peft wrapper the LM inside is patched; a model Liger already patched is left alone."""
     from types import SimpleNamespace
 
-    from backend.adapters import apply_finetuning
-    from backend.models import load_model, resolve_model
+    from backend.training.adapters import apply_finetuning
+    from backend.training.models import load_model, resolve_model
 
     spec = SimpleNamespace(model_name_or_path=str(tiny_llama), lora_rank=4, gradient_checkpointing=False)
     model = apply_finetuning(load_model(spec, resolve_model(str(tiny_llama))), spec)

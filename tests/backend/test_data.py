@@ -1,4 +1,4 @@
-"""backend.data: dataset_info.json + files -> normalized examples, bad-row reports, registering.
+"""backend.dataprep.data: dataset_info.json + files -> normalized examples, bad-row reports, registering.
 
 Everything here reads real files through the real `datasets` library (tmp files or the bundled data/)."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 import datasets
 import pytest
 
-from backend import data, paths
-from backend.data import DatasetError, load_dataset_info, load_examples, register_dataset, split_train_val
+from backend.core import paths
+from backend.dataprep import data
+from backend.dataprep.data import DatasetError, load_dataset_info, load_examples, register_dataset, split_train_val
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -526,7 +527,7 @@ def test_register_a_pretraining_corpus(tmp_path):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dataset_dir", ["None", "'data'"])
 def test_dataset_dir_works_from_another_cwd(tmp_path, dataset_dir):
-    code = ("from backend.data import load_examples; "
+    code = ("from backend.dataprep.data import load_examples; "
             f"ex, rep = load_examples('identity', {dataset_dir}); print(len(ex), rep.skipped)")
     env = dict(os.environ, PYTHONPATH=str(paths.REPO_ROOT))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -35,7 +35,7 @@ def flat(tmp_path, tiny_qwen2, teacher, monkeypatch):
 
 def generate(flat: dict) -> tuple[int, Path]:
     from backend.distill.pipeline import generate as gen
-    from backend.rundir import RunDir
+    from backend.core.rundir import RunDir
 
     spec = validate_distill(flat)
     run_dir = RunDir(spec.resolved_output_dir())
@@ -130,7 +130,7 @@ def test_generate_validates_every_pair_and_registers_the_dataset(flat, teacher, 
     assert progress["dataset"]["train_rows"] == len(train) and progress["dataset"]["cutoff_len"] <= 128
     assert len(lines(out / PAIRS_FILE)) == 6
     # the backend's own loader reads it with the template
-    from backend.data import load_examples
+    from backend.dataprep.data import load_examples
 
     examples, _ = load_examples("facts", tmp_path / "data")
     assert examples[0]["messages"][0]["content"].startswith(TASK + "\n")
@@ -218,7 +218,7 @@ def test_a_name_registered_for_another_file_is_refused(flat, tmp_path):
 def test_the_example_recipe_validates_and_reads_its_documents(monkeypatch):
     from backend.distill.documents import load_documents
     from backend.distill.spec import load_distill
-    from backend.paths import REPO_ROOT
+    from backend.core.paths import REPO_ROOT
 
     monkeypatch.chdir(REPO_ROOT)  # its paths are relative to the repository, where the README runs it
     spec = load_distill(["examples/distill/extraction.yaml"])
@@ -230,7 +230,7 @@ def test_the_example_recipe_validates_and_reads_its_documents(monkeypatch):
 
 def test_a_stopped_generation_keeps_its_answers_and_the_next_run_continues(flat, teacher):
     from backend.distill.pipeline import generate as gen
-    from backend.rundir import RunDir
+    from backend.core.rundir import RunDir
 
     flat.update(concurrency=1)
     spec = validate_distill(flat)
@@ -323,7 +323,7 @@ def test_kill_9_during_generate_then_a_rerun_resumes_from_the_cache(flat, teache
 
     from waiting import wait_for
 
-    from backend.spec import parse_overrides
+    from backend.core.spec import parse_overrides
 
     teacher.mode, teacher.gate_after = "gate", 2
     teacher.gate.clear()

@@ -14,7 +14,7 @@ import pytest
 from fake_teacher import make_docs
 
 from backend.distill import REPORT_FILE, read_progress
-from backend.paths import DEFAULT_MODEL_ID
+from backend.core.paths import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.slow
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]

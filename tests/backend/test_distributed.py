@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import launch
-from backend.spec import REFUSED, SpecError, load_spec
+from backend.core import launch
+from backend.core.spec import REFUSED, SpecError, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DS_NAMES = ("ds_z0_config.json", "ds_z2_config.json", "ds_z2_offload_config.json", "ds_z3_config.json",

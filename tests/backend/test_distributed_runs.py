@@ -142,9 +142,9 @@ def test_qlora_with_zero3_matches_one_process_and_saves_a_loadable_adapter(runs,
     import torch
     from safetensors.torch import load_file
 
-    from backend.adapters import apply_finetuning
-    from backend.models import load_model, resolve_model
-    from backend.spec import load_spec
+    from backend.training.adapters import apply_finetuning
+    from backend.training.models import load_model, resolve_model
+    from backend.core.spec import load_spec
 
     one, zero = ok(runs["qlora-one"]), ok(runs["qlora-zero3"])
     assert close(losses(zero), losses(one)), (losses(zero), losses(one))
@@ -224,7 +224,7 @@ def alive(procs: list[psutil.Process]) -> list[int]:
 def test_abort_from_the_ui_stops_both_ranks_after_the_same_step_with_one_checkpoint(tiny_llama, tmp_path):
     """The UI's job record (webui.jobs: launch.json with the launcher's pid, Abort = a STOP file, then SIGTERM /
     SIGKILL of the group) on a 2-process run: rank 0 reads STOP, both ranks stop after the same step."""
-    from backend.spec import load_spec
+    from backend.core.spec import load_spec
     from webui import jobs
 
     out = tmp_path / "aborted"

@@ -1,14 +1,14 @@
-"""backend.engine on tiny random models: adapters vs merged weights, streaming vs not, stop handling,
+"""backend.serving.engine on tiny random models: adapters vs merged weights, streaming vs not, stop handling,
 prompt ids, tool-call parsing, the vLLM fallback."""
 import copy
 import threading
 
 import pytest
 
-from backend.engine import (HFEngine, StopFilter, cut_at_stop, load_engines, make_sampling, parse_tool_calls,
+from backend.serving.engine import (HFEngine, StopFilter, cut_at_stop, load_engines, make_sampling, parse_tool_calls,
                             plan_served, vllm_unavailable)
-from backend.spec import load_spec
-from backend.templates import get_template
+from backend.core.spec import load_spec
+from backend.dataprep.templates import get_template
 
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
 
@@ -235,7 +235,7 @@ def test_chat_query_prints_one_clean_streamed_answer(tiny_qwen2, qwen_engine):
     import subprocess
     import sys
 
-    from backend.paths import REPO_ROOT
+    from backend.core.paths import REPO_ROOT
 
     proc = subprocess.run([sys.executable, "-m", "backend.cli", "chat", f"model_name_or_path={tiny_qwen2}",
                            "do_sample=false", "max_new_tokens=12", "--query", HELLO[0]["content"]],
@@ -255,7 +255,7 @@ def test_identity_demo_adapter_answers_with_the_trained_identity(identity_adapte
     import subprocess
     import sys
 
-    from backend.paths import REPO_ROOT
+    from backend.core.paths import REPO_ROOT
 
     run = identity_adapter
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from backend import metrics
+from backend.core import metrics
 
 
 def test_rouge_exact_match_and_json_fields_by_hand():
@@ -57,10 +57,10 @@ def test_eval_run_loss_and_streamed_predictions(tiny_llama, tiny_dataset, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backend.evaluate import PREDICTIONS_FILE, RESULTS_FILE, predict, run
-    from backend.preprocess import build_sft_dataset
-    from backend.spec import validate_spec
-    from backend.templates import get_template
+    from backend.evaluation.evaluate import PREDICTIONS_FILE, RESULTS_FILE, predict, run
+    from backend.dataprep.preprocess import build_sft_dataset
+    from backend.core.spec import validate_spec
+    from backend.dataprep.templates import get_template
 
     out = tmp_path / "eval"
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "template": "llama3", "finetuning_type": "full",
@@ -110,7 +110,7 @@ def test_eval_stopped_by_sigterm_keeps_and_scores_the_finished_rows(tiny_llama, 
     import subprocess
     import sys
 
-    from backend.paths import REPO_ROOT
+    from backend.core.paths import REPO_ROOT
     from waiting import wait_for
 
     rows = [{"instruction": f"Write a long story number {i}.", "output": "Once upon a time."} for i in range(40)]

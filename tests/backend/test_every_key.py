@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.spec import REFUSED, RunSpec, SpecError, _field_info, training_args_fields, validate_spec
+from backend.core.spec import REFUSED, RunSpec, SpecError, _field_info, training_args_fields, validate_spec
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -114,7 +114,7 @@ CONSUMED = {
     "eval_samples": "backend/test_task_metric.py::test_json_field_f1_at_each_save_and_the_best_checkpoint_is_the_adapter",
     "metric_for_best_model": "backend/test_task_metric.py::test_load_best_model_at_end_is_satisfied_by_the_task_metric",
     "early_stopping_patience": "backend/test_train_cli.py::test_early_stopping_ends_the_run_when_eval_loss_stops_improving",
-    # benchmark (tuneboard eval tasks=..., backend/benchmarks.py)
+    # benchmark (tuneboard eval tasks=..., backend/evaluation/benchmarks.py)
     "tasks": "backend/test_benchmarks.py::test_shipped_task_in_process_equals_lm_eval_through_the_api",
     "num_fewshot": "backend/test_benchmarks.py::test_num_fewshot_and_limit_reach_lm_eval",
     "limit": "backend/test_benchmarks.py::test_num_fewshot_and_limit_reach_lm_eval",
@@ -126,7 +126,7 @@ CONSUMED = {
     "judge_max_requests": "backend/test_judge_eval.py::test_refused_key_and_spent_budget",
     "judge_against": "backend/test_judge_eval.py::test_refused_key_and_spent_budget",
     "checkpoints": "backend/test_checkpoint_eval.py::test_every_checkpoint_and_the_final_on_the_same_rows",
-    # devices and distribution (backend/launch.py)
+    # devices and distribution (backend/core/launch.py)
     "nproc_per_node": "backend/test_distributed_runs.py::test_ddp_two_processes_match_one_process_with_the_doubled_batch",
     "nnodes": "backend/test_distributed.py::test_print_launch_gives_every_node_the_same_spec_and_rendezvous",
     "node_rank": "backend/test_distributed.py::test_print_launch_gives_every_node_the_same_spec_and_rendezvous",
@@ -254,7 +254,7 @@ def test_every_field_is_consumed_or_refused(name):
         return
     assert refused or to_trainer, (
         f"{name}={value!r} validates and changes nothing: make it work (and add the test to CONSUMED) or refuse "
-        "it in backend/spec.py with the reason")
+        "it in backend/core/spec.py with the reason")
 
 
 def test_refused_fields_are_marked_and_not_offered_in_the_form():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import paths
-from backend.spec import load_spec, read_spec_file
+from backend.core import paths
+from backend.core.spec import load_spec, read_spec_file
 
 EXAMPLES = sorted(paths.EXAMPLES_DIR.glob("*.yaml"))
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from backend.export import ExportError, compare, export, main, read_gguf_metadata
-from backend.spec import validate_spec
+from backend.exporting.export import ExportError, compare, export, main, read_gguf_metadata
+from backend.core.spec import validate_spec
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -44,7 +44,7 @@ def _source(tiny_llama, adapter):
 
 
 def _ids(tok):
-    from backend.templates import get_template
+    from backend.dataprep.templates import get_template
 
     text = get_template("llama3", tok).render_text(PROMPT, add_generation_prompt=True)
     return torch.tensor([tok(text, add_special_tokens=False).input_ids])
@@ -103,8 +103,8 @@ def test_gguf_f16_round_trip_metadata_and_modelfile(tiny_llama, adapter, tmp_pat
     assert tok.decode(got) == tok.decode(want)
 
     meta = read_gguf_metadata(out / gguf_file)
-    from backend.export import chat_template_for
-    from backend.templates import get_template
+    from backend.exporting.export import chat_template_for
+    from backend.dataprep.templates import get_template
 
     assert meta["tokenizer.chat_template"] == chat_template_for(get_template("llama3", tok), tok)
     assert meta["tokenizer.ggml.eos_token_id"] == tok.convert_tokens_to_ids("<|eot_id|>")
@@ -188,7 +188,7 @@ def test_gguf_other_architectures_round_trip_exactly(family, arch, request, tmp_
 def test_gguf_refuses_other_architectures():
     from transformers import GPT2Config
 
-    from backend.gguf_export import GGUFExportError, check_supported
+    from backend.exporting.gguf_export import GGUFExportError, check_supported
 
     with pytest.raises(GGUFExportError, match="GGUF export supports model_type llama, mistral, qwen2.*'gpt2'"):
         check_supported(GPT2Config())
@@ -221,7 +221,7 @@ def test_default_model_identity_export_answers_like_the_adapter(identity_adapter
     import subprocess
     import sys
 
-    from backend.paths import REPO_ROOT
+    from backend.core.paths import REPO_ROOT
 
     out = tmp_path / "merged"
     proc = subprocess.run([sys.executable, "-m", "backend.cli", "export", "examples/export_qwen.yaml",
@@ -255,7 +255,7 @@ def test_sigterm_mid_export_leaves_the_earlier_export_untouched(tiny_llama, adap
     import subprocess
     import sys
 
-    from backend.paths import REPO_ROOT
+    from backend.core.paths import REPO_ROOT
 
     out = tmp_path / "exports" / "merged"
     out.mkdir(parents=True)
@@ -282,7 +282,7 @@ def test_sigterm_mid_export_leaves_the_earlier_export_untouched(tiny_llama, adap
 def test_a_passing_export_replaces_the_old_one_and_a_failing_one_is_set_aside(tmp_path):
     """_put_in_place on real folders: passed -> export_dir holds the new files only; failed over an earlier
     export -> the earlier one stays and the new one is in <name>.failed; failed into an empty place -> there."""
-    from backend.export import _put_in_place, _staging_dir
+    from backend.exporting.export import _put_in_place, _staging_dir
 
     out = tmp_path / "m"
     out.mkdir()
@@ -310,7 +310,7 @@ def test_a_swap_killed_half_way_is_mended_by_the_next_export(tmp_path):
     import os
     import subprocess
 
-    from backend.export import _staging_dir
+    from backend.exporting.export import _staging_dir
 
     dead = subprocess.Popen(["true"])
     dead.wait()

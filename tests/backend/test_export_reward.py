@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from backend.export import ExportError, compare_reward, export
-from backend.rundir import is_reward_model_dir, reward_model_folder
-from backend.spec import SpecError, validate_spec
+from backend.exporting.export import ExportError, compare_reward, export
+from backend.core.rundir import is_reward_model_dir, reward_model_folder
+from backend.core.spec import SpecError, validate_spec
 
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]
 PAIRS = [  # not the export's own probe pairs: the test scores pairs of its own
@@ -44,10 +44,10 @@ def rm_lora(tiny_qwen2, tmp_path_factory):
 
 def scores_of(model_name_or_path, adapter, pairs=PAIRS) -> list[tuple[float, float]]:
     """Scores through the rm stage's own loader (base + score head + adapter), the reference."""
-    from backend.models import resolve_model
-    from backend.preference import build_preference_dataset
-    from backend.resolve import pick_template
-    from backend.reward_score import load_reward_model, score_pairs
+    from backend.training.models import resolve_model
+    from backend.dataprep.preference import build_preference_dataset
+    from backend.dataprep.resolve import pick_template
+    from backend.evaluation.reward_score import load_reward_model, score_pairs
 
     spec = validate_spec({"model_name_or_path": str(model_name_or_path), "stage": "rm", "dataset": "dpo_en_demo",
                           "adapter_name_or_path": str(adapter) if adapter else None,
@@ -62,7 +62,7 @@ def export_scores(folder, rows) -> list[tuple[float, float]]:
     """Scores of the exported folder loaded the plain transformers way, with its own tokenizer's pad id."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from backend.reward_score import score_pairs
+    from backend.evaluation.reward_score import score_pairs
 
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
     return score_pairs(model, AutoTokenizer.from_pretrained(folder), rows)

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from backend.data import load_examples
-from backend.adapters import apply_finetuning
-from backend.models import build_optimizer, install_optimizer, load_model, load_tokenizer, resolve_model
-from backend.preference import build_kto_dataset, build_preference_dataset
-from backend.preprocess import build_pt_dataset, build_sft_dataset
-from backend.spec import SpecError, validate_spec
-from backend.templates import get_template, with_thinking
+from backend.dataprep.data import load_examples
+from backend.training.adapters import apply_finetuning
+from backend.training.models import build_optimizer, install_optimizer, load_model, load_tokenizer, resolve_model
+from backend.dataprep.preference import build_kto_dataset, build_preference_dataset
+from backend.dataprep.preprocess import build_pt_dataset, build_sft_dataset
+from backend.core.spec import SpecError, validate_spec
+from backend.dataprep.templates import get_template, with_thinking
 
 
 def spec(**kwargs):
@@ -49,7 +49,7 @@ def _answers(examples):
 
 # ------------------------------------------------------------------------------------ default_system
 def test_default_system_is_in_training_and_eval_rows(tmp_path, tiny_qwen2):
-    from backend.evaluate import eval_examples
+    from backend.evaluation.evaluate import eval_examples
     from backend.stages.base import train_and_eval_rows
 
     folder = _dataset_dir(tmp_path)
@@ -321,10 +321,10 @@ def test_galore_scale_scales_the_update(tmp_path, tiny_llama):
 
 
 def test_galore_trains_through_the_stage(tmp_path, tiny_llama):
-    """The whole path: `stage: sft` with use_galore through backend.train (the Trainer, our optimizer hook)."""
+    """The whole path: `stage: sft` with use_galore through backend.training.train (the Trainer, our optimizer hook)."""
     from safetensors.torch import load_file
 
-    from backend import train
+    from backend.training import train
 
     out = tmp_path / "run"
     s = spec(model_name_or_path=str(tiny_llama), template="llama3", finetuning_type="full", use_galore=True,

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from backend.preprocess import IGNORE_INDEX, PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
+from backend.dataprep.preprocess import IGNORE_INDEX, PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 
 VOCAB = 97
 
@@ -51,8 +51,8 @@ def train_one_step(initial_state, tmp_path, rows, collator, batch_size, grad_acc
         torch.manual_seed(1)  # same LoRA init in every run
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                  init_lora_weights="gaussian"))
-    if varlen:  # one causal SDPA per row, rows from the collator's cu_seq_lens (backend.attention)
-        from backend.attention import use_varlen_attention
+    if varlen:  # one causal SDPA per row, rows from the collator's cu_seq_lens (backend.training.attention)
+        from backend.training.attention import use_varlen_attention
 
         assert use_varlen_attention(model) is None
     args = TrainingArguments(

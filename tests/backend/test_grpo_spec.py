@@ -7,7 +7,7 @@ import pkgutil
 
 import pytest
 
-from backend.spec import SpecError, spec_fields, validate_spec
+from backend.core.spec import SpecError, spec_fields, validate_spec
 from backend.stages import get_stage, matches
 
 BASE = {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "dataset": "extraction_demo"}
@@ -105,14 +105,14 @@ def test_use_vllm_refused_without_vllm_or_a_gpu():
 def test_prompts_are_rendered_by_our_template_with_their_reference(tmp_path):
     """Each row's prompt is the conversation up to the assistant's turn, as our template renders it for
     generation; its answer is the reference; a long prompt keeps its newest tokens."""
-    from backend.data import load_examples
-    from backend.rundir import RunDir
+    from backend.dataprep.data import load_examples
+    from backend.core.rundir import RunDir
     from backend.stages.grpo import prompt_rows
-    from backend.templates import get_template
+    from backend.dataprep.templates import get_template
     from transformers import AutoTokenizer
 
-    from backend.models import materialize_gguf
-    from backend.paths import default_model_file
+    from backend.training.models import materialize_gguf
+    from backend.core.paths import default_model_file
 
     tokenizer = AutoTokenizer.from_pretrained(materialize_gguf(default_model_file()))
     template = get_template("qwen")
@@ -146,7 +146,7 @@ def test_prompts_are_rendered_by_our_template_with_their_reference(tmp_path):
 def test_a_prompts_dataset_may_hold_rows_without_an_answer(tmp_path):
     """For stage grpo a row whose conversation ends with the user (or an alpaca row without output) is a
     prompt with no reference; for sft the same rows are bad rows."""
-    from backend.data import load_examples
+    from backend.dataprep.data import load_examples
 
     (tmp_path / "chat.json").write_text(json.dumps([
         {"messages": [{"role": "user", "content": "Give JSON"}]},

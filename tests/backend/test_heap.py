@@ -1,4 +1,4 @@
-"""backend.train.return_freed_memory: with it, big freed blocks go back to the OS (glibc), so a training
+"""backend.training.train.return_freed_memory: with it, big freed blocks go back to the OS (glibc), so a training
 step's peak RSS is its live tensors, not the heap's high-water mark. Measured in fresh subprocesses (the
 setting is process-wide)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from backend.train import return_freed_memory
+    from backend.training.train import return_freed_memory
     if sys.argv[1] == "on":
         print("threshold", return_freed_memory())
     def rss():
@@ -57,7 +57,7 @@ def test_freed_blocks_go_back_to_the_os():
 
 
 def test_threshold_can_be_turned_off(monkeypatch):
-    from backend.train import return_freed_memory
+    from backend.training.train import return_freed_memory
 
     monkeypatch.setenv("TUNEBOARD_MMAP_THRESHOLD", "0")
     assert return_freed_memory() is None

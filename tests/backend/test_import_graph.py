@@ -98,7 +98,7 @@ def test_finds_a_circle():
 
 def test_graph_sees_function_level_and_relative_imports():
     graph = import_graph()
-    assert "backend.spec" in graph and "webui.app" in graph
+    assert "backend.core.spec" in graph and "webui.app" in graph
     assert any(deps for deps in graph.values())
 
 
@@ -114,7 +114,7 @@ def test_spec_evaluate_and_rundir_name_no_stage():
     from backend.stages import STAGE_IDS
 
     found = []
-    for rel in ("backend/spec.py", "backend/evaluate.py", "backend/rundir.py"):
+    for rel in ("backend/core/spec.py", "backend/evaluation/evaluate.py", "backend/core/rundir.py"):
         tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if not isinstance(node, ast.Compare):

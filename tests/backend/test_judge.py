@@ -1,4 +1,4 @@
-"""backend/judge.py against a stand-in judge endpoint (tests/fake_teacher.py, modes judge_*), through the
+"""backend/evaluation/judge.py against a stand-in judge endpoint (tests/fake_teacher.py, modes judge_*), through the
 distill teacher's real httpx client: both orders asked, ties when the orders disagree, the interval, the budget,
 a refused key, the cache, and the key never written."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from backend.judge import JudgeFatal, JudgeSettings, judge_pairs, judge_win_rate, parse_verdict, wilson_interval
+from backend.evaluation.judge import JudgeFatal, JudgeSettings, judge_pairs, judge_win_rate, parse_verdict, wilson_interval
 from fake_teacher import KEY, FakeTeacher, no_key_under
 
 PROMPTS = [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]
@@ -154,7 +154,7 @@ def test_key_file(judge, tmp_path):
 
 def test_spec_keys_reach_the_judge_and_are_refused_without_one(tmp_path, capsys):
     from backend import cli
-    from backend.spec import SpecError, validate_spec
+    from backend.core.spec import SpecError, validate_spec
 
     key_file = tmp_path / "key.txt"
     key_file.write_text(KEY)
@@ -182,10 +182,10 @@ def test_spec_keys_reach_the_judge_and_are_refused_without_one(tmp_path, capsys)
 
 
 def test_a_web_ui_process_refuses_a_judge_its_operator_did_not_allow(monkeypatch):
-    """Under the web UI's policy (backend.teacher_access) validate refuses an internal judge address and a key
+    """Under the web UI's policy (backend.core.teacher_access) validate refuses an internal judge address and a key
     variable the operator does not offer, naming the field; allowed once the operator offers the key for it."""
-    from backend import teacher_access
-    from backend.spec import SpecError, validate_spec
+    from backend.core import teacher_access
+    from backend.core.spec import SpecError, validate_spec
 
     flat = {"do_judge": True, "judge_url": "http://127.0.0.1:9/v1", "judge_model": "j", "judge_against": "reference",
             "judge_api_key_env": "MY_JUDGE_KEY"}

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from backend.paths import REPO_ROOT
-from backend.rundir import EVAL_RESULTS_FILE, JUDGE_CACHE_DIRNAME, JUDGE_FILE, PREDICTIONS_FILE, STATUS_FILE
+from backend.core.paths import REPO_ROOT
+from backend.core.rundir import EVAL_RESULTS_FILE, JUDGE_CACHE_DIRNAME, JUDGE_FILE, PREDICTIONS_FILE, STATUS_FILE
 from fake_teacher import KEY, FakeTeacher, no_key_under
 
 ROWS = [{"instruction": "Say something nice.", "output": "A good day to you."},

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from backend.spec import validate_spec
+from backend.core.spec import validate_spec
 
 
 def spec(**kwargs):
@@ -15,7 +15,7 @@ def spec(**kwargs):
 def test_trust_remote_code_reaches_the_loaders(monkeypatch, tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from backend.models import load_model, resolve_model
+    from backend.training.models import load_model, resolve_model
 
     seen = []
     real = AutoModelForCausalLM.from_pretrained.__func__
@@ -32,7 +32,7 @@ def test_trust_remote_code_reaches_the_loaders(monkeypatch, tiny_llama):
 
 
 def test_neat_packing_packs_without_cross_attention():
-    from backend.preprocess import PackedCollator
+    from backend.dataprep.preprocess import PackedCollator
     from backend.stages.base import batching
 
     class Log:
@@ -52,7 +52,7 @@ def test_neat_packing_packs_without_cross_attention():
 
 def test_overwrite_output_dir_replaces_a_finished_run(tmp_path):
     from backend.stages.base import RunError
-    from backend.train import prepare_output_dir
+    from backend.training.train import prepare_output_dir
 
     out = tmp_path / "run"
     out.mkdir()
@@ -64,7 +64,7 @@ def test_overwrite_output_dir_replaces_a_finished_run(tmp_path):
 
 
 def test_generation_keys_are_the_served_defaults():
-    from backend.engine import make_sampling, sampling_defaults
+    from backend.serving.engine import make_sampling, sampling_defaults
 
     keys = dict(max_new_tokens=7, do_sample=False, temperature=0.3, top_p=0.5, top_k=3, repetition_penalty=1.2)
     sampling = make_sampling(sampling_defaults(spec(**keys)), {})
@@ -75,9 +75,9 @@ def test_generation_keys_are_the_served_defaults():
 
 def test_num_beams_and_sampling_keys_reach_generate(tiny_llama, tmp_path):
     """Predictions (do_predict, tuneboard eval) generate with the spec's keys."""
-    from backend.evaluate import predict
-    from backend.models import load_model, load_tokenizer, resolve_model
-    from backend.templates import get_template
+    from backend.evaluation.evaluate import predict
+    from backend.training.models import load_model, load_tokenizer, resolve_model
+    from backend.dataprep.templates import get_template
 
     resolved = resolve_model(str(tiny_llama))
     tokenizer = load_tokenizer(resolved)
@@ -97,7 +97,7 @@ def test_num_beams_and_sampling_keys_reach_generate(tiny_llama, tmp_path):
 
 
 def test_infer_dtype_and_export_device(monkeypatch, tmp_path):
-    from backend import export
+    from backend.exporting import export
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     assert export._save_dtype(spec(), tmp_path) == torch.bfloat16  # auto: the model's own dtype
@@ -108,7 +108,7 @@ def test_infer_dtype_and_export_device(monkeypatch, tmp_path):
 
 
 def test_do_eval_alone_skips_the_predictions(tiny_llama, tmp_path):
-    from backend.evaluate import PREDICTIONS_FILE, RESULTS_FILE, run
+    from backend.evaluation.evaluate import PREDICTIONS_FILE, RESULTS_FILE, run
 
     rows = [{"instruction": "Say hello.", "output": "Hello there!"}]
     (tmp_path / "rows.json").write_text(json.dumps(rows))

@@ -1,11 +1,12 @@
-"""The method contract (backend/methods.py): every declared method is a spec choice with its code in
-backend/adapters.py, and no other module decides by comparing method names."""
+"""The method contract (backend/core/methods.py): every declared method is a spec choice with its code in
+backend/training/adapters.py, and no other module decides by comparing method names."""
 import ast
 import typing
 from pathlib import Path
 
-from backend import adapters, methods
-from backend.spec import RunSpec
+from backend.core import methods
+from backend.training import adapters
+from backend.core.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,7 @@ def test_every_declared_method_is_a_spec_choice_with_its_code():
     assert set(choices) == set(methods.METHODS)
     for m in methods.METHODS.values():
         table = adapters.NEW_ADAPTER if m.adapter else adapters.TRAIN_IN_PLACE
-        assert m.id in table, f"{m.id}: no entry in backend/adapters.py"
+        assert m.id in table, f"{m.id}: no entry in backend/training/adapters.py"
         if m.form_group:
             assert any(f.json_schema_extra.get("group") == m.form_group for f in RunSpec.model_fields.values()
                        if isinstance(f.json_schema_extra, dict)), m.id
@@ -48,7 +49,7 @@ def _method_name_comparisons(path: Path) -> list[str]:
 def test_no_module_compares_method_names():
     """Code asks the declaration (is it an adapter? may the base be quantized?), so a new method is one
     declaration + one function. The two modules that own the methods are the exception."""
-    owners = {ROOT / "backend" / "methods.py", ROOT / "backend" / "adapters.py"}
+    owners = {ROOT / "backend" / "core" / "methods.py", ROOT / "backend" / "training" / "adapters.py"}
     files = [p for folder in ("backend", "webui") for p in (ROOT / folder).rglob("*.py") if p not in owners]
     hits = [hit for p in files for hit in _method_name_comparisons(p)]
     assert not hits, hits

@@ -1,4 +1,4 @@
-"""backend.models on real (tiny and bundled) models: resolution, GGUF materialization, loading with
+"""backend.training.models on real (tiny and bundled) models: resolution, GGUF materialization, loading with
 fallbacks, bitsandbytes QLoRA on the CPU, and which parameters each finetuning type trains."""
 import os
 import shutil
@@ -7,12 +7,13 @@ import time
 import pytest
 import torch
 
-from backend import models, registry
-from backend.adapters import apply_finetuning, count_parameters, find_all_linear_modules
-from backend.models import load_model, load_tokenizer, materialize_gguf, resolve_model
-from backend.paths import DEFAULT_MODEL_ID, default_model_file
-from backend.registry import lookup_registry
-from backend.spec import RunSpec
+from backend.core import registry
+from backend.training import models
+from backend.training.adapters import apply_finetuning, count_parameters, find_all_linear_modules
+from backend.training.models import load_model, load_tokenizer, materialize_gguf, resolve_model
+from backend.core.paths import DEFAULT_MODEL_ID, default_model_file
+from backend.core.registry import lookup_registry
+from backend.core.spec import RunSpec
 
 FAMILIES = ["llama", "qwen2", "gemma2", "mistral"]
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from backend import methods
-from backend.export import export
-from backend.spec import validate_spec
+from backend.core import methods
+from backend.exporting.export import export
+from backend.core.spec import validate_spec
 
 pytestmark = pytest.mark.slow
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from backend import rundir
+from backend.core import rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_run_file_literals_live_only_in_rundir():
     assert "generated_predictions.jsonl" in names and "training_loss.png" in names  # the scan sees the new ones
     found = []
     for path in _sources():
-        if path == ROOT / "backend" / "rundir.py":
+        if path == ROOT / "backend" / "core" / "rundir.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
@@ -37,18 +37,18 @@ def test_the_tuneboard_command_line_is_spelled_once():
     """`-m backend.cli` appears only in backend/paths.tuneboard_argv; every child process is built by it."""
     found = []
     for path in _sources():
-        if path == ROOT / "backend" / "paths.py":
+        if path == ROOT / "backend" / "core" / "paths.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and node.value == "backend.cli":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not found, "use backend.paths.tuneboard_argv: " + ", ".join(found)
+    assert not found, "use backend.core.paths.tuneboard_argv: " + ", ".join(found)
 
 
 def test_tuneboard_argv_is_the_module_command_line():
     import sys
 
-    from backend.paths import tuneboard_argv
+    from backend.core.paths import tuneboard_argv
     assert tuneboard_argv("train", "a.yaml") == [sys.executable, "-m", "backend.cli", "train", "a.yaml"]
     assert tuneboard_argv("api", unbuffered=True) == [sys.executable, "-u", "-m", "backend.cli", "api"]
 
@@ -56,7 +56,7 @@ def test_tuneboard_argv_is_the_module_command_line():
 def test_run_folders_are_named_in_rundir_only():
     """The time stamp of a run folder is spelled once (rundir.STAMP_FORMAT); the folder loops use unique_dir."""
     found = [f"{p.relative_to(ROOT)}" for p in _sources()
-             if p != ROOT / "backend" / "rundir.py" and rundir.STAMP_FORMAT in p.read_text(encoding="utf-8")]
+             if p != ROOT / "backend" / "core" / "rundir.py" and rundir.STAMP_FORMAT in p.read_text(encoding="utf-8")]
     assert not found, found
 
 
@@ -69,7 +69,7 @@ def test_unique_dir_skips_existing_and_taken(tmp_path):
 
 
 def test_the_data_tab_registers_through_the_backend_writer(tmp_path):
-    """webui.datasets.write_entry is backend.dataset_info.write_entry: other entries kept as written, a taken
+    """webui.datasets.write_entry is backend.core.dataset_info.write_entry: other entries kept as written, a taken
     name or a malformed file refused with the backend's line, the malformed file never overwritten."""
     import json
 
@@ -86,13 +86,13 @@ def test_the_data_tab_registers_through_the_backend_writer(tmp_path):
     with pytest.raises(D.RegisterError, match="not valid JSON"):
         D.write_entry("more", {"file_name": "more.json"}, tmp_path)
     assert (tmp_path / "dataset_info.json").read_text() == "{not json"
-    assert D.FORMATS == __import__("backend.dataset_info", fromlist=["x"]).FORMATTINGS
+    assert D.FORMATS == __import__("backend.core.dataset_info", fromlist=["x"]).FORMATTINGS
 
 
 def test_atomic_write_keeps_mode_and_read_json_dict_forgives(tmp_path):
     import os
 
-    from backend.atomic import read_json_dict, write_json_atomic
+    from backend.core.atomic import read_json_dict, write_json_atomic
     path = tmp_path / "a" / "s.json"
     write_json_atomic(path, {"k": "ü"})
     assert read_json_dict(path) == {"k": "ü"} and (path.stat().st_mode & 0o777) == 0o644
@@ -105,7 +105,7 @@ def test_atomic_write_keeps_mode_and_read_json_dict_forgives(tmp_path):
 
 
 def test_atomic_writes_go_through_backend_atomic():
-    """os.replace only in backend/atomic.py (and stages/base.py, which renames a staged checkpoint folder)."""
-    allowed = {ROOT / "backend" / "atomic.py", ROOT / "backend" / "stages" / "base.py"}
+    """os.replace only in backend/core/atomic.py (and stages/base.py, which renames a staged checkpoint folder)."""
+    allowed = {ROOT / "backend" / "core" / "atomic.py", ROOT / "backend" / "stages" / "base.py"}
     found = [str(p.relative_to(ROOT)) for p in _sources() if p not in allowed and "os.replace(" in p.read_text(encoding="utf-8")]
     assert not found, found

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from backend.preprocess import IGNORE_INDEX, PackedCollator, pack_rows
+from backend.dataprep.preprocess import IGNORE_INDEX, PackedCollator, pack_rows
 
 
 def make_rows(n: int, vocab: int, seed: int = 0) -> list[dict]:

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from backend.models import padding_free_problem
-from backend.preprocess import IGNORE_INDEX, PaddingCollator, PaddingFreeCollator
+from backend.training.models import padding_free_problem
+from backend.dataprep.preprocess import IGNORE_INDEX, PaddingCollator, PaddingFreeCollator
 
 FAMILIES = ["llama", "qwen2", "gemma2", "mistral"]
 
@@ -95,7 +95,7 @@ def test_collator_keeps_the_rows_of_the_batch():
 def test_varlen_sdpa_equals_padded(family_model):
     """The varlen SDPA (one causal attention per row, rows from the collator's cu_seq_lens) gives the padded
     batch's loss and gradients; a padded batch through the switched model is unchanged; the model goes back."""
-    from backend.attention import NAME, use_varlen_attention
+    from backend.training.attention import NAME, use_varlen_attention
 
     family, model = family_model
     before = model.config._attn_implementation
@@ -124,8 +124,8 @@ def test_varlen_sdpa_equals_the_packed_mask(family_model):
     """Packing (several rows in one sequence, position_ids restarting per row) through the varlen SDPA, one causal
     attention per packed row from the collator's cu_seq_lens, gives the loss and gradients of SDPA with the
     block-diagonal mask transformers builds from the position_ids."""
-    from backend.attention import NAME, use_varlen_attention
-    from backend.preprocess import PackedCollator, pack_rows
+    from backend.training.attention import NAME, use_varlen_attention
+    from backend.dataprep.preprocess import PackedCollator, pack_rows
 
     family, model = family_model
     before = model.config._attn_implementation
@@ -153,7 +153,7 @@ def test_varlen_sdpa_backward_is_linear_in_the_rows():
     Same gradients as the rows run alone."""
     from types import SimpleNamespace
 
-    from backend.attention import varlen_sdpa_forward
+    from backend.training.attention import varlen_sdpa_forward
 
     gen = torch.Generator().manual_seed(0)
     sizes = [5, 9, 3, 7, 6]

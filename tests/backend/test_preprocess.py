@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from backend.preprocess import (
+from backend.dataprep.preprocess import (
     IGNORE_INDEX,
     build_pt_dataset,
     build_sft_dataset,
@@ -39,7 +39,7 @@ class Seg:
 @pytest.fixture(scope="session")
 def chatml(smol_tokenizer):
     """SmolLM2's own format (ChatML + its default system prompt) from backend/templates."""
-    from backend.templates import get_template
+    from backend.dataprep.templates import get_template
 
     return get_template("smollm2", smol_tokenizer)
 
@@ -132,7 +132,7 @@ def test_tool_call_row(smol_tokenizer, chatml):
 
 @pytest.mark.parametrize("mask_history", [False, True])
 def test_auto_template_is_id_exact_with_apply_chat_template(smol_tokenizer, mask_history):
-    from backend.templates import get_template
+    from backend.dataprep.templates import get_template
 
     auto = get_template("auto", smol_tokenizer)
     enc = encode_example({"messages": MULTI}, auto, smol_tokenizer, 1024, mask_history=mask_history)
@@ -235,7 +235,7 @@ def test_build_sft_dataset_counts_truncated_and_skipped_rows(smol_tokenizer, cha
 
 def test_rows_without_trained_tokens_are_dropped_and_counted(smol_tokenizer):
     """With the "empty" template nothing marks the end of a turn: an empty answer trains nothing."""
-    from backend.templates import get_template
+    from backend.dataprep.templates import get_template
 
     empty = get_template("empty", smol_tokenizer)
     rows_in = [{"messages": [{"role": "user", "content": "Who are you?\n"}, {"role": "assistant", "content": a}],

@@ -1,11 +1,11 @@
 """`tuneboard preview` of preference data (what the Data tab shows): a ranking row is its prompt once plus
-the chosen and the rejected answer, split and counted exactly as backend.preference gives them to the DPO
+the chosen and the rejected answer, split and counted exactly as backend.dataprep.preference gives them to the DPO
 / reward trainers; a KTO row carries its desirable / undesirable tag. In-process (main + capsys)."""
 import json
 
 import pytest
 
-from backend import preview
+from backend.dataprep import preview
 
 
 def run(capsys, *args):
@@ -23,8 +23,8 @@ def preview_json(capsys, *args):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from backend.models import load_tokenizer, resolve_model
-    from backend.paths import DEFAULT_MODEL_ID
+    from backend.training.models import load_tokenizer, resolve_model
+    from backend.core.paths import DEFAULT_MODEL_ID
 
     return load_tokenizer(resolve_model(DEFAULT_MODEL_ID))
 
@@ -35,7 +35,7 @@ def text(part):
 
 def raw_rows(name):
     """The bundled file's own rows (the preview is checked against them, whatever the demo data holds)."""
-    from backend.paths import DATA_DIR
+    from backend.core.paths import DATA_DIR
 
     path = DATA_DIR / json.loads((DATA_DIR / "dataset_info.json").read_text())[name]["file_name"]
     if path.suffix == ".jsonl":

@@ -87,8 +87,8 @@ def test_probe_suggests_what_to_change_when_it_does_not_fit(probed):
 
 def test_suggestions_project_from_the_measurement():
     """4,000 of the 5,000 MiB came with training: half the batch (or the cutoff) halves that part."""
-    from backend.probe import suggestions
-    from backend.spec import load_spec
+    from backend.training.probe import suggestions
+    from backend.core.spec import load_spec
 
     spec = load_spec(None, ["model_name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct", "dataset=identity", "cutoff_len=1024",
                             "per_device_train_batch_size=4", "gradient_accumulation_steps=2"])

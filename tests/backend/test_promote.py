@@ -1,4 +1,4 @@
-"""tuneboard promote (backend/promote.py): a checkpoint of a real tiny run becomes the run's top-level
+"""tuneboard promote (backend/core/promote.py): a checkpoint of a real tiny run becomes the run's top-level
 adapter (or model weights), what loads the run folder gets its weights, --undo puts the final files back byte
 for byte, and each refusal is one line."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend import promote
-from backend.rundir import PROMOTION_FILE, PROMOTION_KEEP_DIR, RUNNING_LOG, STATUS_FILE
+from backend.core import promote
+from backend.core.rundir import PROMOTION_FILE, PROMOTION_KEEP_DIR, RUNNING_LOG, STATUS_FILE
 
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]
 
@@ -52,7 +52,7 @@ def _merged_weight(base: Path, adapter: Path):
     """The q_proj weight of layer 0 after loading `adapter` the way chat / export do (merged for inference)."""
     from transformers import AutoModelForCausalLM
 
-    from backend.adapters import apply_finetuning
+    from backend.training.adapters import apply_finetuning
 
     model = AutoModelForCausalLM.from_pretrained(base)
     model = apply_finetuning(model, SimpleNamespace(finetuning_type="lora", adapter_name_or_path=str(adapter)),
@@ -206,7 +206,7 @@ def _hand_made_run(root: Path) -> Path:
 
 
 def test_rows_promote_undo_on_a_hand_made_run(tmp_path):
-    from backend.rundir import CHECKPOINT_SCORES_FILE
+    from backend.core.rundir import CHECKPOINT_SCORES_FILE
 
     run = _hand_made_run(tmp_path)
     (run / CHECKPOINT_SCORES_FILE).write_text(json.dumps({

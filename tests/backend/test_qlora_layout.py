@@ -3,7 +3,7 @@
 On a CPU with avx512_bf16, bitsandbytes' Linear4bit repacks its weight for inference on the first eval-mode,
 no-grad forward (our padding-free probe is one), and the repacked path (`gemv_4bit`) has no backward: the
 LoRA gradients of every layer below the last went to 0 (and a ZeRO-3 checkpoint could not be written).
-backend.models.load_model switches the repacking off for a training model; this checks the gradients are the
+backend.training.models.load_model switches the repacking off for a training model; this checks the gradients are the
 ones of a model that was never probed.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ bnb = pytest.importorskip("bitsandbytes")
 
 
 def _model(tiny_llama):
-    from backend.adapters import apply_finetuning
-    from backend.models import load_model, resolve_model
-    from backend.spec import RunSpec
+    from backend.training.adapters import apply_finetuning
+    from backend.training.models import load_model, resolve_model
+    from backend.core.spec import RunSpec
 
     spec = RunSpec(model_name_or_path=str(tiny_llama), dataset="identity", template="llama3", quantization_bit=4,
                    lora_rank=4)
@@ -34,7 +34,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def test_an_eval_forward_leaves_the_qlora_gradients_intact(tiny_llama):
-    from backend.models import padding_free_problem
+    from backend.training.models import padding_free_problem
 
     plain = _grads(_model(tiny_llama))
     probed_model = _model(tiny_llama)

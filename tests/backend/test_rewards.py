@@ -1,12 +1,12 @@
-"""The built-in GRPO reward functions on hand-made completions, and a user's own function (backend.rewards)."""
+"""The built-in GRPO reward functions on hand-made completions, and a user's own function (backend.core.rewards)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from backend import rewards
-from backend.rewards import RewardError, build_reward_funcs
+from backend.core import rewards
+from backend.core.rewards import RewardError, build_reward_funcs
 
 REF = json.dumps({"name": "Pixel Tablet", "price": 391.81, "in_stock": False, "colors": ["grey", "black"]})
 VALID = '{"name": "Pixel Tablet", "price": 391.81, "in_stock": false, "colors": ["grey", "black"]}'

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend import paths
-from backend.spec import (
+from backend.core import paths
+from backend.core.spec import (
     RunSpec,
     SpecError,
     load_spec,
@@ -521,7 +521,7 @@ def test_training_arguments_mapping(files):
 def test_spec_imports_no_heavy_libraries():
     code = textwrap.dedent("""
         import sys
-        import backend.spec as s
+        import backend.core.spec as s
         s.RunSpec.model_validate({}, context={"check_files": False}).to_yaml()
         s.spec_fields(include_passthrough=True)
         s.load_spec(None, ["lora_rank=4"], check_files=False).training_arguments()

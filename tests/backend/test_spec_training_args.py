@@ -1,4 +1,4 @@
-"""backend/hf_training_args.json matches the installed transformers.TrainingArguments, and the
+"""backend/core/hf_training_args.json matches the installed transformers.TrainingArguments, and the
 kwargs a RunSpec produces are accepted by it. (This test may import transformers; spec.py may not.)"""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from backend import paths
-from backend.spec import HF_TRAINING_ARGS_JSON, RunSpec, training_args_fields, validate_spec
+from backend.core import paths
+from backend.core.spec import HF_TRAINING_ARGS_JSON, RunSpec, training_args_fields, validate_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +29,7 @@ def test_json_is_up_to_date_with_installed_transformers():
     stale = sorted(set(recorded) - set(fresh))
     changed = sorted(k for k in set(fresh) & set(recorded) if fresh[k] != recorded[k])
     assert not (missing or stale or changed), (
-        f"backend/hf_training_args.json is out of date with transformers {transformers.__version__} "
+        f"backend/core/hf_training_args.json is out of date with transformers {transformers.__version__} "
         f"(missing {missing}, stale {stale}, changed {changed}): run scripts/gen_training_args.py")
 
 

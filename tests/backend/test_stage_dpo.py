@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.spec import SpecError, validate_spec
+from backend.core.spec import SpecError, validate_spec
 
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]
 TOPICS = ["the sea", "a cat", "music", "trees", "the moon", "bread", "rain", "a bicycle", "winter", "coffee",
@@ -55,10 +55,10 @@ def _spec(tiny_llama, toy_dir, **overrides):
 @pytest.fixture(scope="module")
 def toy_rows(tiny_llama, toy_dir) -> list[dict]:
     """The toy pairs as the stage tokenizes them (llama3 template)."""
-    from backend.data import load_examples
-    from backend.models import load_tokenizer, resolve_model
-    from backend.preference import build_preference_dataset
-    from backend.templates import get_template
+    from backend.dataprep.data import load_examples
+    from backend.training.models import load_tokenizer, resolve_model
+    from backend.dataprep.preference import build_preference_dataset
+    from backend.dataprep.templates import get_template
 
     tokenizer = load_tokenizer(resolve_model(str(tiny_llama)))
     examples, _ = load_examples("toy_pairs", toy_dir, stage="dpo")
@@ -68,7 +68,7 @@ def toy_rows(tiny_llama, toy_dir) -> list[dict]:
 
 def _other_model(tiny_llama):
     """The tiny model with its weights moved a little: a reference the policy differs from at step 0."""
-    from backend.models import load_model, resolve_model
+    from backend.training.models import load_model, resolve_model
 
     model = load_model(_spec_plain(tiny_llama), resolve_model(str(tiny_llama)), for_training=False)
     gen = torch.Generator().manual_seed(7)
@@ -87,7 +87,7 @@ def _trainer(spec, rows, tmp_path, ref_model=None):
     from datasets import Dataset
     from transformers import set_seed
 
-    from backend.models import load_tokenizer, resolve_model
+    from backend.training.models import load_tokenizer, resolve_model
     from backend.stages import dpo
     from backend.stages.base import trainable_model, training_arguments
 
@@ -186,7 +186,7 @@ def test_reference_model_per_setup(tiny_llama, toy_dir):
     KTO (stages.base.reference_model), so the run log says which."""
     from safetensors.torch import load_file
 
-    from backend.models import resolve_model
+    from backend.training.models import resolve_model
     from backend.stages.base import RunError, trainable_model
     from backend.stages.dpo import preference_reference
 
@@ -311,8 +311,8 @@ def test_each_loss_learns_the_toy_preference(loss, preference_runs):
 @pytest.mark.slow
 def test_dpo_adapter_chats(preference_runs, tiny_llama, capsys):
     """The saved adapter loads and answers in `tuneboard chat --query` (its main, in this process)."""
-    from backend import chat
-    from backend.spec import load_spec
+    from backend.serving import chat
+    from backend.core.spec import load_spec
 
     out = preference_runs("sigmoid")
     spec = load_spec(None, [f"model_name_or_path={tiny_llama}", f"adapter_name_or_path={out}", "template=llama3",

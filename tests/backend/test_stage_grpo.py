@@ -104,7 +104,7 @@ def test_grpo_logs_kl_length_and_clip_series(learned):
 
 
 def test_completions_sample_in_the_run_dir_and_log(learned):
-    from backend.rundir import COMPLETIONS_FILE
+    from backend.core.rundir import COMPLETIONS_FILE
 
     samples = [json.loads(line) for line in (learned / COMPLETIONS_FILE).read_text().splitlines()]
     assert {s["step"] for s in samples} == set(range(1, STEPS + 1))
@@ -120,8 +120,8 @@ def test_completions_sample_in_the_run_dir_and_log(learned):
 
 def test_grpo_adapter_chats(learned, toy, capsys):
     """The saved adapter (one adapter: no copy of TRL's reference adapter) loads and answers in chat."""
-    from backend import chat
-    from backend.spec import load_spec
+    from backend.serving import chat
+    from backend.core.spec import load_spec
 
     assert (learned / "adapter_model.safetensors").is_file() and not (learned / "ref").exists()
     spec = load_spec(None, [f"model_name_or_path={toy[0]}", f"adapter_name_or_path={learned}", "template=llama3",

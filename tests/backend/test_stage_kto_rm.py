@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.spec import SpecError, validate_spec
+from backend.core.spec import SpecError, validate_spec
 from backend.stages import get_stage
 
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]
@@ -146,7 +146,7 @@ def test_rm_reloads_with_the_same_scores(rm_run, rm_eval):
 
 @slow
 def test_rm_run_dir_names_its_base_for_ppo(rm_run, tiny_qwen2):
-    from backend.reward_score import reward_model_location
+    from backend.evaluation.reward_score import reward_model_location
 
     assert reward_model_location(rm_run) == (str(tiny_qwen2), str(rm_run.resolve()))
     with pytest.raises(ValueError, match="not a reward model"):
@@ -172,7 +172,7 @@ def test_full_reward_model_saves_a_model_that_reloads(tiny_qwen2, tmp_path):
 
 @slow
 def test_a_model_without_a_trained_score_head_is_not_loaded_as_a_reward_model(kto_run, tiny_qwen2):
-    from backend.reward_score import load_reward_model
+    from backend.evaluation.reward_score import load_reward_model
 
     with pytest.raises(ValueError, match="model_name_or_path: .* is not a reward model"):
         load_reward_model(validate_spec({"model_name_or_path": str(tiny_qwen2), "stage": "rm", "dataset": "dpo_en_demo"}))

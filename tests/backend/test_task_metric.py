@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from backend.rundir import CHECKPOINT_SCORES_FILE, LOG_FILE, RUNNING_LOG
-from backend.spec import SpecError, validate_spec
+from backend.core.rundir import CHECKPOINT_SCORES_FILE, LOG_FILE, RUNNING_LOG
+from backend.core.spec import SpecError, validate_spec
 
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]
 
@@ -88,10 +88,10 @@ def test_eval_loss_metric_picks_the_lowest_with_full_finetuning(tiny_llama, tmp_
 
 def test_batched_generation_equals_one_row_at_a_time(tiny_llama):
     """The left-padded batch (one generate() call, KV cache) gives each row the greedy answer it gets alone."""
-    from backend.evaluate import eval_examples
-    from backend.models import load_model, load_tokenizer, resolve_model
-    from backend.predict import generate, generation_kwargs, split_prompt
-    from backend.resolve import pick_template
+    from backend.evaluation.evaluate import eval_examples
+    from backend.training.models import load_model, load_tokenizer, resolve_model
+    from backend.evaluation.predict import generate, generation_kwargs, split_prompt
+    from backend.dataprep.resolve import pick_template
 
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "dataset": "extraction_demo", "max_samples": 12,
                           "max_new_tokens": 10, "template": "llama3"}, check_files=False)
@@ -109,7 +109,7 @@ def test_batched_generation_equals_one_row_at_a_time(tiny_llama):
 
 
 def test_scores_of_the_generation_metrics():
-    from backend.task_metric import TaskMetricError, check_rows, score
+    from backend.evaluation.task_metric import TaskMetricError, check_rows, score
 
     refs = ['{"a": 1, "b": "x"}', '{"a": 2, "b": "y"}']
     preds = ['{"a": 1.5, "b": "X"}', "not json"]
@@ -167,7 +167,7 @@ def test_load_best_model_at_end_is_satisfied_by_the_task_metric():
 def test_generation_batch_fits_the_training_token_budget():
     """Rows per generate() call: the training micro-batch's tokens x 8 (no activations kept for a backward pass),
     at least per_device_eval_batch_size, at most every row."""
-    from backend.task_metric import GENERATION_BUDGET, generation_batch
+    from backend.evaluation.task_metric import GENERATION_BUDGET, generation_batch
 
     spec = validate_spec({"per_device_train_batch_size": 4, "cutoff_len": 512, "per_device_eval_batch_size": 2},
                          check_files=False)

@@ -1,5 +1,5 @@
 """Issue #25 part 2: a UI user sends none of the server's environment variables to a URL, and makes the server
-call no internal address (backend.teacher_access), checked by `tuneboard distill` itself when the web UI
+call no internal address (backend.core.teacher_access), checked by `tuneboard distill` itself when the web UI
 started it (TUNEBOARD_TEACHER_POLICY=webui); the teacher client never follows a redirect, for anybody.
 Real listeners (tests/fake_teacher.py) catch what would have leaked."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from fake_teacher import KEY, SCHEMA, TASK, FakeTeacher, make_docs
 from test_distill import generate
 
-from backend import teacher_access as ta
+from backend.core import teacher_access as ta
 from backend.distill import read_progress
 
 SECRET = "leaked-secret-value-31337"

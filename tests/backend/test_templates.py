@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.templates import Segment, Template, TokenizerTemplate, get_template, list_templates, validate_messages
+from backend.dataprep.templates import Segment, Template, TokenizerTemplate, get_template, list_templates, validate_messages
 
 SYS = [{"role": "system", "content": "You are terse."},
        {"role": "user", "content": "Hi"},
@@ -378,7 +378,7 @@ def test_bad_tool_call_arguments_name_the_message():
 
 
 def test_template_file_unknown_key(tmp_path, monkeypatch):
-    import backend.templates as tm
+    import backend.dataprep.templates as tm
     (tmp_path / "bad.yaml").write_text('user: "{content}"\nasistant_suffix: "x"\n')
     monkeypatch.setattr(tm, "TEMPLATES_DIR", tmp_path)
     with pytest.raises(ValueError, match=r"bad\.yaml: unknown key 'asistant_suffix' \(did you mean 'assistant_suffix'\?\)"):
@@ -403,7 +403,7 @@ def test_auto_needs_a_chat_template():
 @pytest.fixture(scope="module")
 def smol_tok():
     from transformers import AutoTokenizer
-    from backend.paths import default_model_file
+    from backend.core.paths import default_model_file
     f = default_model_file()
     return AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
 
@@ -526,7 +526,7 @@ def test_template_class_api():
 @pytest.mark.parametrize("name", sorted(set(GOLDEN) - {"qwen3", "qwen3_nothink"}))
 def test_template_to_jinja_renders_the_same(name):
     """The exported jinja, run by transformers' renderer, gives render_text's string (plain turns)."""
-    from backend.templates import template_to_jinja
+    from backend.dataprep.templates import template_to_jinja
     t = get_template(name)
     tok = JinjaTokenizer(template_to_jinja(t), "<unused-bos>", "<unused-eos>")
     spaced = [{"role": "system", "content": " s "}, {"role": "user", "content": " q "},
@@ -537,6 +537,6 @@ def test_template_to_jinja_renders_the_same(name):
 
 
 def test_template_to_jinja_refuses_reasoning_templates():
-    from backend.templates import template_to_jinja
+    from backend.dataprep.templates import template_to_jinja
     with pytest.raises(NotImplementedError, match="qwen3"):
         template_to_jinja(get_template("qwen3"))

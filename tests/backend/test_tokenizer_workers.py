@@ -1,6 +1,6 @@
 """preprocessing_num_workers: the forked tokenizer processes end, in a run that handles SIGTERM itself.
 
-The run installs a SIGTERM handler that only sets a flag (backend.callbacks.StopSwitch); forked pool workers
+The run installs a SIGTERM handler that only sets a flag (backend.training.callbacks.StopSwitch); forked pool workers
 inherited it, and a pool ended with terminate() (a `with Pool` block) SIGTERMs workers waiting on the queue
 lock it holds: they swallowed the signal and the run hung (one rank of each 2-process run, and within ~15 pools
 in the loop below). Each check runs in a subprocess with a timeout, so a regression fails instead of hanging.
@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 LOOP = """
 import signal
-from backend.preprocess import Stats, in_workers
-signal.signal(signal.SIGTERM, lambda signum, frame: None)  # what backend.callbacks.StopSwitch.install() does
+from backend.dataprep.preprocess import Stats, in_workers
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # what backend.training.callbacks.StopSwitch.install() does
 def build(examples):
     return [{"x": e} for e in examples], Stats()
 for i in range(100):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.curves import smooth
-from backend.models import cpu_bf16_supported
+from backend.core.curves import smooth
+from backend.training.models import cpu_bf16_supported
 
 pytestmark = pytest.mark.slow
 TUNEBOARD = [sys.executable, "-m", "backend.cli"]
@@ -55,15 +55,15 @@ def test_lora_sft_on_tiny_llama(tiny_llama, tmp_path):
     assert all(isinstance(r["loss"], float) and r["loss"] > 0 for r in rows)
     assert all(r["total_steps"] == 6 for r in rows)
     assert (out / "run_spec.yaml").exists() and (out / "running_log.txt").read_text()
-    # the training process ran with jemalloc/tcmalloc preloaded when one is installed (backend/allocator.py)
-    from backend import allocator
+    # the training process ran with jemalloc/tcmalloc preloaded when one is installed (backend/training/allocator.py)
+    from backend.training import allocator
 
     first = next((name for name in allocator.LIBRARIES if allocator.find(name)), "glibc")
     assert f"memory allocator: {first}" in (out / "running_log.txt").read_text()
     assert "gradient checkpointing: selective" in (out / "running_log.txt").read_text()  # a tiny model: it fits
     # third-party warnings (peft asks the model the deprecated is_gradient_checkpointing: a FutureWarning) are in
     # the run's debug log, not in what the user reads (the process output, running_log.txt)
-    from backend.rundir import DEBUG_LOG
+    from backend.core.rundir import DEBUG_LOG
 
     user_text = proc.stdout + proc.stderr + (out / "running_log.txt").read_text()
     assert "FutureWarning" not in user_text and "UserWarning" not in user_text, user_text[-3000:]

@@ -53,7 +53,7 @@ def saves_root(tmp_path_factory):
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """A copy of the bundled data folder, so registering a dataset never touches the repo's."""
-    from backend.paths import DATA_DIR
+    from backend.core.paths import DATA_DIR
 
     d = tmp_path_factory.mktemp("data") / "data"
     shutil.copytree(DATA_DIR, d)
@@ -62,7 +62,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def app_url(saves_root, tmp_path_factory):
-    from backend import allowed
+    from backend.core import allowed
     from webui import jobs
     from webui.app import create_app, launch_kwargs
 

@@ -8,7 +8,7 @@ from playwright.sync_api import expect
 
 from ui_actions import open_tab, pick_option, set_number
 
-from backend.rundir import PROMOTION_FILE
+from backend.core.rundir import PROMOTION_FILE
 
 
 def test_checkpoints_part_evaluates_picked_checkpoints_and_promotes(app_page, saves_root, finished_runs, shot):

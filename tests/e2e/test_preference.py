@@ -131,7 +131,7 @@ def test_overlay_plots_any_logged_metric_and_continue_with_dpo(app_page, finishe
 
 
 def test_data_tab_shows_a_ranking_row_as_prompt_chosen_rejected(app_page, shot):
-    from backend.paths import DATA_DIR
+    from backend.core.paths import DATA_DIR
 
     raw = json.loads((DATA_DIR / "dpo_en_demo.json").read_text())[0]
     open_tab(app_page, "Data")

@@ -9,7 +9,7 @@ from playwright.sync_api import expect
 
 from ui_actions import open_tab, pick_option, set_dropdown
 
-from backend.rundir import CHECKPOINT_SCORES_FILE
+from backend.core.rundir import CHECKPOINT_SCORES_FILE
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

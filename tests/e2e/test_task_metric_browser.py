@@ -12,7 +12,7 @@ from ui_actions import click_start, pick_option, set_dropdown, set_number
 
 
 def test_train_tab_plots_the_task_metric_of_each_save(app_page, saves_root, tiny_llama, shot):
-    from backend.rundir import CHECKPOINT_SCORES_FILE
+    from backend.core.rundir import CHECKPOINT_SCORES_FILE
 
     page = app_page
     set_dropdown(page, "top-model_name_or_path", tiny_llama)

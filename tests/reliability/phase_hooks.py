@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, wherever this is started from
 
-from backend import supervise  # noqa: E402
+from backend.core import supervise  # noqa: E402
 from backend.cli import main  # noqa: E402
 
-# `tuneboard train` trains in a child of a supervising parent that re-runs this script (backend/supervise.py): the
+# `tuneboard train` trains in a child of a supervising parent that re-runs this script (backend/core/supervise.py): the
 # hooks go into the child (and into export / eval), never into the parent, which only waits
 PHASE = os.environ.get("TUNEBOARD_TEST_HOLD_IN", "") if sys.argv[1:2] != ["train"] or not supervise.available() else ""
 MARKERS = Path(os.environ.get("TUNEBOARD_TEST_MARKERS", "."))
@@ -51,7 +51,8 @@ def wrap(module, name: str, phase: str, when=lambda *a, **k: True) -> None:
 
 
 if PHASE:
-    from backend import callbacks, models, preprocess
+    from backend.dataprep import preprocess
+    from backend.training import callbacks, models
 
     install = callbacks.StopSwitch.install
 
@@ -68,11 +69,11 @@ if PHASE:
 
         wrap(Trainer, "_save_rng_state", "save")  # called after the weights and optimizer are written
     if PHASE == "export":
-        from backend import export
+        from backend.exporting import export
 
         wrap(export, "_say", "export", when=lambda step, message: step == 5)  # the files are written to staging
     if PHASE == "predict":
-        from backend import predict as prediction  # eval and a stage's do_predict both call prediction.predict
+        from backend.evaluation import predict as prediction  # eval and a stage's do_predict both call prediction.predict
 
         original_predict = prediction.predict
 

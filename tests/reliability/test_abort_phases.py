@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.rundir import read_status
+from backend.core.rundir import read_status
 from waiting import in_group, wait_for
 from webui import jobs, tools
 

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 
-from backend.paths import REPO_ROOT
+from backend.core.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ line it must get back, naming the field, file or row, with no traceback.
 - VALIDATE: `tuneboard validate` (the CLI's own main, in this process: fast) on a spec or key=value
   overrides; exit code 1, the header line, then `<field>: <message>` lines. A few go through the real
   command in its own process too (test_the_real_command_says_the_same).
-- DATA: backend.data.load_examples, what training, preview and the Data tab call: a DatasetError naming the
+- DATA: backend.dataprep.data.load_examples, what training, preview and the Data tab call: a DatasetError naming the
   dataset and file, or a skipped row named in the data report; the other datasets stay usable.
 - PREPROCESS: rows longer than cutoff_len are named in the warning; a row left with nothing to train is named.
 - COMMAND: `tuneboard api` on a port in use says so and exits, before loading anything.
@@ -22,8 +22,8 @@ import sys
 import pytest
 
 from backend.cli import main as tuneboard
-from backend.data import DatasetError, load_examples
-from backend.paths import REPO_ROOT
+from backend.dataprep.data import DatasetError, load_examples
+from backend.core.paths import REPO_ROOT
 
 SECRET = "hf_SeCrEt_do_not_print_42"
 
@@ -145,7 +145,7 @@ def test_validate_refuses_with_one_clear_line(case, tmp_path, capsys):
 def test_a_cut_short_gguf_is_refused_at_validate(tmp_path, capsys):
     """Issue 25, item 6: the first 2 MB of the real default model (98 MB) passed validate, which read only its
     magic. Now the header is walked and the tensor data measured against the file; the whole file passes."""
-    from backend.paths import default_model_file
+    from backend.core.paths import default_model_file
 
     whole = default_model_file()
     for size, words in ((2_000_000, ["is truncated", "2000000 bytes, its header describes", str(whole.stat().st_size)]),
@@ -227,8 +227,8 @@ def test_one_bad_row_is_skipped_and_named_the_rest_train(tmp_path):
 def test_rows_longer_than_cutoff_len_are_named(default_model_dir):
     from transformers import AutoTokenizer
 
-    from backend.preprocess import build_sft_dataset
-    from backend.templates import get_template
+    from backend.dataprep.preprocess import build_sft_dataset
+    from backend.dataprep.templates import get_template
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     template = get_template("smollm2", tokenizer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from backend.paths import REPO_ROOT
+from backend.core.paths import REPO_ROOT
 
 SHELL_CALLS = {("os", "system"), ("os", "popen"), ("subprocess", "getoutput"), ("subprocess", "getstatusoutput"),
                ("os", "spawnlp"), ("os", "spawnvp"), ("pty", "spawn")}

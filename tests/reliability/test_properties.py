@@ -9,8 +9,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend import data as D
-from backend.spec import RunSpec, SpecError, load_spec
+from backend.dataprep import data as D
+from backend.core.spec import RunSpec, SpecError, load_spec
 
 SETTINGS = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.function_scoped_fixture])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.paths import REPO_ROOT
-from backend.rundir import STATUS_FILE, RunDir, mark_ended, read_status
+from backend.core.paths import REPO_ROOT
+from backend.core.rundir import STATUS_FILE, RunDir, mark_ended, read_status
 from backend.stages.base import RunError, resume_checkpoint
 from webui import jobs
 
@@ -23,7 +23,7 @@ from webui import jobs
 FULL_DISK_FINISH = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-from backend.rundir import RunDir
+from backend.core.rundir import RunDir
 run = RunDir(sys.argv[1])
 run.start()
 run.update_status(step=3, total_steps=10)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from backend.rundir import read_status
+from backend.core.rundir import read_status
 from waiting import wait_for
 from webui import jobs
 

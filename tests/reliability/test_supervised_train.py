@@ -1,5 +1,5 @@
 """`tuneboard train` from a command line (no web UI watching), killed or stopped at an exact point (issue 25, part 5):
-its supervising parent (backend/supervise.py) writes the final status the training process could not, so a script
+its supervising parent (backend/core/supervise.py) writes the final status the training process could not, so a script
 or a second CLI reading status.json never sees a dead run as running.
 
 - kill -9 of the training child -> status.json says failed, with the signal and the step, within seconds; the
@@ -23,9 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from backend import allocator
-from backend.paths import REPO_ROOT
-from backend.rundir import is_complete_checkpoint, read_status
+from backend.training import allocator
+from backend.core.paths import REPO_ROOT
+from backend.core.rundir import is_complete_checkpoint, read_status
 from waiting import wait_for
 
 pytestmark = pytest.mark.slow

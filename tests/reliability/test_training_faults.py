@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from backend.paths import REPO_ROOT
-from backend.rundir import is_complete_checkpoint, read_status
+from backend.core.paths import REPO_ROOT
+from backend.core.rundir import is_complete_checkpoint, read_status
 from waiting import wait_for
 from webui import jobs
 

@@ -1,4 +1,4 @@
-"""A UI login does not mean running code on the server (issue 25, item 1; SECURITY.md; backend/allowed.py).
+"""A UI login does not mean running code on the server (issue 25, item 1; SECURITY.md; backend/core/allowed.py).
 
 The probe's attack, through the real Gradio API of an app launched in-process: upload a Python file through
 Gradio's own upload route, then Start a GRPO run whose reward_funcs names `<uploaded path>:f` (or `os:system`,
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from backend import allowed, paths
+from backend.core import allowed, paths
 from ui_roots import ui_roots
 
 EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n\ndef f(prompts, completions, **kw):\n" \

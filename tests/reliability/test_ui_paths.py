@@ -1,4 +1,4 @@
-"""The web UI reads and writes only under its allowed roots (issue 9, items 1, 2 and 10; backend/allowed.py).
+"""The web UI reads and writes only under its allowed roots (issue 9, items 1, 2 and 10; backend/core/allowed.py).
 
 Every escape attempt goes through the real Gradio API (gradio_client) of an app launched in-process, as an
 attacker on the loopback would: spec Save / Load, the Data tab's folder, preview and register, the Export
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from backend import allowed
+from backend.core import allowed
 from ui_roots import ui_roots
 from webui import fields as F
 

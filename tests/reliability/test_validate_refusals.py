@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from backend.cli import main as tuneboard
-from backend.paths import REPO_ROOT
+from backend.core.paths import REPO_ROOT
 
 
 @pytest.fixture

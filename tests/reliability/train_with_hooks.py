@@ -19,17 +19,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, wherever this is started from
 
-from backend import supervise  # noqa: E402
+from backend.core import supervise  # noqa: E402
 from backend.cli import main  # noqa: E402
 
-# `tuneboard train` trains in a child of a supervising parent that re-runs this script (backend/supervise.py): the
+# `tuneboard train` trains in a child of a supervising parent that re-runs this script (backend/core/supervise.py): the
 # hooks go into the child, never into the parent, which only waits
 if supervise.available():
     sys.argv[1:1] = ["train"]
     sys.exit(main())
 
-from backend import callbacks  # noqa: E402
-from backend.rundir import STOP_FILE  # noqa: E402
+from backend.training import callbacks  # noqa: E402
+from backend.core.rundir import STOP_FILE  # noqa: E402
 
 _original = callbacks.RunDirCallback.on_step_end
 

@@ -2,7 +2,7 @@
 
 The real `tuneboard train` loads a model and takes minutes; jobs.py only cares about process mechanics
 (pid, process group, output file, status.json, STOP file, signals). This script behaves like a trainer
-process in those respects only: it writes status.json / trainer_log.jsonl the way backend/rundir.py does,
+process in those respects only: it writes status.json / trainer_log.jsonl the way backend/core/rundir.py does,
 honours (or, on request, ignores) the STOP file and SIGTERM, and can spawn a grandchild to check that
 abort kills the whole process group.
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.benchmark_tasks import SHIPPED_TASK, lm_eval_missing
-from backend.rundir import LM_EVAL_FILE
+from backend.core.benchmark_tasks import SHIPPED_TASK, lm_eval_missing
+from backend.core.rundir import LM_EVAL_FILE
 from ui_handlers import form_args
 from waiting import wait_for
 from webui import bench_view

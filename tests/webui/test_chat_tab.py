@@ -151,7 +151,7 @@ def test_the_adapter_of_a_run_on_identity_offers_its_probe_question(root, tmp_pa
 
 
 def test_a_probe_question_is_checked_like_any_dataset_key(tmp_path):
-    from backend.dataset_info import DatasetError, read_dataset_info
+    from backend.core.dataset_info import DatasetError, read_dataset_info
 
     (tmp_path / "dataset_info.json").write_text(json.dumps({
         "good": {"file_name": "a.json", "probe_question": "Who are you?"},

@@ -2,7 +2,7 @@
 stage's declared data kind (backend/stages), and a switch, said in one line, when the current set does not fit."""
 import pytest
 
-from backend.spec import SpecError, validate_spec
+from backend.core.spec import SpecError, validate_spec
 from backend.stages import DATA_KINDS, IMPLEMENTED, get_stage
 from webui import choices
 from webui import datasets as D

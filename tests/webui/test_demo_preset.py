@@ -3,8 +3,8 @@ recipe (examples/sft_lora_identity.yaml) are one setting, measured to make the b
 "Who are you?" with its new identity_name. The training itself is checked once, by the slow
 test_identity_demo_adapter_answers_with_the_trained_identity (tests/backend/test_engine.py), which trains the
 example; this test holds the form to the same values, so a change to one of the two shows up here."""
-from backend import paths
-from backend.spec import load_spec, validate_spec
+from backend.core import paths
+from backend.core.spec import load_spec, validate_spec
 from webui import fields as F
 
 # What decides whether 40 identity rows are learnt: the data, the method, the update size and count.

@@ -12,7 +12,7 @@ import pytest
 from fake_teacher import KEY, SCHEMA, FakeTeacher, make_docs, no_key_under
 from waiting import wait_for
 
-from backend import teacher_access
+from backend.core import teacher_access
 from backend.distill import read_progress
 from webui import tools
 from webui.tabs import distill as tab

@@ -7,8 +7,8 @@ import shlex
 
 import pytest
 
-from backend import launch
-from backend.spec import load_spec
+from backend.core import launch
+from backend.core.spec import load_spec
 from webui import fields as F
 from webui import preflight
 

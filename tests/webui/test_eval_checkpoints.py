@@ -1,7 +1,7 @@
 """The Evaluate tab's Checkpoints part: Start (the tab's own handler, as Gradio calls it) runs `tuneboard eval
 checkpoints=all` on a real tiny LoRA run under the saves folder as the tab's background job; the part's view
 builds the table (checkpoint x metric, ★ on the best) and the plot (metric by step) from the job's
-checkpoint_eval.json, and Promote makes the picked checkpoint the run's adapter (backend/promote.py)."""
+checkpoint_eval.json, and Promote makes the picked checkpoint the run's adapter (backend/core/promote.py)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.rundir import CHECKPOINT_EVAL_FILE, PROMOTION_FILE
+from backend.core.rundir import CHECKPOINT_EVAL_FILE, PROMOTION_FILE
 from ui_handlers import form_args
 from waiting import wait_for
 from webui import eval_checkpoints

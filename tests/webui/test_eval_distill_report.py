@@ -1,5 +1,5 @@
 """The Evaluate tab shows the distillation scorecards (issue 14, point 7): it lists the distill_report.json files
-under the saves folder (backend.rundir.DISTILL_REPORT_FILE), newest first, and shows one as who was scored and
+under the saves folder (backend.core.rundir.DISTILL_REPORT_FILE), newest first, and shows one as who was scored and
 the table metric | base | tuned (JSON validity, schema validity, field F1, exact match, tokens/s). The reports
 are written here in the format backend.distill.scorecard.score writes (its summarize() for each model)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import os
 
 from backend.distill.scorecard import summarize
-from backend.rundir import DISTILL_REPORT_FILE
+from backend.core.rundir import DISTILL_REPORT_FILE
 from webui.tabs import evaluate as ev
 
 ROWS = {"base": [{"exact_match": 0.0, "json_valid": 1.0, "field_f1": 0.5, "schema_valid": 0.0},

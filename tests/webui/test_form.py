@@ -2,7 +2,7 @@
 live-view frames (zeros kept, smoothing, eval loss)."""
 import pytest
 
-from backend.spec import STAGES, validate_spec
+from backend.core.spec import STAGES, validate_spec
 from webui import fields as F
 from webui import live
 from webui.tabs import train as T

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from backend.rundir import COMPLETIONS_FILE
+from backend.core.rundir import COMPLETIONS_FILE
 from webui import live
 from webui import fields as F
 from webui.tabs import train as T

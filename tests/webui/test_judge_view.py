@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from backend import teacher_access
+from backend.core import teacher_access
 from fake_teacher import KEY, FakeTeacher, no_key_under
 from ui_handlers import form_args
 from waiting import wait_for

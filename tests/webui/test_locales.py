@@ -2,8 +2,8 @@
 import pytest
 import yaml
 
-from backend.paths import LOCALES_DIR
-from backend import allowed
+from backend.core.paths import LOCALES_DIR
+from backend.core import allowed
 from webui.i18n import LANGS, tr
 
 

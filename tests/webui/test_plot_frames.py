@@ -37,7 +37,7 @@ def test_plot_axis_titles_come_from_the_locale(lang, step, loss):
 
 
 def test_the_runs_overlay_names_its_series_in_the_page_language(tmp_path):
-    from backend.rundir import LOG_FILE
+    from backend.core.rundir import LOG_FILE
     from webui.tabs import runs
 
     dirs = []

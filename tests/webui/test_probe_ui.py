@@ -78,12 +78,12 @@ def test_the_formula_is_within_25_percent_of_the_measured_peak_of_the_guides_rec
     """Measured on the 2-core CPU (webui/preflight.py's docstring): `tuneboard probe` on the recipe reached 5,617 MiB
     RSS, a real run of it 4,883 MiB, both before their first backward (lower bounds); the formula said 2,706 MiB
     before its constants were fitted. Both ran plain checkpointing (the recipe's micro-batch of 16k tokens is over
-    what backend/checkpointing.py lets selective checkpointing keep, on a machine with < 20 GiB free)."""
+    what backend/core/checkpointing.py lets selective checkpointing keep, on a machine with < 20 GiB free)."""
     import yaml
 
     monkeypatch.setenv("TUNEBOARD_SELECTIVE_CHECKPOINT", "0")
 
-    from backend.paths import EXAMPLES_DIR
+    from backend.core.paths import EXAMPLES_DIR
     from webui import preflight
 
     flat = yaml.safe_load((EXAMPLES_DIR / "sft_qlora_extraction.yaml").read_text())

@@ -2,7 +2,7 @@
 hand (real files; the promote itself is tested on trained runs in tests/backend/test_promote.py)."""
 import json
 
-from backend.rundir import CHECKPOINT_SCORES_FILE, STATUS_FILE
+from backend.core.rundir import CHECKPOINT_SCORES_FILE, STATUS_FILE
 from webui.promotion import checkpoint_frame, checkpoint_names, promote_checkpoint
 
 

@@ -11,7 +11,7 @@ import gradio as gr
 import pytest
 import yaml
 
-from backend.spec import validate_spec
+from backend.core.spec import validate_spec
 from backend.stages import STAGES
 from webui import datasets as D
 from webui import jobs, live, preflight
@@ -258,7 +258,7 @@ def test_data_tab_previews_a_bundled_ranking_row_through_the_backend():
     """The real `tuneboard preview --json` subprocess: the Data tab shows dpo_en_demo row 0 as a pair."""
     from webui.tabs import data as data_tab
 
-    from backend.paths import DATA_DIR
+    from backend.core.paths import DATA_DIR
 
     raw = json.loads((DATA_DIR / "dpo_en_demo.json").read_text())[0]
     summary, shown = data_tab.show_row("", "dpo_en_demo", 0, "", "auto", 256)

@@ -6,7 +6,7 @@ import json
 
 import yaml
 
-from backend.spec import validate_spec
+from backend.core.spec import validate_spec
 from webui import fields as F
 from webui import jobs, live, preflight
 from webui.tabs import train as T

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from backend import allowed, teacher_access
+from backend.core import allowed, teacher_access
 from webui import app
 
 LIMIT = 4 * 1024

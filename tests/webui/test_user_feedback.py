@@ -96,8 +96,8 @@ def test_status_lines_leave_out_third_party_noise():
 def test_a_run_is_summarised_by_last_smoothed_and_lowest_loss(tmp_path):
     """Issue 24, item 7: the last loss is one noisy batch (1.63 on a curve zig-zagging 1.6-3.7); beside it the
     plot's smoothed curve at its last point and the lowest loss, each labelled, in the Runs table, the summary
-    and the end message, from one definition (backend.curves)."""
-    from backend.curves import loss_summary, smooth
+    and the end message, from one definition (backend.core.curves)."""
+    from backend.core.curves import loss_summary, smooth
 
     zigzag = [3.7, 1.6, 3.5, 1.7, 3.1, 1.63]
     d = run_dir(tmp_path, "2026-11-30-15-00-00", zigzag)
@@ -175,11 +175,11 @@ def test_compare_chat_labels_its_panes_and_says_stopped():
 
 def test_no_bitsandbytes_kernels_notice_without_quantization():
     """peft imports bitsandbytes, whose CPU backend logged "Failed to load CPU gemm_4bit_forward from
-    kernels-community" at the top of every run's log and into Chat's load status; backend.models drops it."""
+    kernels-community" at the top of every run's log and into Chat's load status; backend.training.models drops it."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", "import backend.models, peft"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", "import backend.training.models, peft"], capture_output=True, text=True,
                           cwd=str(Path(__file__).resolve().parents[2]), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gemm_4bit_forward" not in proc.stderr + proc.stdout
@@ -222,7 +222,7 @@ def test_the_subtitle_is_relabelled_with_the_page():
 
 
 def test_export_checks_show_their_figures():
-    """The checks table's "figures" column was empty: backend/export.py puts them beside name/ok/detail."""
+    """The checks table's "figures" column was empty: backend/exporting/export.py puts them beside name/ok/detail."""
     report = {"checks": [{"name": "logits", "ok": True, "max_abs_diff": 3.5e-07, "tolerance": 0.001, "detail": "d"},
                          {"name": "eos", "ok": True, "generation_config_eos": [2, 7], "detail": "e"}]}
     rows = tools.checks_rows(report)
@@ -251,7 +251,7 @@ def test_two_starts_in_one_second_get_two_run_folders(tmp_path, monkeypatch):
 
 def test_the_default_model_says_it_is_the_bundled_gguf():
     """Issue 24, item 8: the top bar names the default model with its real source; other models keep their id."""
-    from backend import paths
+    from backend.core import paths
     from webui.app import create_app
 
     assert "bundled" in paths.weights_note("HuggingFaceTB/SmolLM2-135M-Instruct") and paths.weights_note("x/y") is None

@@ -28,10 +28,10 @@ from pathlib import Path
 import gradio as gr
 import httpx
 
-from backend import allowed, paths
-from backend.promote import promoted_checkpoint
-from backend.dataset_info import DatasetError, probe_question, read_dataset_info
-from backend.rundir import CHECKPOINT_PREFIX, SPEC_FILE
+from backend.core import allowed, paths
+from backend.core.promote import promoted_checkpoint
+from backend.core.dataset_info import DatasetError, probe_question, read_dataset_info
+from backend.core.rundir import CHECKPOINT_PREFIX, SPEC_FILE
 from webui import live
 from webui.jobs import read_spec_dict
 from webui.i18n import refusal, tr
@@ -294,7 +294,7 @@ def _messages(st_hist: list[dict], system: str) -> list[dict]:
 
 def load(model, adapter, template, compare, compare_with, st, lang="en"):
     """Start the server for the top bar's model/adapter/template (+ the comparison model); each path must be
-    what backend.allowed lets the UI read (a model folder, or under the allowed roots).
+    what backend.core.allowed lets the UI read (a model folder, or under the allowed roots).
     Inputs: model, adapter, template, compare, compare_with, state, language. Outputs: state, status, chat_b."""
     st = st or empty_state()
     refused = allowed.spec_refusals({"model_name_or_path": model, "adapter_name_or_path": adapter})

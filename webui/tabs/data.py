@@ -8,14 +8,14 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import allowed, paths
+from backend.core import allowed, paths
 from webui import choices
 from webui import datasets as D
 from webui.i18n import refusal, tr
+import html
 
 def legend_html(text: str) -> str:
     """The colour legend above a row; `text`: the locale's "trained ...|masked ..." (key data-legend)."""
-    import html
 
     trained, _, masked = text.partition("|")
     return (f'<div class="tb-legend"><span class="tb-trained">{html.escape(trained.strip())}</span>'
@@ -77,7 +77,7 @@ def _preview_args(dataset, index, top_vals, cutoff, dataset_dir) -> list[str]:
 def dir_refusal(dataset_dir, lang: str = "en", write: bool = False, model: str | None = None) -> str:
     """"" when the dataset folder may be read (written: `write`), else the refusal in `lang` (the folder,
     the allowed roots): its dataset_info.json and the files it names would be shown on the page. `model`:
-    the tokenizer's model, checked as backend.allowed.check_model says (the preview's errors are shown)."""
+    the tokenizer's model, checked as backend.core.allowed.check_model says (the preview's errors are shown)."""
     try:
         if (dataset_dir or "").strip():
             (allowed.check_write if write else allowed.check_read)(dataset_dir, "dataset_dir")
@@ -204,7 +204,7 @@ def wire(ctx, c: dict) -> None:
 
     def _entry(data_dir, upload, path, name, fmt, cols, stage: bool):
         """The folder, the entry and its first rows. A typed path and the folder must lie under the allowed
-        roots (backend.allowed: PathRefused); an upload is Gradio's own copy of the user's file."""
+        roots (backend.core.allowed: PathRefused); an upload is Gradio's own copy of the user's file."""
         data_dir = (allowed.check_write(data_dir, "dataset_dir") if stage else allowed.check_read(data_dir, "dataset_dir")) \
             if (data_dir or "").strip() else Path(paths.DATA_DIR)
         src = Path(upload) if upload else allowed.check_read(path, "file") if (path or "").strip() else None

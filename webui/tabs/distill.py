@@ -8,7 +8,7 @@ and the top bar's adapter, against the teacher on the held-out chunks) and shows
 The API key never passes through the page: the form names the environment variable (or the file) that holds
 it, and the subprocess reads it. The variable must be one the server's operator offers for that very base URL
 (`tuneboard webui --teacher-key-env NAME=BASE_URL`), a key file must lie in the allowed folders, and a URL on
-an internal address needs `--allow-teacher-url` (backend.teacher_access; checked before launch, again in
+an internal address needs `--allow-teacher-url` (backend.core.teacher_access; checked before launch, again in
 the subprocess). The run folder is saves/distill/<dataset name>, so generating again with
 the same name and settings resumes from its cache. Per-browser state (gr.State): {"job", "out", "kind",
 "log", "lines"}. build() lays out; wire() binds.
@@ -22,16 +22,20 @@ import gradio as gr
 import pandas as pd
 import yaml
 
-from backend import allowed, paths, teacher_access
+from backend.core import allowed, paths, teacher_access
 from backend.distill import REASONS, SPEC_FILE, TRAIN_DIRNAME, read_progress, read_report, report_rows
 from backend.distill.documents import SUFFIXES
-from backend.methods import METHODS
-from backend.rundir import DISTILL_REPORT_FILE, STATUS_FILE, stamp, unique_dir
+from backend.core.methods import METHODS
+from backend.core.rundir import DISTILL_REPORT_FILE, STATUS_FILE, stamp, unique_dir
 from webui import jobs, tools
 from webui.fields import TOPBAR_FIELDS
 from webui.form import inputs_of, spec_to_inputs
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
+from backend.distill.spec import DistillSpecError, validate_distill
+from backend.distill.pipeline import train_overrides
+from backend.core.spec import SpecError, validate_spec
+from webui import choices
 
 TICK_S = 1.0
 LOG_LINES = 200
@@ -160,7 +164,7 @@ def distill_flat(model, template, documents, text_column, task, schema, answer_f
 
 
 def check_paths(flat: dict) -> list:
-    """The paths the UI lets the job read or write (backend.allowed): PathRefused list."""
+    """The paths the UI lets the job read or write (backend.core.allowed): PathRefused list."""
     refused = []
     checks = [(allowed.check_read, d.strip(), "documents") for d in flat.get("documents", "").split(",") if d.strip()]
     checks += [(allowed.check_write, flat.get("dataset_dir"), "dataset_dir")]
@@ -182,7 +186,7 @@ def check_paths(flat: dict) -> list:
 
 
 def check_teacher(spec) -> list:
-    """The teacher the UI lets a validated distill spec's job ask (backend.teacher_access: an offered key for
+    """The teacher the UI lets a validated distill spec's job ask (backend.core.teacher_access: an offered key for
     its own base URL, no internal address unless allowed; the run's own local teacher is fine):
     TeacherRefused list; none for step score alone (it asks no teacher)."""
     if "generate" not in spec.steps:
@@ -193,7 +197,6 @@ def check_teacher(spec) -> list:
 def launch(st: dict, flat: dict, kind: str, lang: str = "en") -> tuple[dict, str, bool]:
     """Validate the spec (backend.distill.spec, every error naming its key), the paths and the teacher, then
     start `tuneboard distill` in a job folder. Returns (state, message, started)."""
-    from backend.distill.spec import DistillSpecError, validate_distill
 
     if tools.alive((st or {}).get("job")):
         return st, tr(lang, "distill.busy"), False
@@ -224,7 +227,6 @@ def start_generate(st: dict, flat: dict, uploads=None, lang: str = "en") -> tupl
 
 def run_spec_of(out: str | None):
     """The distill spec a run folder was made with (its distill_spec.yaml), or None."""
-    from backend.distill.spec import DistillSpecError, validate_distill
 
     try:
         data = yaml.safe_load((Path(out) / SPEC_FILE).read_text(encoding="utf-8"))
@@ -257,8 +259,6 @@ def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "
     (widget values): LoRA when none is picked, QLoRA when a bit width is picked with LoRA; a bit width with
     freeze or full is left out (QLoRA needs LoRA), and the message says so. The distill spec's own
     train_args, when it has them, win over the top bar."""
-    from backend.distill.pipeline import train_overrides
-    from backend.spec import SpecError, validate_spec
 
     out = (st or {}).get("out")
     spec, dataset = run_spec_of(out), read_progress(out).get("dataset")
@@ -291,7 +291,6 @@ def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "
 def attach(job_dir: str | None) -> dict:
     """The tab's state for an existing job folder (a page reload or a UI restart): its tool_spec.yaml says the
     run folder and the step."""
-    from backend.distill.spec import DistillSpecError, validate_distill
 
     flat = tools.read_tool_spec(job_dir)
     try:
@@ -479,8 +478,6 @@ def wire(ctx, c: dict) -> None:
     top["lang"].change(relabel, [c["state"], top["lang"]], [c["progress"], c["counts"], c["pairs"], c["scorecard"]],
                        show_progress="hidden")
     if data is not None:
-        from webui import choices
-
         def to_data_tab(st):
             """Inputs: state. Outputs: data folder, dataset (see data_tab_target)."""
             target = data_tab_target(st)

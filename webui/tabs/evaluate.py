@@ -27,14 +27,15 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import allowed, paths
+from backend.core import allowed, paths
 from backend.distill import read_report, report_rows
-from backend.rundir import DISTILL_REPORT_FILE
-from backend.spec import SpecError, validate_spec
+from backend.core.rundir import DISTILL_REPORT_FILE
+from backend.core.spec import SpecError, validate_spec
 from webui import bench_view
 from webui import choices, eval_checkpoints, jobs, judge_view, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
+import re
 
 TICK_S = 1.0
 LOG_LINES = 120
@@ -181,7 +182,7 @@ def eval_flat(model, adapter, method, quant, template, datasets, max_samples, ma
             "max_samples": int(max_samples) if max_samples not in (None, "") else None,
             "max_new_tokens": int(max_new_tokens) if max_new_tokens not in (None, "") else 128,
             "do_eval": True, "do_predict": True, "do_sample": False}
-    if held_out:  # backend.evaluate: no eval_dataset -> the val_size split of dataset
+    if held_out:  # backend.evaluation.evaluate: no eval_dataset -> the val_size split of dataset
         flat.update(eval_dataset=None, dataset=names, val_size=int(held_out) if held_out >= 1 else held_out)
     if tools.is_reward_model(model, flat["adapter_name_or_path"]):  # pairs are scored, nothing is generated
         flat["stage"] = "rm"
@@ -233,7 +234,6 @@ def rows_scored(flat: dict, lang: str = "en") -> str:
 def part_names(adapter: str, other: str) -> tuple[str, str]:
     """Column names of two adapters compared: their run folders' names (a checkpoint-N with its run's), kept
     distinct, made of characters a folder name may hold."""
-    import re
 
     def name(path: str) -> str:
         p = Path(path.rstrip("/"))
@@ -298,7 +298,7 @@ def plan(flat: dict, compare: bool, other_adapter: str | None = None) -> tuple[l
 def start_eval(st: dict, flat: dict, compare: bool, lang: str = "en",
                other_adapter: str | None = None) -> tuple[dict, str, bool]:
     """Plans the parts, writes plan.json and launches the first part. Returns (state, message, started).
-    The model and adapter must be what backend.allowed lets the UI read."""
+    The model and adapter must be what backend.core.allowed lets the UI read."""
     if st and any(tools.alive(p["dir"]) for p in st.get("parts", [])):
         return st, tr(lang, "eval.running"), False
     refused = allowed.spec_refusals(flat)

@@ -14,9 +14,9 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import allowed, paths
-from backend.methods import is_adapter
-from backend.spec import SpecError, validate_spec
+from backend.core import allowed, paths
+from backend.core.methods import is_adapter
+from backend.core.spec import SpecError, validate_spec
 from webui import jobs, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
@@ -80,7 +80,7 @@ def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, si
 
 
 def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, bool]:
-    """Validate (export_dir under the allowed roots, model / adapter as backend.allowed says), then launch
+    """Validate (export_dir under the allowed roots, model / adapter as backend.core.allowed says), then launch
     `tuneboard export`. Returns (state, message, started)."""
     if tools.alive((st or {}).get("job")):
         return st, tr(lang, "msg.export_running"), False

@@ -1,7 +1,7 @@
 """Runs tab: every run directory (and queued spec) as a table; overlay any logged metric of several runs;
 config diff; actions (open live view, resume, continue N more steps, clone into the form, continue an SFT
 run with DPO, delete with confirmation); the picked run's checkpoints (loss, task metric, which one is the
-adapter) with Promote / Undo promote (backend/promote.py)."""
+adapter) with Promote / Undo promote (backend/core/promote.py)."""
 from __future__ import annotations
 
 import shutil
@@ -11,11 +11,11 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from backend import paths
-from backend.curves import loss_summary
-from backend.methods import method
-from backend.rundir import ACTIVE_STATES, LOG_FILE
-from backend.spec import SpecError, load_spec, validate_spec
+from backend.core import paths
+from backend.core.curves import loss_summary
+from backend.core.methods import method
+from backend.core.rundir import ACTIVE_STATES, LOG_FILE
+from backend.core.spec import SpecError, load_spec, validate_spec
 from webui import fields as F
 from webui import form, jobs, live
 from webui.i18n import headers, tr
@@ -64,7 +64,7 @@ def run_rows(root: Path | None = None) -> list[dict]:
 
 
 def loss_numbers(run_dir: str, status: dict | None = None) -> dict[str, float]:
-    """{final_loss, smoothed_loss, min_loss}: what an ended run's status holds (backend.curves wrote it at the
+    """{final_loss, smoothed_loss, min_loss}: what an ended run's status holds (backend.core.curves wrote it at the
     end), else computed from its logged training losses (trainer_log.jsonl: a running run, or one from before
     the summary). One noisy last batch alone does not compare runs honestly (issue 24)."""
     held = (status or {}).get("final_metrics") or {}

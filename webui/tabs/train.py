@@ -12,9 +12,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from backend import allowed, paths
-from backend.rundir import PHASE_SAVING, PLOT_FILE, unique_dir
-from backend.spec import SpecError, load_spec, read_spec_file
+from backend.core import allowed, paths
+from backend.core.rundir import PHASE_SAVING, PLOT_FILE, unique_dir
+from backend.core.spec import SpecError, load_spec, read_spec_file
 from webui import choices, jobs, live, preflight
 from webui import datasets as D
 from webui import fields as F
@@ -23,6 +23,9 @@ from webui.form import (SPEC_SUFFIXES, check, collect, dataset_for_stage, error_
 from webui.i18n import refusal, tr
 from webui.plots import empty_loss, empty_lr, legend_update, plot_axes, series_of
 from webui.tailer import RunTail, run_state
+from webui import choices
+from backend.core.rundir import checkpoints
+from backend.core import launch
 
 TICK_S = 1.5
 
@@ -171,7 +174,6 @@ def adapter_banner(adapter: str | None, lang: str = "en") -> tuple:
     adapter = (adapter or "").strip()
     if not adapter:
         return gr.update(value="", visible=False), gr.update(visible=False)
-    from webui import choices
 
     label = dict((v, k) for k, v in choices.adapter_pairs()).get(adapter) or Path(adapter).name
     note = (f'<div class="tb-adapter-note" title="{html.escape(adapter)}">↪ <b>{html.escape(tr(lang, "msg.continue_adapter"))}</b> '
@@ -198,8 +200,6 @@ def ended_message(run_dir: str, state: str, status: dict, lang: str = "en") -> s
             tail += tr(lang, "msg.loss_summary", smoothed=f"{smoothed:.4g}", low=f"{low:.4g}")
         return tr(lang, "msg.completed", name=name, at=at, loss=tail)
     if state == "aborted":
-        from backend.rundir import checkpoints
-
         saved = checkpoints(Path(run_dir))
         kept = tr(lang, "msg.ckpt_saved", ckpt=saved[-1].name) if saved else tr(lang, "msg.no_ckpt")
         return tr(lang, "msg.aborted", name=name, at=at, kept=kept)
@@ -321,7 +321,6 @@ def legend_updates(st: dict, plot_keys: list[str]) -> list:
 def adapter_picker_update(lang: str = "en"):
     """Fresh choices for the top bar's adapter / checkpoint picker (the value is kept), its "none" choice in
     `lang`."""
-    from webui import choices
 
     return gr.update(choices=choices.adapter_pairs(lang=lang))
 
@@ -329,7 +328,6 @@ def adapter_picker_update(lang: str = "en"):
 def device_choices() -> list[tuple[str, str]]:
     """The device picker's choices: (label, index) for each GPU `nvidia-smi -L` lists (no torch in the UI);
     [] where there is none, and the picker stays hidden."""
-    from backend import launch
 
     return [(line.split(" (UUID")[0], line.split(":", 1)[0].removeprefix("GPU ").strip())
             for line in launch.list_gpus()]
@@ -595,7 +593,7 @@ def wire(ctx, c: dict) -> None:
                                 [c["fields"]["dataset"], c["message"]], show_progress="hidden")
 
     def do_save(path, overwrite, lang, *values):
-        """Writes the validated spec as YAML to `path`: only under the allowed folders (backend.allowed), only
+        """Writes the validated spec as YAML to `path`: only under the allowed folders (backend.core.allowed), only
         a .yaml/.yml name, an existing file only with "overwrite" ticked (unticked again after each save).
         Inputs: path, overwrite, language, form. Outputs: message, overwrite box."""
         target, text = save_target_check(path, overwrite, lang)

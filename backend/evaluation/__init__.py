@@ -1,0 +1,1 @@
+"""Judging a model: `tuneboard eval`, prediction, metrics, reward scoring. (ARCHITECTURE.md)"""

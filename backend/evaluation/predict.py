@@ -1,0 +1,113 @@
+"""Scoring on held-out rows: each row's prompt -> the model's answer (greedy unless the spec samples; batched
+with left padding when asked), scored against the row's own answer (backend/core/metrics.py), one JSON line per row as
+it goes; and the loss over the rows' answer tokens. A library module: `tuneboard eval` (backend.evaluation.evaluate), a
+training stage's do_predict (backend.stages.base) and the task metric at each save (backend.evaluation.task_metric) call it."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from backend.core import metrics
+from backend.serving.engine import stop_token_ids
+from backend.dataprep.preprocess import PaddingCollator
+
+
+class EvalError(ValueError):
+    pass
+
+
+def split_prompt(example: dict) -> tuple[list[dict], str]:
+    """(messages up to the last assistant turn, that turn's content = the reference)."""
+    msgs = example["messages"]
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise EvalError(f"row {example.get('_row')} of {example.get('_source')}: no assistant turn to compare with")
+    return msgs[:last], msgs[last]["content"]
+
+
+def generation_kwargs(spec, tokenizer, template, stop=None, greedy: bool = False) -> dict:
+    """model.generate() keywords from the spec's generation keys: greedy unless the spec sets do_sample itself
+    (greedy=True: always one greedy beam); `stop()` -> a reason or None, asked at every generated token."""
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), bool(stop and stop()), dtype=torch.bool)
+
+    sample = spec.do_sample if "do_sample" in spec.model_fields_set and not greedy else False
+    kwargs = dict(max_new_tokens=spec.max_new_tokens, do_sample=sample, eos_token_id=stop_token_ids(tokenizer, template),
+                  pad_token_id=tokenizer.pad_token_id, repetition_penalty=spec.repetition_penalty,
+                  num_beams=1 if greedy else spec.num_beams, use_cache=True,
+                  stopping_criteria=StoppingCriteriaList([_Stop()]))
+    if sample:
+        kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+    return kwargs
+
+
+def generate(model, tokenizer, template, prompts: list[str], kwargs: dict) -> list[str]:
+    """One batch: the prompts left-padded into one generate() call (with the KV cache), each answer cut at the
+    template's stop words."""
+    encoded = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=model.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+    texts = []
+    for row in out:
+        text = tokenizer.decode(row[width:], skip_special_tokens=True)
+        for word in template.stop_words:
+            text = text.split(word)[0]
+        texts.append(text.strip())
+    return texts
+
+
+def predict(model, tokenizer, template, examples: list[dict], out_file: Path, spec, progress=None,
+            stop=None, batch_size: int = 1, greedy: bool = False) -> dict:
+    """Generate for every row (batch_size rows per generate() call), append one JSON line per row (flushed),
+    return the corpus metrics. `stop()` -> a reason or None, asked at every generated token: once it answers,
+    the batch being generated is dropped and the metrics cover the rows finished before it."""
+    kwargs = generation_kwargs(spec, tokenizer, template, stop=stop, greedy=greedy)
+    predictions, references = [], []
+    with open(out_file, "w", encoding="utf-8") as f:
+        for start in range(0, len(examples), batch_size):
+            if stop and stop():
+                break
+            batch = examples[start:start + batch_size]
+            pairs = [split_prompt(example) for example in batch]
+            prompts = [template.render_text(msgs, example.get("tools"), add_generation_prompt=True)
+                       for (msgs, _), example in zip(pairs, batch)]
+            texts = generate(model, tokenizer, template, prompts, kwargs)
+            if stop and stop():
+                break  # cut short: not a real prediction
+            for i, (example, prompt, (_, reference), text) in enumerate(zip(batch, prompts, pairs, texts), start):
+                predictions.append(text)
+                references.append(reference)
+                row = {"index": i, "source": example.get("_source"), "row": example.get("_row"), "prompt": prompt,
+                       "label": reference, "predict": text, **metrics.row_scores(text, reference)}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+                if progress:
+                    progress(i + 1, len(examples), row)
+    return {f"predict_{k}" if k != "num_rows" else "predict_rows": v
+            for k, v in metrics.compute(predictions, references).items()}
+
+
+def eval_loss(model, rows: list[dict], tokenizer, batch_size: int) -> dict:
+    """Mean cross-entropy over the trained tokens (token-weighted, not batch-weighted) and its perplexity."""
+    collate = PaddingCollator(tokenizer)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            batch = {k: v.to(model.device) for k, v in collate(rows[i:i + batch_size]).items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+            labels = batch["labels"][:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                     ignore_index=-100, reduction="sum")
+            total += float(loss)
+            count += int((labels != -100).sum())
+    mean = total / max(count, 1)
+    return {"eval_loss": mean, "perplexity": math.exp(min(mean, 700)), "eval_tokens": count}

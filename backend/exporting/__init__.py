@@ -1,0 +1,1 @@
+"""Shipping a model: merge, safetensors and GGUF export, the Ollama Modelfile. (ARCHITECTURE.md)"""

@@ -30,12 +30,11 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from backend.core import allowed, gguf_header, paths, teacher_access
+from backend.core import allowed, eval_rules, gguf_header, paths
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
-from backend.core.checkpoint_pick import CheckpointChoiceError, pick_for
 from backend.core.dataset_info import DatasetError, read_dataset_info
-from backend.core.launch import distributed_errors, uses_fsdp, zero_stage
+from backend.core.launch import distributed_errors
 from backend.core.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
 from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/evaluation/task_metric.py scores them)
 from backend.core.optim_names import GALORE_OPTIMIZERS
@@ -865,9 +864,9 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     elif spec.early_stopping_patience is not None and spec.eval_strategy == "no":
         err("early_stopping_patience", "counts evaluations of eval_strategy (steps or epoch); the eval_metric scored "
             "at each save does not stop the run: set eval_strategy", "eval_strategy", "load_best_model_at_end")
-    errors.extend(_task_metric_errors(spec, has_eval_data, check_files))
-    errors.extend(_judge_errors(spec))
-    errors.extend(_checkpoint_errors(spec, check_files))
+    errors.extend(eval_rules.task_metric_errors(spec, has_eval_data, check_files))
+    errors.extend(eval_rules.judge_errors(spec))
+    errors.extend(eval_rules.checkpoint_errors(spec, check_files))
     if spec.export_format == "gguf" and spec.export_quantization_bit is not None:
         err("export_quantization_bit", "is for safetensors export; for gguf choose export_gguf_type instead",
             "export_format")
@@ -895,104 +894,6 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         errors.extend(_output_dir_errors(spec))
     errors.extend(_code_policy_errors(spec))
     return errors
-
-
-JUDGE_KEYS = ("judge_url", "judge_model", "judge_api_key_env", "judge_api_key_file", "judge_max_requests",
-              "judge_against")
-
-
-def _judge_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
-    """do_judge and the judge_* keys (backend/evaluation/judge.py): a judge needs its URL and model; judge keys without
-    a judge to use them are refused."""
-    errors: list[tuple[str, str, frozenset]] = []
-
-    def err(field: str, message: str, *involved: str) -> None:
-        errors.append((field, message, frozenset((field,) + involved)))
-
-    wanted = spec.do_judge or getattr(spec, "eval_metric", None) == "judge"
-    if not wanted:
-        defaults = {k: RunSpec.model_fields[k].default for k in JUDGE_KEYS}
-        for key in JUDGE_KEYS:
-            if key in spec.model_fields_set and getattr(spec, key) != defaults[key]:
-                err(key, "only used by a judge: set do_judge: true (tuneboard eval) or eval_metric: judge", "do_judge")
-        return errors
-    who = "do_judge" if spec.do_judge else "eval_metric"
-    if not spec.judge_url:
-        err(who, "needs judge_url: the base URL of an OpenAI-compatible endpoint (e.g. https://api.openai.com/v1)",
-            "judge_url")
-    elif not spec.judge_url.startswith(("http://", "https://")):
-        err("judge_url", "give an http(s):// base URL (e.g. http://127.0.0.1:8000/v1)")
-    elif not spec.judge_model:
-        err("judge_model", "required with judge_url: the model name the endpoint serves", "judge_url")
-    elif teacher_access.restricted():  # a process the web UI started: the endpoints and keys its operator allows
-        for refused in (teacher_access.check_url(spec.judge_url, "judge_url") + teacher_access.check_key(
-                spec.judge_url, spec.judge_api_key_env, spec.judge_api_key_file, "judge_api_key_env")):
-            err(refused.field, refused.english(), "judge_url")
-    if spec.do_judge and get_stage(spec.stage).is_reward_model:
-        err("do_judge", "a reward model scores answers, it writes none for a judge to compare", "stage")
-    elif spec.do_judge and spec.judge_against == "base" and not spec.adapter_name_or_path:
-        err("do_judge", "judge_against base compares the tuned model with the base: set adapter_name_or_path (or "
-            "judge_against: reference to compare with the rows' answers)", "adapter_name_or_path", "judge_against")
-    return errors
-
-
-def _task_metric_errors(spec: RunSpec, has_eval_data: bool, check_files: bool) -> list[tuple[str, str, frozenset]]:
-    """eval_metric (scored at each save on held-out rows) and metric_for_best_model."""
-    errors: list[tuple[str, str, frozenset]] = []
-
-    def err(field: str, message: str, *involved: str) -> None:
-        errors.append((field, message, frozenset((field,) + involved)))
-
-    best, task = spec.metric_for_best_model, spec.eval_metric
-    if best is not None and not spec.load_best_model_at_end:
-        err("metric_for_best_model", "only used with load_best_model_at_end: true (it names the metric that picks "
-            "the best checkpoint)", "load_best_model_at_end")
-    elif best is not None and not spec.best_by_task_metric and spec.eval_strategy == "no":
-        err("metric_for_best_model", f"{best!r} is never measured: "
-            + (f"name the eval_metric ({task}), the one scored at each save, or " if task else "")
-            + "set eval_strategy (steps or epoch) for eval_loss and the eval_ metrics", "eval_metric", "eval_strategy")
-    if not task:
-        return errors
-    refusal = get_stage(spec.stage).task_metric_refusal
-    if refusal:
-        err("eval_metric", f"{REFUSED}: {refusal}", "stage")
-        return errors
-    if not has_eval_data:
-        err("eval_metric", "scores held-out rows at each save: set val_size (e.g. 0.1) or an eval_dataset",
-            "val_size", "eval_dataset")
-    if spec.save_strategy == "no":
-        err("eval_metric", "is scored at each checkpoint save: save_strategy is no (set steps or epoch)",
-            "save_strategy")
-    if uses_fsdp(spec) or (check_files and zero_stage(spec) == 3):
-        err("eval_metric", f"{REFUSED} with sharded weights ({'FSDP' if uses_fsdp(spec) else 'DeepSpeed ZeRO-3'}): "
-            "rank 0 generates alone at each save and would need every rank's shard; use DDP or ZeRO-2, or score "
-            "the checkpoints afterwards with `tuneboard eval`", "deepspeed", "accelerate_config")
-    if task == "eval_loss" and spec.eval_strategy != "no":
-        err("eval_metric", "eval_strategy already logs eval_loss (over every held-out row): drop eval_metric "
-            "eval_loss, or set eval_strategy no to score eval_samples rows at each save instead", "eval_strategy")
-    return errors
-
-
-def _checkpoint_errors(spec: RunSpec, check_files: bool) -> list[tuple[str, str, frozenset]]:
-    """checkpoints (tuneboard eval of a training run's checkpoints, backend/evaluation/checkpoint_eval.py): the loss and
-    prediction metrics of each adapter of one run folder; the names it gives exist (checkpoint_pick)."""
-    if not spec.checkpoints:
-        return []
-    involved = frozenset({"checkpoints", "adapter_name_or_path", "model_name_or_path", "finetuning_type"})
-    tasks = getattr(spec, "tasks", None)  # the lm-eval benchmarks' key (backend/evaluation/benchmarks.py)
-    if tasks or spec.do_judge:
-        other = "tasks" if tasks else "do_judge"
-        return [("checkpoints", f"scores the loss and the predictions of each checkpoint; {other} runs on one adapter: "
-                 f"set adapter_name_or_path to one checkpoint-N folder for {other}", involved | {other})]
-    if get_stage(spec.stage).is_reward_model:
-        return [("checkpoints", "a reward model's checkpoints score pairs: evaluate one at a time (stage rm, "
-                 "adapter_name_or_path=<run>/checkpoint-N)", involved | {"stage"})]
-    if check_files:
-        try:
-            pick_for(spec)
-        except CheckpointChoiceError as exc:
-            return [("checkpoints", str(exc).removeprefix("checkpoints: "), involved)]
-    return []
 
 
 def _code_policy_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:

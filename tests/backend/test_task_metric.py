@@ -73,9 +73,11 @@ def test_json_field_f1_at_each_save_and_the_best_checkpoint_is_the_adapter(tiny_
 @pytest.mark.slow
 def test_eval_loss_metric_picks_the_lowest_with_full_finetuning(tiny_llama, tmp_path):
     """eval_loss as the task metric: lower is better, logged as eval_loss at each save, and with full fine-tuning
-    the final weights (model.safetensors) are the lowest-scoring checkpoint's."""
+    the final weights (model.safetensors) are the lowest-scoring checkpoint's. The constructed case: a learning rate
+    far too high (0.5) makes the held-out loss rise after the first save, so the best checkpoint scores strictly
+    better than the last and the final weights must be an earlier checkpoint's, not the last's."""
     out = tmp_path / "full"
-    proc = train(*extraction_args(tiny_llama, out, "finetuning_type=full", "learning_rate=0.001",
+    proc = train(*extraction_args(tiny_llama, out, "finetuning_type=full", "learning_rate=0.5",
                                   "eval_metric=eval_loss", "load_best_model_at_end=true"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record, logged = scores_and_log(out, "eval_loss")
@@ -83,7 +85,10 @@ def test_eval_loss_metric_picks_the_lowest_with_full_finetuning(tiny_llama, tmp_
     assert {s["step"]: s["value"] for s in record["scores"]} == logged and sorted(logged) == [2, 4, 6]
     low = min(s["value"] for s in record["scores"])
     assert record["best"]["value"] == low == min(logged.values())
-    assert same(weights(out, "model.safetensors"), weights(out / record["best"]["checkpoint"], "model.safetensors"))
+    assert record["best"]["step"] != 6 and low < logged[6], f"the constructed case: the last save is not the best {logged}"
+    final = weights(out, "model.safetensors")
+    assert same(final, weights(out / record["best"]["checkpoint"], "model.safetensors"))
+    assert not same(final, weights(out / "checkpoint-6", "model.safetensors"))
 
 
 def test_batched_generation_equals_one_row_at_a_time(tiny_llama):

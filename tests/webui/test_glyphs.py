@@ -6,7 +6,7 @@ import pathlib
 import unicodedata
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DRAWN = set("→↪↻⇪≈■▶◀⚠✎✓✕✖✗")
+DRAWN = set("→↪↻⇪≈−■▶◀★⚠✎✓✕✖✗")
 
 
 def test_every_symbol_in_the_ui_has_a_glyph_in_the_common_fonts():

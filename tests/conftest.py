@@ -131,6 +131,22 @@ def identity_adapter(tmp_path_factory):
 
 # ============================================ a tiny LoRA run with two checkpoints (checkpoint evals)
 @pytest.fixture(scope="session")
+def random_llama_adapter(tiny_llama, tmp_path_factory):
+    """A LoRA adapter with random (not identity) weights on tiny_llama (seeded): the tuned model differs from the
+    base without a training run."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("random_llama_adapter") / "adapter"
+    get_peft_model(model, LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "o_proj"],
+                                     init_lora_weights=False, task_type="CAUSAL_LM")).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def lora_checkpoints_run(tiny_qwen2, tmp_path_factory):
     """A tiny LoRA SFT run through `tuneboard train` with checkpoint-2, checkpoint-4 and its final adapter
     (4 steps at a high learning rate, so the checkpoints' weights differ); trained once per session. Copy it

@@ -410,6 +410,28 @@ class RunDir:
         except (OSError, AttributeError):
             print(text, end="", file=sys.stderr, flush=True)
 
+    def fail(self, exc: BaseException) -> int:
+        """A command ends on `exc`: its one-line reason (the type named unless it is bad input, a ValueError, or a
+        missing file) in the log and the status, the traceback in the log unless it is a ValueError; exit code 1."""
+        message = str(exc) if isinstance(exc, (ValueError, FileNotFoundError)) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, ValueError):
+            self.log_traceback()
+        self.log(f"FAILED: {message}")
+        self.finish("failed", 1, error=message)
+        self.close()
+        return 1
+
+    def end(self, stop_reason: str | None = None, **extra: Any) -> int:
+        """A command's normal end, the status final and the log closed: "aborted" (exit code 130) when a stop
+        (`stop_reason`) cut it short, else "completed" (0)."""
+        if stop_reason:
+            self.finish("aborted", 130, stop_reason=stop_reason, **extra)
+            self.close()
+            return 130
+        self.finish("completed", 0, **extra)
+        self.close()
+        return 0
+
     def append_metrics(self, record: dict) -> None:
         if not self.writer:
             return

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from backend.training.adapters import apply_finetuning
 from backend.core.benchmark_tasks import is_task_file, lm_eval_missing, split_tasks
-from backend.training.callbacks import StopSwitch
+from backend.training.callbacks import start_run
 from backend.training.models import load_model, load_tokenizer, resolve_model
-from backend.core.rundir import LM_EVAL_FILE, RunDir, write_json_atomic
+from backend.core.rundir import LM_EVAL_FILE, write_json_atomic
 
 
 class BenchmarkError(ValueError):
@@ -161,11 +161,7 @@ def run(spec, out: Path) -> int:
         print(f"error: output_dir {out} already holds benchmark results ({LM_EVAL_FILE}); pick another output_dir "
               "or set overwrite_output_dir: true", file=sys.stderr)
         return 1
-    out.mkdir(parents=True, exist_ok=True)
-    run_dir = RunDir(out)
-    run_dir.start()
-    switch = StopSwitch(run_dir)
-    switch.install()
+    run_dir, switch = start_run(out)
     started = time.time()
     tasks = split_tasks(spec.tasks)
     models = ["base", "tuned"] if spec.adapter_name_or_path else ["base"]
@@ -206,18 +202,6 @@ def run(spec, out: Path) -> int:
         results["seconds"] = round(time.time() - started, 1)
         write_json_atomic(out / LM_EVAL_FILE, results)
     except Exception as exc:  # noqa: BLE001 - the status says why
-        message = str(exc) if isinstance(exc, (ValueError, FileNotFoundError)) else f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, ValueError):
-            run_dir.log_traceback()
-        run_dir.log(f"FAILED: {message}")
-        run_dir.finish("failed", 1, error=message)
-        run_dir.close()
-        return 1
+        return run_dir.fail(exc)
     run_dir.log(f"wrote {out / LM_EVAL_FILE}")
-    if switch.reason:
-        run_dir.finish("aborted", 130, stop_reason=switch.reason)
-        run_dir.close()
-        return 130
-    run_dir.finish("completed", 0)
-    run_dir.close()
-    return 0
+    return run_dir.end(switch.reason)

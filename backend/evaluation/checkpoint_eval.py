@@ -27,14 +27,14 @@ from pathlib import Path
 from peft import PeftModel
 
 from backend.evaluation import predict as prediction
-from backend.training.callbacks import StopSwitch
+from backend.training.callbacks import start_run
 from backend.core.checkpoint_pick import CheckpointChoiceError, Choice, pick_for
 from backend.core.methods import is_adapter
 from backend.training.models import load_model, load_tokenizer, resolve_model
 from backend.evaluation.predict import eval_loss
 from backend.dataprep.preprocess import build_sft_dataset
 from backend.dataprep.resolve import pick_template
-from backend.core.rundir import (CHECKPOINT_EVAL_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE, RunDir, write_json_atomic)
+from backend.core.rundir import (CHECKPOINT_EVAL_FILE, EVAL_RESULTS_FILE, PREDICTIONS_FILE, write_json_atomic)
 
 LOWER_IS_BETTER = ("eval_loss", "perplexity")
 NOT_COMPARED = ("eval_tokens", "predict_rows", "predict_json_rows", "step")
@@ -98,11 +98,7 @@ def run(spec, out: Path, examples_of) -> int:
     parts = {"eval": spec.do_eval, "predict": spec.do_predict}
     if not any(parts.values()):
         parts = {"eval": True, "predict": True}
-    out.mkdir(parents=True, exist_ok=True)
-    run_dir = RunDir(out)
-    run_dir.start()
-    switch = StopSwitch(run_dir)
-    switch.install()
+    run_dir, switch = start_run(out)
     stop = lambda: switch.reason  # noqa: E731
     entries: list[dict] = []
     try:
@@ -162,22 +158,11 @@ def run(spec, out: Path, examples_of) -> int:
             if parts["predict"]:
                 shutil.copyfile(out / last["checkpoint"] / PREDICTIONS_FILE, out / PREDICTIONS_FILE)
     except Exception as exc:  # noqa: BLE001 - the status says why
-        message = str(exc) if isinstance(exc, (ValueError, FileNotFoundError)) else f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, ValueError):
-            run_dir.log_traceback()
-        run_dir.log(f"FAILED: {message}")
-        run_dir.finish("failed", 1, error=message)
-        run_dir.close()
-        return 1
+        return run_dir.fail(exc)
     for metric, held in results["best"].items():
         run_dir.log(f"best {metric}: {held['checkpoint']} ({held['value']:.4g})")
     run_dir.log(f"wrote {out / CHECKPOINT_EVAL_FILE}")
     figures = {"adapters_evaluated": len(entries)}
     if switch.reason:
         run_dir.log(f"stopped ({switch.reason}): the results cover the {len(entries)} adapters evaluated before it")
-        run_dir.finish("aborted", 130, final_metrics=figures, stop_reason=switch.reason)
-        run_dir.close()
-        return 130
-    run_dir.finish("completed", 0, final_metrics=figures)
-    run_dir.close()
-    return 0
+    return run_dir.end(switch.reason, final_metrics=figures)

@@ -23,7 +23,7 @@ from backend.evaluation import checkpoint_eval
 from backend.evaluation import judge_eval
 from backend.evaluation import benchmarks
 from backend.evaluation import predict as prediction  # prediction.predict looked up at call time (tests wrap it)
-from backend.training.callbacks import StopSwitch
+from backend.training.callbacks import start_run
 from backend.dataprep.data import load_examples, split_train_val
 from backend.training.adapters import apply_finetuning
 from backend.training.models import load_model, load_tokenizer, resolve_model
@@ -102,11 +102,7 @@ def run(spec) -> int:
             print(f"error: output_dir {out} already holds an evaluation; pick another output_dir or set "
                   "overwrite_output_dir: true", file=sys.stderr)
             return 1
-    out.mkdir(parents=True, exist_ok=True)
-    run_dir = RunDir(out)
-    run_dir.start()
-    switch = StopSwitch(run_dir)
-    switch.install()
+    run_dir, switch = start_run(out)
     started = time.time()
     try:
         resolved = resolve_model(spec.model_name_or_path)
@@ -163,13 +159,7 @@ def run(spec) -> int:
         if results.get("judge_error"):  # the answers and the rows judged are written; the run failed
             raise judge_eval.JudgeFatal(results["judge_error"])
     except Exception as exc:  # noqa: BLE001 - the status says why
-        message = str(exc) if isinstance(exc, (ValueError, FileNotFoundError)) else f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, ValueError):
-            run_dir.log_traceback()
-        run_dir.log(f"FAILED: {message}")
-        run_dir.finish("failed", 1, error=message)
-        run_dir.close()
-        return 1
+        return run_dir.fail(exc)
     return _finished(run_dir, out, results, parts, switch)
 
 
@@ -185,12 +175,7 @@ def _finished(run_dir, out: Path, results: dict, parts: dict, switch) -> int:
         else:
             run_dir.log(f"stopped ({switch.reason}): the results cover the {results.get('predict_rows', 0)} rows "
                         "predicted before the stop")
-        run_dir.finish("aborted", 130, final_metrics=figures, stop_reason=switch.reason)
-        run_dir.close()
-        return 130
-    run_dir.finish("completed", 0, final_metrics=figures)
-    run_dir.close()
-    return 0
+    return run_dir.end(switch.reason, final_metrics=figures)
 
 
 def main(args: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from pathlib import Path
 
 from transformers import TrainerCallback
 
@@ -41,6 +42,17 @@ class StopSwitch:
         if self.run_dir.stop_requested:
             return "STOP file found"
         return None
+
+
+def start_run(out: Path) -> tuple[RunDir, StopSwitch]:
+    """A command's run folder (tuneboard eval, its benchmarks and checkpoints, distill) made and started (log,
+    status), with SIGINT, SIGTERM and a STOP file wired to the returned switch."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = RunDir(out)
+    run_dir.start()
+    switch = StopSwitch(run_dir)
+    switch.install()
+    return run_dir, switch
 
 
 def _clean(value):

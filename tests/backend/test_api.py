@@ -7,11 +7,11 @@ import subprocess
 import re
 import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
+from api_server import start_server, stop_server
 from waiting import wait_for
 
 from backend.core.paths import REPO_ROOT
@@ -34,34 +34,6 @@ def adapter_dir(tiny_qwen2, tmp_path_factory):
                         task_type="CAUSAL_LM")
     get_peft_model(base, config).save_pretrained(out)
     return out
-
-
-def start_server(*args, env=None, timeout=120):
-    """Start `tuneboard api ARGS --port 0`; return (process, base url) once it prints its ready line."""
-    cmd = [sys.executable, "-m", "backend.cli", "api", *args, "--port", "0"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
-    lines, deadline = [], time.time() + timeout
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("serving on "):
-            proc.log = lines  # the server's later output, read by a thread so the pipe never fills
-            threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-            return proc, line.split()[-1]
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "".join(lines))
-
-
-def stop_server(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import threading
 
 import openai
 import pytest
-from test_api import KEY, adapter_dir, start_server, stop_server  # noqa: F401  (adapter_dir: a fixture)
+from api_server import start_server, stop_server
+from test_api import KEY, adapter_dir  # noqa: F401  (adapter_dir: a fixture)
 from waiting import wait_for
 
 from backend.serving.engine import load_engines

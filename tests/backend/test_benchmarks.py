@@ -6,11 +6,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import openai
 import pytest
+from api_server import start_server, stop_server
 
 from backend.core.benchmark_tasks import SHIPPED_TASK, lm_eval_missing
 from backend.core.paths import REPO_ROOT
@@ -40,31 +39,9 @@ def tuned(tiny_qwen2, tmp_path_factory):
 @pytest.fixture(scope="module")
 def api(tiny_qwen2, tuned):
     """`tuneboard api` on tiny_qwen2 + the adapter, in a subprocess; (base url, base name, adapter name)."""
-    cmd = [sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={tiny_qwen2}", "--adapter", str(tuned),
-           "--port", "0"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **ENV})
-    lines, deadline = [], time.time() + 180
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("serving on "):
-            threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-            break
-    else:
-        line = ""
-    if not line.startswith("serving on "):
-        proc.kill()
-        raise AssertionError("server did not start:\n" + "".join(lines))
-    yield line.split()[-1], str(tiny_qwen2), tuned.name
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    proc, url = start_server(f"model_name_or_path={tiny_qwen2}", "--adapter", str(tuned), env=ENV, timeout=180)
+    yield url, str(tiny_qwen2), tuned.name
+    stop_server(proc)
 
 
 def tuneboard(*args, cwd=REPO_ROOT, env=None, timeout=600):

@@ -8,11 +8,7 @@ measured and printed (run with -s to see them), never asserted. Also here, as th
 is answered 422 naming `seed` (it was blamed on `messages`)."""
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,8 +16,8 @@ import httpx
 import openai
 import psutil
 import pytest
+from api_server import start_server, stop_server
 
-from backend.core.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -33,32 +29,10 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2):
-    cmd = [sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={tiny_qwen2}", "template=qwen",
-           "--port", "0"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TUNEBOARD_API_KEY": KEY})
-    lines: list[str] = []
-    deadline = time.monotonic() + 300
-    url = None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("serving on "):
-            url = line.split()[-1]
-            break
-    if url is None:
-        proc.kill()
-        raise AssertionError("server did not start:\n" + "".join(lines))
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    yield url, proc, lines
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    proc, url = start_server(f"model_name_or_path={tiny_qwen2}", "template=qwen", env={"TUNEBOARD_API_KEY": KEY},
+                             timeout=300)
+    yield url, proc, proc.log
+    stop_server(proc)
 
 
 def one_request(client: openai.OpenAI, model: str, i: int) -> float:

@@ -20,27 +20,14 @@ from webui.tabs import evaluate
 pytestmark = pytest.mark.skipif(lm_eval_missing() is not None, reason="the lm-eval extra is not installed")
 
 
-@pytest.fixture
-def adapter(tiny_llama, tmp_path):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "o_proj"],
-                                     init_lora_weights=False, task_type="CAUSAL_LM")).save_pretrained(tmp_path / "adapter")
-    return tmp_path / "adapter"
-
-
-def test_run_benchmarks_as_the_tabs_job_base_and_tuned_side_by_side(root, tiny_llama, adapter, monkeypatch):
+def test_run_benchmarks_as_the_tabs_job_base_and_tuned_side_by_side(root, tiny_llama, random_llama_adapter, monkeypatch):
     from webui.app import create_app
 
-    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", os.pathsep.join([str(tiny_llama), str(adapter)]))
+    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", os.pathsep.join([str(tiny_llama), str(random_llama_adapter)]))
     demo = create_app()
     fn = next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_start"
               and any(getattr(c, "elem_id", None) == "eval-bench_tasks" for c in f.inputs))
-    values = dict(model_name_or_path=str(tiny_llama), adapter_name_or_path=str(adapter), finetuning_type="lora",
+    values = dict(model_name_or_path=str(tiny_llama), adapter_name_or_path=str(random_llama_adapter), finetuning_type="lora",
                   template="llama3", lang="en")
 
     # bad inputs: one line each, nothing launched
@@ -66,7 +53,7 @@ def test_run_benchmarks_as_the_tabs_job_base_and_tuned_side_by_side(root, tiny_l
     assert any("scoring model" in str(t[1]) for t in ticks[:-1]) or len(ticks) < 3
     report = json.loads((Path(st["parts"][0]["dir"]) / LM_EVAL_FILE).read_text())
     summary, frame = bench_view.refresh(st, "en")
-    assert "**Benchmarks**" in summary and "tuneboard_mc.yaml" in summary and str(adapter) in summary
+    assert "**Benchmarks**" in summary and "tuneboard_mc.yaml" in summary and str(random_llama_adapter) in summary
     assert list(frame.columns) == bench_view.COLUMNS
     assert list(zip(frame["task"], frame["metric"])) == [("tuneboard_mc", "acc"), ("tuneboard_mc", "acc_norm")]
     acc = next(r for r in report["rows"] if r["metric"] == "acc")

@@ -23,30 +23,17 @@ def judge():
     server.stop()
 
 
-@pytest.fixture
-def adapter(tiny_llama, tmp_path):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "o_proj"],
-                                     init_lora_weights=False, task_type="CAUSAL_LM")).save_pretrained(tmp_path / "adapter")
-    return tmp_path / "adapter"
-
-
-def test_judge_mode_runs_as_the_tabs_job_and_shows_the_verdicts(root, tiny_llama, adapter, judge, monkeypatch):
+def test_judge_mode_runs_as_the_tabs_job_and_shows_the_verdicts(root, tiny_llama, random_llama_adapter, judge, monkeypatch):
     from webui.app import create_app
 
-    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", os.pathsep.join([str(tiny_llama), str(adapter)]))
+    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", os.pathsep.join([str(tiny_llama), str(random_llama_adapter)]))
     monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
     for name in (teacher_access.KEYS_ENV, teacher_access.URLS_ENV, teacher_access.POLICY_ENV):
         monkeypatch.delenv(name, raising=False)
     demo = create_app()
     fn = next(f for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_start"
               and any(getattr(c, "elem_id", None) == "eval-judge" for c in f.inputs))
-    values = dict(model_name_or_path=str(tiny_llama), adapter_name_or_path=str(adapter), finetuning_type="lora",
+    values = dict(model_name_or_path=str(tiny_llama), adapter_name_or_path=str(random_llama_adapter), finetuning_type="lora",
                   template="llama3", dataset=["identity"], max_samples=2, max_new_tokens=4, judge=True,
                   judge_url=judge.url, judge_model="judge-model", judge_api_key_env="JUDGE_TEST_KEY",
                   lang="en")

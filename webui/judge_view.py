@@ -7,7 +7,7 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from backend.core import allowed, teacher_access
+from backend.core import teacher_access
 from backend.core.atomic import read_json_dict
 from backend.core.rundir import JUDGE_FILE
 from webui.i18n import refusal, tr
@@ -35,13 +35,8 @@ def refusals(flat: dict, lang: str = "en") -> str:
     url = flat.get("judge_url")
     if not url:
         return ""
-    refused: list = teacher_access.check_url(url, "judge_url") + teacher_access.check_key(
-        url, flat.get("judge_api_key_env"), flat.get("judge_api_key_file"), "judge_api_key_env")
-    if flat.get("judge_api_key_file"):
-        try:
-            allowed.check_read(flat["judge_api_key_file"], "judge_api_key_file")
-        except allowed.PathRefused as exc:
-            refused.append(exc)
+    refused = teacher_access.endpoint_refusals(url, flat.get("judge_api_key_env"), flat.get("judge_api_key_file"),
+                                               "judge", url_field="judge_url")
     return "  \n".join(refusal(lang, exc) for exc in refused)
 
 

@@ -38,8 +38,8 @@ def judge_errors(spec) -> list[tuple[str, str, frozenset]]:
     elif not spec.judge_model:
         err("judge_model", "required with judge_url: the model name the endpoint serves", "judge_url")
     elif teacher_access.restricted():  # a process the web UI started: the endpoints and keys its operator allows
-        for refused in (teacher_access.check_url(spec.judge_url, "judge_url") + teacher_access.check_key(
-                spec.judge_url, spec.judge_api_key_env, spec.judge_api_key_file, "judge_api_key_env")):
+        for refused in teacher_access.check_teacher(spec.judge_url, spec.judge_api_key_env, spec.judge_api_key_file,
+                                                    "judge", url_field="judge_url"):
             err(refused.field, refused.english(), "judge_url")
     if spec.do_judge and get_stage(spec.stage).is_reward_model:
         err("do_judge", "a reward model scores answers, it writes none for a judge to compare", "stage")

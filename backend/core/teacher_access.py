@@ -32,6 +32,8 @@ import re
 import socket
 from urllib.parse import urlsplit
 
+from backend.core import allowed
+
 POLICY_ENV = "TUNEBOARD_TEACHER_POLICY"  # "webui": the UI started this process; the checks apply
 KEYS_ENV = "TUNEBOARD_TEACHER_KEYS"      # NAME=BASE_URL entries separated by whitespace
 URLS_ENV = "TUNEBOARD_TEACHER_URLS"      # base URLs separated by whitespace
@@ -204,9 +206,24 @@ def check_key(url: str, key_env: str | None, key_file: str | None,
     return [] if same else [TeacherRefused("key_url", field, name=name, bound=offered[name], url=url)]
 
 
-def check_teacher(url: str, key_env: str | None, key_file: str | None, prefix: str = "teacher") -> list[TeacherRefused]:
+def check_teacher(url: str, key_env: str | None, key_file: str | None, prefix: str = "teacher",
+                  url_field: str | None = None) -> list[TeacherRefused]:
     """Every refusal of a teacher (or any other OpenAI-compatible endpoint: `prefix` names its spec keys,
-    <prefix> and <prefix>_api_key_env) the UI asks for; 'local' (the run's own `tuneboard api`) is fine."""
+    <prefix> (or `url_field`) and <prefix>_api_key_env) the UI asks for; 'local' (the run's own `tuneboard api`)
+    is fine."""
     if url == "local":
         return []
-    return check_url(url, prefix) + check_key(url, key_env, key_file, f"{prefix}_api_key_env")
+    return check_url(url, url_field or prefix) + check_key(url, key_env, key_file, f"{prefix}_api_key_env")
+
+
+def endpoint_refusals(url: str, key_env: str | None, key_file: str | None, prefix: str = "teacher",
+                      url_field: str | None = None) -> list[ValueError]:
+    """check_teacher's refusals, and a key file (<prefix>_api_key_file) outside the folders the UI may read
+    (backend.core.allowed): what a process the web UI started checks before it asks the endpoint."""
+    refused: list[ValueError] = list(check_teacher(url, key_env, key_file, prefix, url_field))
+    if key_file:
+        try:
+            allowed.check_read(key_file, f"{prefix}_api_key_file")
+        except allowed.PathRefused as exc:
+            refused.append(exc)
+    return refused

@@ -198,13 +198,7 @@ def check_teacher_access(spec: DistillSpec) -> None:
     the URL is no internal address unless allowed. DistillError names every refusal; a CLI run passes."""
     if spec.teacher == "local" or not teacher_access.restricted():
         return
-    refused: list[ValueError] = teacher_access.check_teacher(spec.teacher, spec.teacher_api_key_env,
-                                                             spec.teacher_api_key_file)
-    if spec.teacher_api_key_file:
-        try:
-            allowed.check_read(spec.teacher_api_key_file, "teacher_api_key_file")
-        except allowed.PathRefused as exc:
-            refused.append(exc)
+    refused = teacher_access.endpoint_refusals(spec.teacher, spec.teacher_api_key_env, spec.teacher_api_key_file)
     if refused:
         raise DistillError("; ".join(str(r) for r in refused))
 

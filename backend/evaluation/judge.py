@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.core import allowed, teacher_access
+from backend.core import teacher_access
 from backend.core.atomic import write_text_atomic
 from backend.distill.teacher import Budget, BudgetExhausted, Teacher, TeacherError, TeacherFatal, read_api_key
 
@@ -125,13 +125,8 @@ def check_access(settings: JudgeSettings) -> None:
     JudgeFatal names every refusal; a command-line run passes."""
     if not teacher_access.restricted():
         return
-    refused: list[ValueError] = teacher_access.check_url(settings.url, "judge_url") + teacher_access.check_key(
-        settings.url, settings.api_key_env, settings.api_key_file, "judge_api_key_env")
-    if settings.api_key_file:
-        try:
-            allowed.check_read(settings.api_key_file, "judge_api_key_file")
-        except allowed.PathRefused as exc:
-            refused.append(exc)
+    refused = teacher_access.endpoint_refusals(settings.url, settings.api_key_env, settings.api_key_file, "judge",
+                                               url_field="judge_url")
     if refused:
         raise JudgeFatal("; ".join(str(r) for r in refused))
 

@@ -79,7 +79,8 @@ def test_evaluate_tab_compares_base_and_tuned(app_page, finished_runs, tiny_llam
         expect(page.locator("#eval-detail")).to_contain_text(word)
     expect(page.locator("#eval-progress .tb-progress")).to_have_attribute("data-state", "completed")
     # what the table shows is what the eval processes wrote
-    results = list(jobs.paths.saves_dir().joinpath(".tools").glob("eval-*/tuned/eval_results.json"))
+    # the newest eval folder is this test's (names are timestamps; glob's order is the file system's)
+    results = sorted(jobs.paths.saves_dir().joinpath(".tools").glob("eval-*/tuned/eval_results.json"))
     assert results and json.loads(results[-1].read_text())["rows"] == 3
     page.wait_for_timeout(800)
     shot("eval")

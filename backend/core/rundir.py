@@ -65,6 +65,9 @@ FINAL_STATES = ("completed", "aborted", "failed")
 # step (final save, plot). "phase_started" keeps when each began (RunDir.set_phase); the final status keeps the
 # phase the run ended in. A distill run folder writes its own step names ("generate", "train", "score").
 PHASE_LOADING, PHASE_TRAINING, PHASE_SAVING = "loading", "training", "saving"
+# an eval process's phases after LOADING (status "step" counts the phase's rows): PREDICTING the tuned answers
+# with their scores, ANSWERING for the judge ("answering": whose answers, base or tuned), JUDGING the pairs
+PHASE_PREDICTING, PHASE_ANSWERING, PHASE_JUDGING = "predicting", "answering", "judging"
 
 TRAINER_LOG_KEYS = (
     "step", "total_steps", "epoch", "loss", "eval_loss", "lr", "grad_norm",

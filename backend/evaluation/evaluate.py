@@ -32,7 +32,7 @@ from backend.dataprep.preprocess import build_sft_dataset
 from backend.dataprep.resolve import pick_template
 from backend.evaluation.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
 from backend.core.rundir import (EVAL_RESULTS_FILE, JUDGE_FILE, PREDICTIONS_FILE, RUNNING_LOG, STATUS_FILE,  # noqa: F401  (public here)
-                            RunDir, default_output_dir, write_json_atomic)
+                            PHASE_PREDICTING, RunDir, default_output_dir, write_json_atomic)
 from backend.core.spec import load_or_report
 from backend.stages import get_stage
 
@@ -139,7 +139,7 @@ def run(spec) -> int:
                         f"over {results['eval_tokens']} tokens")
             run_dir.append_metrics({"step": 0, "eval_loss": results["eval_loss"]})
         if parts["predict"]:
-            run_dir.update_status(total_steps=len(examples))
+            run_dir.set_phase(PHASE_PREDICTING, total_steps=len(examples), step=0)
 
             def progress(n, total, row):
                 run_dir.update_status(step=n)

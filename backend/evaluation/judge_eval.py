@@ -17,7 +17,7 @@ from backend.evaluation import predict as prediction
 from backend.core.atomic import write_json_atomic
 from backend.evaluation.judge import JudgeFatal, JudgeSettings, judge_pairs, summary_line  # noqa: F401  (JudgeFatal: for the eval command)
 from backend.evaluation.predict import split_prompt
-from backend.core.rundir import JUDGE_CACHE_DIRNAME, JUDGE_FILE, PREDICTIONS_FILE
+from backend.core.rundir import JUDGE_CACHE_DIRNAME, JUDGE_FILE, PHASE_ANSWERING, PHASE_JUDGING, PREDICTIONS_FILE
 
 SCRATCH = ".judge_answers_{}.jsonl"  # a scratch file of backend.evaluation.predict, removed once read
 
@@ -38,7 +38,7 @@ def answers(model, tokenizer, template, examples: list[dict], spec, out: Path, w
         run_dir.update_status(step=n)
         run_dir.log(f"judge: {who} answer {n}/{total}")
 
-    run_dir.update_status(total_steps=len(examples), step=0)
+    run_dir.set_phase(PHASE_ANSWERING, answering=who, total_steps=len(examples), step=0)
     try:
         prediction.predict(model, tokenizer, template, examples, scratch, greedy, progress, stop=stop)
         return [json.loads(line)["predict"] for line in scratch.read_text(encoding="utf-8").splitlines() if line]
@@ -55,7 +55,7 @@ def judge(spec, examples: list[dict], tuned: list[str], other: list[str], out: P
     settings = JudgeSettings.from_spec(spec, out / JUDGE_CACHE_DIRNAME)
     run_dir.log(f"judge: {settings.model} at {settings.url}, {n} pairs in both orders"
                 + (f", budget {settings.max_requests} requests" if settings.max_requests else ""))
-    run_dir.update_status(total_steps=n, step=0)
+    run_dir.set_phase(PHASE_JUDGING, total_steps=n, step=0)
     report = judge_pairs(prompts, tuned[:n], other[:n], settings, log=run_dir.log, stop=stop,
                          progress=lambda done, total: run_dir.update_status(step=done))
     report["against"] = spec.judge_against

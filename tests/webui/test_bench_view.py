@@ -51,6 +51,7 @@ def test_run_benchmarks_as_the_tabs_job_base_and_tuned_side_by_side(root, tiny_l
     wait_for(ended, timeout=600, what="the benchmark eval to end")
     assert "**Benchmarks done**" in ticks[-1][2], ticks[-1][2]
     assert any("scoring model" in str(t[1]) for t in ticks[:-1]) or len(ticks) < 3
+    assert 'data-step="2"' in ticks[-1][1] and "<b>2 / 2</b>" in ticks[-1][1]  # both models scored, not "0 rows"
     report = json.loads((Path(st["parts"][0]["dir"]) / LM_EVAL_FILE).read_text())
     summary, frame = bench_view.refresh(st, "en")
     assert "**Benchmarks**" in summary and "tuneboard_mc.yaml" in summary and str(random_llama_adapter) in summary

@@ -60,6 +60,10 @@ def test_judge_mode_runs_as_the_tabs_job_and_shows_the_verdicts(root, tiny_llama
     wait_for(ended, timeout=300, what="the judge eval to end")
     final = ticks[-1]
     assert "Eval done**: 2 rows" in final[2], final[2]
+    # the status said what the process was doing: the base answers, the predictions, then the judge
+    assert evaluate.part_status(st["parts"][0])["phase"] == "judging"
+    assert any("the judge compares pair" in str(t[1]) or "base answer" in str(t[1]) for t in ticks[:-1]) \
+        or len(ticks) < 4, [str(t[1]) for t in ticks]
     predicted = final[4]["value"]  # the rows table: the predict part's tuned answers, which the judge compared
     summary, frame = judge_view.refresh(st, "en")
     assert "**Judge** `judge-model`" in summary and "of 2 rows" in summary and "95% interval" in summary

@@ -29,7 +29,7 @@ import pandas as pd
 
 from backend.core import allowed, paths
 from backend.distill import read_report, report_rows
-from backend.core.rundir import DISTILL_REPORT_FILE
+from backend.core.rundir import DISTILL_REPORT_FILE, PHASE_ANSWERING, PHASE_JUDGING
 from backend.core.spec import SpecError, validate_spec
 from webui import bench_view
 from webui import choices, eval_checkpoints, jobs, judge_view, tools
@@ -545,8 +545,10 @@ def poll(st: dict, worst_first: bool, lang: str = "en") -> tuple:
     idx = st["parts"].index(part) + 1
     doing = "eval.progress_pair" if is_rm(st.get("spec")) else "eval.progress_row"
     doing = "eval.progress_model" if (st.get("spec") or {}).get("tasks") else doing  # benchmarks: models, no rows
+    # the judge's parts (backend.core.rundir's eval phases): the answers it compares, then the comparisons
+    doing = {PHASE_ANSWERING: "eval.progress_answer", PHASE_JUDGING: "eval.progress_judge"}.get(s.get("phase"), doing)
     label = tr(lang, doing if total else "eval.progress_loading", name=part["name"], idx=idx, n=n, done=done,
-               total=total)
+               total=total, who=s.get("answering") or "")
     return (st, tools.progress_html("running", int(done), total, label, lang), gr.skip(), gr.skip(), gr.skip(), log,
             gr.Timer(active=True))
 
@@ -576,6 +578,8 @@ def _finish(st: dict, worst_first: bool, failed: dict | None = None, lang: str =
             acc = tr(lang, "eval.rm_accuracy", acc=f"{acc:.3f}") if isinstance(acc, (int, float)) else ""
             message = tr(lang, "eval.rm_done", n=n_rows, acc=acc, dir=where)
     total = max((len(v) for v in st["rows"].values()), default=0)
+    if not total and state == "completed":  # benchmarks write no rows: the bar counts what the status counted
+        total = max((part_status(p).get("total_steps") or 0 for p in st["parts"]), default=0)
     bar = tools.progress_html(state, total if state == "completed" else 0, total or None,
                               " + ".join(p["name"] for p in st["parts"]), lang)
     st["parts_done"] = True

@@ -255,6 +255,13 @@ class RunSpec(BaseModel):
     grpo_beta: float = _f(0.04, "GRPO: KL penalty against the starting model; 0 = no reference model (and no kl curve).", "method", ge=0)
     grpo_epsilon: float = _f(0.2, "GRPO: clipping range of the policy ratio, as in PPO.", "method", gt=0)
     use_vllm: bool = _f(False, "GRPO: generate the completions with vLLM (needs the vllm package and a GPU).", "method")
+    teacher_model_name_or_path: Optional[str] = _f(None, "KD: the teacher model whose next-token distributions the student learns (a local folder, .gguf file or cached hub id; same tokenizer as the student).", "method")
+    teacher_adapter: Optional[str] = _f(None, "KD: an adapter folder loaded on the teacher model (e.g. an SFT run of it).", "method")
+    teacher_quantization_bit: Optional[Literal[4, 8]] = _f(None, "KD: load the teacher in 4 or 8 bits (bitsandbytes) to save memory.", "method")
+    kd_beta: float = _f(0.0, "KD: the divergence, a generalized JSD: 0 = forward KL(teacher||student), 1 = reverse KL, 0.5 = JSD.", "method", ge=0, le=1)
+    kd_lmbda: float = _f(0.0, "KD: share of steps trained on the student's own completions (on-policy, generated) instead of the dataset's answers.", "method", ge=0, le=1)
+    kd_temperature: float = _f(1.0, "KD: softmax temperature of both distributions in the loss (and of the on-policy sampling).", "method", gt=0)
+    kd_alpha: float = _f(0.0, "KD: weight of the cross-entropy on the dataset's answers mixed into the loss: (1 - alpha) x divergence + alpha x CE.", "method", ge=0, le=1)
 
     # ---------------------------------------------------------------- lora
     lora_target: str = _f("all", "Modules that get LoRA adapters: 'all' (every linear layer but the head) or names, comma-separated.", "lora", methods=["lora"])

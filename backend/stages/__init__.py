@@ -137,6 +137,13 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
           metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
                    "logits/chosen", "logits/rejected", "kl", "entropy", "num_tokens", "aux_loss"),
           plots=(("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins")), ("kl", ("kl",)))),
+    Stage("kd", "Logit distillation", "plain", rules=(rules.kd,),
+          fields=("teacher_model_name_or_path", "teacher_adapter", "teacher_quantization_bit", "kd_beta", "kd_lmbda",
+                  "kd_temperature", "kd_alpha", "max_completion_length"),
+          # backend/stages/kd.py logs the divergence to the teacher, the cross-entropy on the dataset's answers
+          # (what kd_alpha mixes in; logged at any kd_alpha) and the share of steps on the student's own completions
+          metrics=("kd_loss", "ce_loss", "on_policy"),
+          plots=(("distillation", ("kd_loss", "ce_loss")), ("on-policy share", ("on_policy",)))),
     Stage("ppo", "PPO", "prompts", implemented=False, reason=_NO_PPO,
           fields=("ref_model", "reward_model", "reward_model_type", "ppo_epochs", "ppo_buffer_size", "ppo_target",
                   "ppo_score_norm", "ppo_whiten_rewards")),

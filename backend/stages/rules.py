@@ -8,6 +8,7 @@ The involved set lets validate_spec() drop a rule whose inputs were themselves i
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -184,4 +185,62 @@ def grpo(spec, stage, check_files: bool = True) -> Errors:
         field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
         err(field, f"{REFUSED}: stage grpo does not evaluate while it trains (its rewards are the live measure): "
             "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
+    return errors
+
+
+def _tokenizer_vocab(name: str) -> dict | None:
+    """{token: id} of a model folder's tokenizer.json (its model vocabulary and added tokens); None where there is
+    no such file to read here (a .gguf file, a hub id: the kd stage compares the loaded tokenizers instead)."""
+    path = Path(name).expanduser() / "tokenizer.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        vocab = dict(vocab) if isinstance(vocab, dict) else {row[0]: i for i, row in enumerate(vocab)}
+        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+        return vocab
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def vocab_mismatch(student: str, teacher: str) -> str | None:
+    """One line saying how the teacher's tokenizer differs from the student's; None when they agree or one of them
+    cannot be read from a folder here."""
+    if Path(student).expanduser().resolve() == Path(teacher).expanduser().resolve():
+        return None
+    mine, theirs = _tokenizer_vocab(student), _tokenizer_vocab(teacher)
+    if mine is None or theirs is None or mine == theirs:
+        return None
+    differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])
+    return (f"the teacher {teacher} has another tokenizer than the student {student} ({len(theirs)} vs {len(mine)} "
+            f"tokens, {len(differ)} token/id pairs differ, first {differ[0][0]!r}): logit distillation compares their "
+            "next-token distributions token by token, so both need the same vocabulary")
+
+
+def kd(spec, stage, check_files: bool = True) -> Errors:
+    """Stage kd: a teacher with the student's tokenizer, and keys the distillation loss would ignore."""
+    errors: Errors = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field, "stage") + involved)))
+
+    teacher = spec.teacher_model_name_or_path
+    if not teacher:
+        err("teacher_model_name_or_path", "stage kd needs a teacher model: a local folder, .gguf file or cached hub "
+            "id with the student's tokenizer (an SFT run's adapter goes in teacher_adapter)")
+    elif check_files:
+        problem = vocab_mismatch(str(spec.model_name_or_path), teacher)
+        if problem:
+            err("teacher_model_name_or_path", problem, "model_name_or_path")
+    if spec.teacher_adapter and check_files and not (Path(spec.teacher_adapter).expanduser() / "adapter_config.json").is_file():
+        err("teacher_adapter", f"{spec.teacher_adapter} is not an adapter folder (no adapter_config.json)")
+    if spec.kd_alpha and spec.kd_lmbda:
+        err("kd_alpha", f"{REFUSED}: kd_alpha mixes in the cross-entropy on the dataset's answers, and with kd_lmbda "
+            "> 0 a share of the steps trains on the student's own completions, which have none: set kd_alpha or "
+            "kd_lmbda to 0", "kd_lmbda")
+    if spec.kd_lmbda and spec.max_completion_length >= spec.cutoff_len:
+        err("max_completion_length", f"must be below cutoff_len ({spec.cutoff_len}): the prompt and the student's "
+            "completion share it", "cutoff_len", "kd_lmbda")
+    if spec.resolved_packing:
+        err("packing", f"{REFUSED}: stage kd compares teacher and student over whole rows: packing does not apply "
+            "(set packing and neat_packing to false)", "neat_packing")
     return errors

@@ -1,0 +1,197 @@
+"""Streaming datasets (`streaming: true`): the data files are read lazily by datasets' own streaming loaders
+(json/jsonl, csv, parquet, arrow, text) into a `datasets.IterableDataset`, so memory holds the shuffle buffer and
+the rows of the current batches, never the file: peak RSS does not grow with the dataset.
+
+The stream, per dataset (dataset_info.json entry): file rows -> the normalized example (data.convert_row: the
+same schema checks and row refusals as a loaded dataset) -> tokens (the same encoders as build_sft_dataset /
+build_pt_dataset: templating, label masks, cutoff). Then the datasets are mixed (mix_strategy: concat, or
+datasets.interleave_datasets with interleave_probs, seed and LLaMA-Factory's stopping strategies), the first
+val_size rows are held out (a row count: a share of a stream is unknown), the rest is shuffled with a buffer of
+buffer_size rows (seeded; datasets reseeds it each pass by the epoch) and, with packing, packed window by window.
+
+Resuming: the stream is a pure function of the files and the seed, so the Trainer's own resume (it reads the
+batches of the steps already trained again and skips them: `skip_first_batches`) continues at the next unread row,
+neither repeating nor skipping one. Bad rows are skipped and the first few named in the run log (a stream has no
+end to count them at)."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import datasets
+
+from backend.core import paths
+from backend.core.dataset_info import DatasetError, resolve_dataset_dir, read_dataset_info
+from backend.dataprep.data import (FILE_TYPES, MAX_REASONS, MIX_STRATEGIES, RowError, _check_stage, _data_files,
+                                   _entry_spec, _fill_identity, _kind, _names, _required_columns, add_default_system,
+                                   convert_row, load_examples)
+from backend.dataprep.preprocess import build_pt_dataset, build_sft_dataset, encode_example, encode_text, pack_rows
+
+TOKEN_COLUMNS = ["input_ids", "labels", "attention_mask"]
+SOURCE = "_source"  # the dataset a streamed row came from (the collators read only the token columns)
+PACK_WINDOW = 256  # rows bin-packed together (pack_rows) as the stream passes: the packing's look-ahead
+
+
+def open_stream(name: str, entry: dict, dataset_dir: Path, info_path: Path,
+                stage: str) -> tuple[datasets.IterableDataset, list[str]]:
+    """(the raw rows of one dataset_info.json entry, read lazily; their columns): the columns the stage needs are
+    checked on the first row (one line naming the file and the column)."""
+    spec = _entry_spec(name, entry)
+    _check_stage(name, spec, stage)
+    if entry.get("num_samples"):
+        raise DatasetError(f"dataset '{name}': num_samples draws rows at random from the whole file, which a stream "
+                           "cannot: drop num_samples or use max_samples (the first rows)")
+    files = _data_files(name, entry, dataset_dir, info_path)
+    builders = sorted({FILE_TYPES[p.suffix.lower()] for p in files})
+    if len(builders) > 1:
+        raise DatasetError(f"dataset '{name}': a streamed dataset's files must be of one type, got "
+                           f"{', '.join(builders)}")
+    kwargs = {}
+    if builders[0] == "csv":  # every cell as text, as data.read_rows does ("007" stays "007")
+        with files[0].open(encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f), [])
+        kwargs["features"] = datasets.Features({c: datasets.Value("string") for c in header})
+    try:
+        raw = datasets.load_dataset(builders[0], data_files=[str(p) for p in files], split=entry.get("split", "train"),
+                                    streaming=True, cache_dir=str(paths.cache_dir() / "datasets"), **kwargs)
+        first = next(iter(raw), None)
+    except Exception as exc:  # datasets wraps parser errors in several exception types
+        cause = exc.__cause__ or exc
+        raise DatasetError(f"dataset '{name}': could not read {', '.join(map(str, files))}: "
+                           f"{type(cause).__name__}: {cause}") from None
+    if first is None:
+        raise DatasetError(f"dataset '{name}': {', '.join(map(str, files))} has no rows")
+    for key in _required_columns(spec, stage):
+        col = spec.columns[key]
+        if col not in first and not (_kind(stage) == "text" and key in ("response", "query")):
+            raise DatasetError(f"dataset '{name}': {files[0]} has no column '{col}' (columns.{key}); "
+                               f"its columns are: {', '.join(sorted(first))}")
+    return raw, list(raw.column_names or first)
+
+
+class _Tokenize:
+    """A batch of file rows -> token rows (a batched map function): the rows the schema or the template refuses,
+    and those left with no trained token, are skipped; the first few are named through `warn`."""
+
+    def __init__(self, name: str, entry: dict, stage: str, encode, *, identity: tuple[str, str],
+                 default_system: str | None, warn):
+        self.name, self.spec, self.stage, self.encode = name, _entry_spec(name, entry), stage, encode
+        self.identity, self.default_system, self.warn = identity, default_system, warn
+        self.named: set[int] = set()  # rows already named (the stream is read again on resume and each pass)
+
+    def skip(self, row: int, reason: str) -> None:
+        if len(self.named) < MAX_REASONS and row not in self.named:
+            self.named.add(row)
+            self.warn(f"streaming: dataset {self.name} row {row} skipped: {reason}"
+                      + (" (further skipped rows are not listed)" if len(self.named) == MAX_REASONS else ""))
+
+    def __call__(self, batch: dict, indices: list[int]) -> dict:
+        out = {key: [] for key in TOKEN_COLUMNS + [SOURCE]}
+        for number, values in zip(indices, zip(*batch.values())):
+            row = dict(zip(batch, values))
+            try:
+                example = _fill_identity(convert_row(row, self.spec, self.stage), *self.identity)
+                example["_row"], example["_source"] = number, self.name
+                encoded = self.encode(add_default_system([example], self.default_system)[0])
+            except (RowError, ValueError) as exc:
+                self.skip(number, str(exc))
+                continue
+            kept = [e for e in encoded if e.num_trained > 0]
+            if not kept:
+                self.skip(number, "no trained token left (empty text, or an answer cut by cutoff_len)")
+            for enc in kept:
+                out["input_ids"].append(enc.input_ids)
+                out["labels"].append(enc.labels)
+                out["attention_mask"].append([1] * len(enc.input_ids))
+                out[SOURCE].append(self.name)
+        return out
+
+
+def encoder(spec, stage: str, tokenizer, template):
+    """example -> [Encoded]: the encoders of build_sft_dataset (one row) and build_pt_dataset (blocks of
+    cutoff_len, each document ending with eos)."""
+    if stage == "pt":
+        add_bos = tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id
+        return lambda example: encode_text(example["text"], tokenizer, spec.cutoff_len, add_bos, True)
+    return lambda example: [encode_example(example, template, tokenizer, spec.cutoff_len,
+                                           train_on_prompt=spec.train_on_prompt, mask_history=spec.mask_history)]
+
+
+def token_stream(spec, stage: str, tokenizer, template, warn=print) -> datasets.IterableDataset:
+    """The datasets of `spec.dataset`, each read lazily and tokenized as it is read, mixed by mix_strategy
+    (before the val_size head, the shuffle and the packing of training_stream)."""
+    dataset_dir = resolve_dataset_dir(spec.resolved_dataset_dir())
+    info = read_dataset_info(dataset_dir)
+    encode = encoder(spec, stage, tokenizer, template)
+    parts = []
+    for name in _names(spec.dataset):
+        entry = info.entry(name)
+        raw, columns = open_stream(name, entry, dataset_dir, dataset_dir / "dataset_info.json", stage)
+        if spec.max_samples:
+            raw = raw.take(spec.max_samples)
+        tokenize = _Tokenize(name, entry, stage, encode, identity=(spec.identity_name, spec.identity_author),
+                             default_system=spec.default_system, warn=warn)
+        parts.append(raw.map(tokenize, batched=True, batch_size=64, with_indices=True, remove_columns=columns))
+    return mix_streams(parts, spec.mix_strategy, spec.interleave_probs, spec.seed)
+
+
+def mix_streams(parts: list, strategy: str = "concat", probs=None, seed: int = 42):
+    """Several streams -> one: concat one after the other, or datasets.interleave_datasets with stopping
+    strategy first_exhausted (interleave_under) / all_exhausted (interleave_over), round robin or, with
+    `probs`, a seeded random draw of the next dataset: the library's semantics, as data.mix_datasets."""
+    if len(parts) == 1:
+        return parts[0]
+    if strategy == "concat":
+        return datasets.concatenate_datasets(parts)
+    if isinstance(probs, str):
+        probs = [float(p) for p in probs.split(",") if p.strip()]
+    return datasets.interleave_datasets(parts, probabilities=list(probs) if probs else None, seed=seed,
+                                        stopping_strategy=MIX_STRATEGIES[strategy])
+
+
+def pack_stream(rows: datasets.IterableDataset, cutoff_len: int) -> datasets.IterableDataset:
+    """Packing on the stream: each window of PACK_WINDOW rows is bin-packed by pack_rows (the same sequences,
+    position_ids and row-start labels as a loaded dataset's packing, within the window)."""
+    def pack(batch: dict) -> dict:
+        packed = pack_rows([{"input_ids": i, "labels": la} for i, la in zip(batch["input_ids"], batch["labels"])],
+                           cutoff_len)
+        return {key: [p[key] for p in packed] for key in ("input_ids", "labels", "position_ids")}
+
+    return rows.map(pack, batched=True, batch_size=PACK_WINDOW, remove_columns=TOKEN_COLUMNS + [SOURCE])
+
+
+def streamed_rows(spec, run_dir, stage: str, tokenizer, template=None):
+    """(train stream, eval rows or None, held-out examples) for a streaming sft/pt run, the shape of the
+    stages' tokenized(): the train stream shuffled with a buffer; eval rows from eval_dataset (read into memory and
+    tokenized as a loaded dataset) or the first val_size rows of the stream."""
+    mixed = token_stream(spec, stage, tokenizer, template, warn=run_dir.warn)
+    first = next(iter(mixed), None)  # every row refused: say so now, not after max_steps of empty epochs
+    if first is None:
+        raise DatasetError(f"streaming: no usable rows in dataset {spec.dataset} (see the skipped rows above)")
+    eval_rows, val_examples = None, []
+    head = int(spec.val_size) if spec.val_size >= 1 else 0
+    if head:
+        eval_rows = [{k: r[k] for k in TOKEN_COLUMNS} for r in mixed.take(head)]
+        mixed = mixed.skip(head)
+    if spec.eval_dataset:
+        val_examples, report = load_examples(
+            spec.eval_dataset, spec.resolved_dataset_dir(), stage=stage, max_samples=spec.max_samples,
+            identity_name=spec.identity_name, identity_author=spec.identity_author, seed=spec.seed,
+            default_system=spec.default_system, mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs)
+        for line in report.summary_lines():
+            run_dir.log(line)
+        if stage == "pt":
+            add_bos = tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id
+            eval_rows = build_pt_dataset(val_examples, tokenizer, spec.cutoff_len, add_bos=add_bos,
+                                         log=run_dir.warn)[0]
+        else:
+            eval_rows = build_sft_dataset(val_examples, template, tokenizer, spec.cutoff_len,
+                                          train_on_prompt=spec.train_on_prompt, mask_history=spec.mask_history,
+                                          log=run_dir.warn)[0]
+    train = mixed.shuffle(seed=spec.seed, buffer_size=spec.buffer_size)
+    run_dir.log(f"streaming: dataset {spec.dataset} read lazily ({spec.mix_strategy}"
+                + (f", probabilities {spec.interleave_probs}" if spec.interleave_probs else "")
+                + f"), shuffled in a buffer of {spec.buffer_size} rows (seed {spec.seed}), {spec.max_steps} steps"
+                + (f"; the first {head} rows held out for evaluation" if head else "")
+                + f"; first row: {len(first['input_ids'])} tokens")
+    return train, eval_rows, val_examples

@@ -61,6 +61,14 @@ CONSUMED = {
     "max_completion_length": "backend/test_grpo_spec.py::test_grpo_keys_reach_trls_config",
     "grpo_beta": "backend/test_grpo_spec.py::test_grpo_keys_reach_trls_config",
     "grpo_epsilon": "backend/test_grpo_spec.py::test_grpo_keys_reach_trls_config",
+    # kd (tests/backend/test_stage_kd.py)
+    "teacher_model_name_or_path": "backend/test_stage_kd.py::test_kd_on_policy_steps_generate_from_the_student",
+    "teacher_adapter": "backend/test_stage_kd.py::test_kd_run_mixes_cross_entropy_and_distils_from_the_teacher_adapter",
+    "teacher_quantization_bit": "backend/test_stage_kd.py::test_teacher_quantization_bit_loads_a_4bit_teacher",
+    "kd_beta": "backend/test_stage_kd.py::test_kd_terms_are_the_kl_divergences_at_the_temperature",
+    "kd_temperature": "backend/test_stage_kd.py::test_kd_terms_are_the_kl_divergences_at_the_temperature",
+    "kd_alpha": "backend/test_stage_kd.py::test_kd_run_mixes_cross_entropy_and_distils_from_the_teacher_adapter",
+    "kd_lmbda": "backend/test_stage_kd.py::test_kd_on_policy_steps_generate_from_the_student",
     # lora
     "lora_target": "backend/test_models.py::test_lora_options_reach_peft",
     "lora_rank": "backend/test_models.py::test_lora_options_reach_peft",

@@ -4,6 +4,11 @@ alternately, for --rounds rounds; prints useful tokens/s, time to first step, pe
 and checks that the tools trained the same tokens (per-step losses side by side).
 
     python bench/run.py [--rounds 2] [--tools tuneboard,trl,lf] [--levers all|padded,plain-loss,...] [--steps N]
+                        [--isa native|avx2]
+
+--isa avx2 runs every tool (and the matmul peak) on the AVX2 kernel path of torch and oneDNN
+(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, their own switches), so an AVX-512 machine also measures what
+an AVX2-only CPU (a common cloud and laptop class) gets.
 
 --levers adds TuneBoard with a lever switched off (padded batches, plain loss, no checkpointing) or bf16
 (autocast, on CPUs with native bf16 matmul), so each lever is measured in the same run as the others.
@@ -34,6 +39,8 @@ BENCH = REPO / "bench"
 RECIPE = BENCH / "recipe.yaml"
 LF_VENV = BENCH / ".venv-lf"
 PY = sys.executable
+# --isa: the environment that makes torch (ATen's kernels) and oneDNN (its matmuls) use that instruction set at most
+ISA_ENV = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
 
 def matmul_peak(dtype_name: str, n: int = 2048, reps: int = 5) -> float:
@@ -189,7 +196,13 @@ def main() -> int:
                         + ", ".join(LEVERS))
     parser.add_argument("--steps", type=int, default=None, help="max_steps for every tool (default: the recipe's)")
     parser.add_argument("--out", default=str(BENCH / "results"))
+    parser.add_argument("--isa", choices=tuple(ISA_ENV), default="native",
+                        help="avx2: every tool and the matmul peak on torch's and oneDNN's AVX2 kernels")
     args = parser.parse_args()
+    # before torch is imported here (the matmul peak) and inherited by every tool's process (run_once copies os.environ)
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        os.environ.pop(name, None)
+    os.environ.update(ISA_ENV[args.isa])
 
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(BENCH))
@@ -208,7 +221,8 @@ def main() -> int:
     peaks = {"fp32": matmul_peak("float32"),
              "bf16": matmul_peak("bfloat16") if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None}
     when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    machine = f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}"
+    machine = (f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}, "
+               f"kernels {torch.backends.cpu.get_cpu_capability()} (--isa {args.isa})")
     print(f"{when}  {machine}  load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"matmul peak 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s" + (f", bf16 {peaks['bf16']:.0f} GFLOP/s" if peaks["bf16"] else ""))
     sys.stdout.flush()
@@ -232,7 +246,8 @@ def main() -> int:
     out_root.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M")
     (out_root / f"bench-{stamp}.json").write_text(json.dumps(
-        {"when": when, "machine": machine, "peaks_gflops": peaks, "facts": facts, "runs": results}, indent=1))
+        {"when": when, "machine": machine, "isa": args.isa, "peaks_gflops": peaks, "facts": facts, "runs": results},
+        indent=1))
     print(table)
     return 0
 

@@ -764,5 +764,8 @@ def describe_model(model) -> str:
         parts.append(f"bitsandbytes {bits}-bit {kind}".rstrip())
     if getattr(model, "tuneboard_liger", False):
         parts.append("Liger kernels")
-    parts.append(f"device {getattr(model, 'device', '?')}")
+    device = getattr(model, "device", "?")
+    parts.append(f"device {device}")
+    if getattr(device, "type", None) == "cpu":  # which kernels: AVX512, or AVX2 (such a CPU, or ATEN_CPU_CAPABILITY=avx2)
+        parts.append(f"CPU kernels {torch.backends.cpu.get_cpu_capability()}")
     return ", ".join(parts)

@@ -1,4 +1,5 @@
-"""Reward functions for stage grpo: the built-in ones, and a user's own `module:function`.
+"""Reward functions for the online RL stages (grpo, rloo): the built-in ones, a user's own `module:function`, and
+reward models.
 
 Light (no torch): `tuneboard validate` and the web UI read BUILTINS. Every reward function has TRL's
 GRPOTrainer signature: `f(prompts, completions, **kwargs) -> list[float | None]`, one number per completion
@@ -7,7 +8,13 @@ GRPOTrainer signature: `f(prompts, completions, **kwargs) -> list[float | None]`
 - `reference`: each row's reference answer (the dataset's last assistant turn; None where the row has none),
 - `schema`: the JSON Schema given by `reward_schema` (None when unset),
 - `trainer_state`, `log_extra`, `log_metric`: TRL's (see its GRPOTrainer docs).
+- `conversation`: each row's prompt turns as JSON ({"messages": [...], "tools": ...}: what a reward model renders
+  with its own template).
 Every built-in returns a score in [0, 1] (1 = best), so `reward_weights` weigh like against like.
+
+A reward model is a folder in the list: `reward_funcs: json_valid,saves/rm-run` (the output_dir of a stage rm
+run, LoRA or full, or a sequence-classification model folder with one label and its tokenizer): it scores each
+completion with its score head (any real number), logged as rewards/<folder name>/mean.
 
 A user's function is one file and one spec line: `reward_funcs: json_valid,my_rewards.py:brevity` (a file
 path, relative to where the command runs) or `my_package.rewards:brevity` (an importable module). One that
@@ -183,13 +190,32 @@ def split_names(value) -> list[str]:
     return [str(item).strip() for item in items if str(item).strip()]
 
 
+def is_model_name(name: str) -> bool:
+    """Whether a reward_funcs entry names a folder (a reward model) rather than a function: a path without ':'."""
+    return name not in BUILTINS and ":" not in name and (
+        name.startswith((".", "~")) or "/" in name or "\\" in name or Path(name).expanduser().is_dir())
+
+
+def metric_name(name: str) -> str:
+    """The name TRL logs a reward under (rewards/<name>/mean): a function's own name, a reward model's folder name."""
+    if is_model_name(name):
+        return Path(name.rstrip("/\\")).name or name
+    return name.rpartition(":")[2]
+
+
 def name_problem(name: str, *, check_files: bool = True) -> str | None:
-    """Why a reward_funcs entry cannot be a reward function, or None (import happens at run time)."""
+    """Why a reward_funcs entry cannot be a reward function, or None (import happens at run time; whether a
+    folder holds a reward model is validate's check, backend.core.rundir.is_reward_model_dir)."""
     if name in BUILTINS:
         return None
+    if is_model_name(name):
+        if check_files and not Path(name).expanduser().is_dir():
+            return (f"{name} is not a folder (a reward model is the output_dir of a stage rm run, or a "
+                    "sequence-classification model folder)")
+        return None
     if ":" not in name:
-        return (f"{name!r} is not a built-in reward ({', '.join(BUILTINS)}) nor a 'module:function' or "
-                "'path/to/file.py:function' reference")
+        return (f"{name!r} is not a built-in reward ({', '.join(BUILTINS)}), a 'module:function' or "
+                "'path/to/file.py:function' reference, nor a reward model folder")
     where, _, func = name.rpartition(":")
     if not func.isidentifier() or not where:
         return f"{name!r}: expected 'module:function' or 'path/to/file.py:function'"
@@ -253,17 +279,24 @@ def checked(func: Callable, name: str) -> Callable:
             out.append(value)
         return out
 
-    reward.__name__ = name.rpartition(":")[2]  # TRL names the metrics rewards/<name>/mean|std after it
+    reward.__name__ = metric_name(name)  # TRL names the metrics rewards/<name>/mean|std after it
     return reward
 
 
-def build_reward_funcs(names, *, max_completion_length: int = 256, regex: str | None = None) -> list[Callable]:
-    """reward_funcs -> checked callables named as the user wrote them (built-ins bound to their settings)."""
+def build_reward_funcs(names, *, max_completion_length: int = 256, regex: str | None = None,
+                       reward_model: Callable[[str], Callable] | None = None) -> list[Callable]:
+    """reward_funcs -> checked callables named as the user wrote them (built-ins bound to their settings);
+    a folder becomes reward_model(folder) (the heavy loader: backend.evaluation.reward_score.RewardModelReward)."""
     funcs = []
     for name in split_names(names):
         problem = name_problem(name)
         if problem:
             raise RewardError(f"reward_funcs: {problem}")
+        if is_model_name(name):
+            if reward_model is None:
+                raise RewardError(f"reward_funcs: {name} is a reward model, and nothing here loads one")
+            funcs.append(reward_model(name))
+            continue
         if name == "length_penalty":
             func = functools.partial(length_penalty, max_completion_length=max_completion_length)
         elif name == "format_regex":

@@ -40,7 +40,8 @@ from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.refusals import REFUSED, reward_gguf_refusal
-from backend.core.rundir import default_output_dir, model_slug, reward_model_folder
+from backend.core.rewards import is_model_name, split_names
+from backend.core.rundir import default_output_dir, is_reward_model_dir, model_slug, reward_model_folder
 from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, stages_using_field, stages_where,
                             stages_with_data)
 
@@ -228,7 +229,7 @@ class RunSpec(BaseModel):
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f("auto", "Weight dtype for inference and export.", "model")
 
     # ---------------------------------------------------------------- method (stage + finetuning type)
-    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), or online RL with reward functions (GRPO).", "method", choices=IMPLEMENTED)
+    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), or online RL with reward functions and reward models (GRPO, RLOO).", "method", choices=IMPLEMENTED)
     do_train: bool = _f(True, "Run training.", "method", refused="`tuneboard train` always trains: to only evaluate or predict, run `tuneboard eval` with this spec (do_eval / do_predict pick the parts)")
     finetuning_type: Literal["lora", "oft", "freeze", "full"] = _f("lora", "What is trained: LoRA or OFT adapters, the last layers (freeze), or every weight (full).", "method")
     pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")
@@ -246,7 +247,7 @@ class RunSpec(BaseModel):
     ppo_target: float = _f(6.0, "Target KL for adaptive KL control in PPO.", "method", gt=0)
     ppo_score_norm: bool = _f(False, "Normalise PPO rewards.", "method")
     ppo_whiten_rewards: bool = _f(False, "Whiten PPO rewards before computing advantages.", "method")
-    reward_funcs: Optional[str] = _f(None, "GRPO reward functions, comma-separated: json_valid, json_schema, field_f1, exact_match, length_penalty, format_regex, or your own module:function / path/to/file.py:function.", "method")
+    reward_funcs: Optional[str] = _f(None, "GRPO / RLOO reward functions, comma-separated: json_valid, json_schema, field_f1, exact_match, length_penalty, format_regex, your own module:function / path/to/file.py:function, or a reward model folder (a stage rm run's output_dir).", "method")
     reward_weights: Optional[str] = _f(None, "GRPO: one weight per reward function, comma-separated (default: 1 each).", "method")
     reward_schema: Optional[str] = _f(None, "GRPO json_schema reward: a JSON Schema file (.json) or inline JSON (default: each row's own, inferred from its reference answer).", "method")
     reward_regex: Optional[str] = _f(None, "GRPO format_regex reward: the regular expression a whole completion must match (default: one JSON object).", "method")
@@ -891,6 +892,8 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     stage = get_stage(spec.stage)
     for rule in stage.rules:  # the stage's own rules (backend/stages/rules.py), in its declared order
         errors.extend(rule(spec, stage, check_files))
+    if check_files and "reward_funcs" in stage.fields:
+        errors.extend(_reward_model_errors(spec.reward_funcs))
     if spec.use_vllm and not stage.generates:
         err("use_vllm", f"{REFUSED}: only stage {', '.join(stages_where('generates'))} generates while it trains "
             "(chat and the API pick their engine with infer_backend)", "stage")
@@ -900,6 +903,26 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         errors.extend(_model_path_errors(spec))
         errors.extend(_output_dir_errors(spec))
     errors.extend(_code_policy_errors(spec))
+    return errors
+
+
+def _reward_model_errors(reward_funcs) -> list[tuple[str, str, frozenset]]:
+    """A folder in reward_funcs must hold a reward model with its tokenizer (backend.core.rundir's light check;
+    the stage rule names a missing folder)."""
+    errors = []
+    for name in split_names(reward_funcs):
+        folder = Path(name).expanduser()
+        if not is_model_name(name) or not folder.is_dir():
+            continue
+        if not is_reward_model_dir(folder):
+            why = ("is not a reward model (no trained one-output score head): give the output_dir of a stage rm run, "
+                   "or a sequence-classification model folder with one label")
+        elif not (folder / "adapter_config.json").is_file() and not any(
+                (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            why = "has no tokenizer (tokenizer.json or tokenizer_config.json): a reward model scores with its own"
+        else:
+            continue
+        errors.append(("reward_funcs", f"{name} {why}", frozenset({"reward_funcs"})))
     return errors
 
 

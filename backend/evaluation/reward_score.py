@@ -1,7 +1,7 @@
 """Reward-model scoring: ranking pairs -> (chosen score, rejected score) with a reward model (a one-output score
 head, saved by stage rm), the pairwise metrics, the per-pair file, and how an rm run's folder reloads. A library
 module: the rm stage (its do_predict), `tuneboard eval` with stage rm and `tuneboard export` (reward checks)
-import it.
+import it, and the online RL stages (grpo, rloo), where a reward model scores completions (RewardModelReward).
 
 The score of a sequence is the head's output at its last token that is not the pad token (transformers'
 rule), so the model config carries the tokenizer's pad token, here and when reloaded.
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import yaml
 
 from backend.training.adapters import apply_finetuning
 from backend.training.models import load_model, load_tokenizer, model_folder, resolve_model
-from backend.dataprep.preference import build_preference_dataset
+from backend.dataprep.preference import _fit, _split_answer, build_preference_dataset
+from backend.dataprep.resolve import pick_template
 from backend.core.rundir import SPEC_FILE, is_reward_model_dir  # the one light check (the web UI uses it too)
 
 
@@ -52,16 +54,26 @@ def score_pairs(model, tokenizer, rows: list[dict], batch_size: int = 8, *, stop
     stop() -> a reason or None, asked before each batch: the pairs scored by then are returned.
     progress(n): called with the number of pairs scored so far."""
     flat = [seq for row in rows for seq in (sequences(row)["chosen_ids"], sequences(row)["rejected_ids"])]
+    # a pair's two sequences always share a batch
+    scores = score_sequences(model, tokenizer.pad_token_id, flat, 2 * max(batch_size, 1), stop=stop,
+                             progress=(lambda n: progress(n // 2)) if progress else None)
+    return list(zip(scores[0::2], scores[1::2]))
+
+
+def score_sequences(model, pad_token_id: int, flat: list[list[int]], batch_size: int = 8, *, stop=None,
+                    progress=None) -> list[float]:
+    """The score of each token sequence, in batches of `batch_size`, right-padded like training (no gradient).
+    stop() -> a reason or None, asked before each batch; progress(n): sequences scored so far."""
     scores: list[float] = []
     device = next(model.parameters()).device
-    step = 2 * max(batch_size, 1)  # a pair's two sequences always share a batch
+    step = max(batch_size, 1)
     with torch.no_grad():
         for i in range(0, len(flat), step):
             if stop and stop():
                 break
             chunk = flat[i:i + step]
             width = max(len(s) for s in chunk)
-            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+            ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for j, seq in enumerate(chunk):
                 ids[j, :len(seq)] = torch.tensor(seq, dtype=torch.long)
@@ -69,8 +81,8 @@ def score_pairs(model, tokenizer, rows: list[dict], batch_size: int = 8, *, stop
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
             scores.extend(float(x) for x in logits.float().view(-1))
             if progress:
-                progress(len(scores) // 2)
-    return list(zip(scores[0::2], scores[1::2]))
+                progress(len(scores))
+    return scores
 
 
 def pair_metrics(scores: list[tuple[float, float]]) -> dict:
@@ -146,3 +158,65 @@ def load_reward_model(spec, resolved=None, *, warn=None):
 
 def _model_folder(spec, resolved) -> Path:
     return model_folder(resolved or resolve_model(spec.model_name_or_path))
+
+
+# the keys of an rm run's run_spec.yaml that say how its model loads and how it renders what it scores
+_RM_LOAD_KEYS = ("finetuning_type", "quantization_bit", "quantization_method", "quantization_type",
+                 "double_quantization", "template", "enable_thinking", "trust_remote_code", "rope_scaling",
+                 "resize_vocab", "new_special_tokens", "cutoff_len", "flash_attn", "bf16", "fp16", "pure_bf16")
+
+
+def reward_model_spec(path: str | Path):
+    """How to load the reward model in `path` (an rm run's output_dir, or a sequence-classification model folder):
+    its run_spec.yaml's loading keys when it has one (LoRA: its base model + the folder as the adapter), else a
+    full model with the tokenizer's own chat template."""
+    model, adapter = reward_model_location(path)
+    saved = {}
+    spec_file = Path(path).expanduser() / SPEC_FILE
+    if spec_file.is_file():
+        saved = yaml.safe_load(spec_file.read_text(encoding="utf-8")) or {}
+    keys = {key: saved[key] for key in _RM_LOAD_KEYS if saved.get(key) is not None}
+    keys.setdefault("template", "auto")
+    keys.setdefault("cutoff_len", 1024)
+    keys["finetuning_type"] = keys.get("finetuning_type", "lora") if adapter else "full"
+    return SimpleNamespace(**keys, model_name_or_path=model, adapter_name_or_path=adapter)
+
+
+class RewardModelReward:
+    """A reward model as a reward function of the online RL stages (TRL's signature, rewards/<name>/mean|std):
+    loaded once (eval mode, no gradients), it scores each prompt's conversation + completion rendered by the reward
+    model's own template (the rm run's), as stage rm scored its pairs: the same tokens, cut the same way."""
+
+    def __init__(self, path: str, name: str, *, batch_size: int = 8, warn=None):
+        self.__name__ = name  # TRL names the metrics rewards/<name>/mean|std after it
+        self.path, self.batch_size = path, batch_size
+        spec = reward_model_spec(path)
+        self.cutoff_len = spec.cutoff_len
+        resolved = resolve_model(spec.model_name_or_path)
+        self.model, self.tokenizer = load_reward_model(spec, resolved, warn=warn)
+        self.model.requires_grad_(False)
+        if torch.cuda.is_available() and not getattr(self.model, "hf_device_map", None):
+            self.model.to(torch.cuda.current_device())
+        self.template = pick_template(spec.template, resolved, self.tokenizer, warn=warn or print,
+                                      enable_thinking=getattr(spec, "enable_thinking", True))
+
+    def __call__(self, prompts, completions, conversation=None, **kwargs) -> list[float | None]:
+        """One score per completion; None where the template renders no answer token (not counted)."""
+        if conversation is None:
+            raise ValueError(f"reward model {self.path}: the rows carry no conversation to render")
+        sequences_, where = [], []
+        for i, (row, completion) in enumerate(zip(conversation, completions)):
+            example = json.loads(row)
+            try:
+                prompt, answer = _split_answer(example, {"role": "assistant", "content": completion}, self.template,
+                                               self.tokenizer)
+            except ValueError:
+                continue
+            prompt, (answer,), _ = _fit(prompt, [answer], self.cutoff_len)
+            sequences_.append(prompt + answer)
+            where.append(i)
+        out: list[float | None] = [None] * len(completions)
+        for i, score in zip(where, score_sequences(self.model, self.tokenizer.pad_token_id, sequences_,
+                                                   self.batch_size)):
+            out[i] = score
+        return out

@@ -117,6 +117,13 @@ _DPO_RULES = (rules.whole_sequences, rules.preference)
 # eval_metric at each save (eval_loss is drawn on the loss plot)
 _TASK_PLOTS = (("task metric", tuple(task_log_key(m) for m in TASK_METRICS if task_log_key(m) != "eval_loss")),)
 
+# the online RL stages (grpo, rloo): prompts, rewards from functions and reward models (backend/stages/grpo.py)
+_ONLINE_FIELDS = ("reward_funcs", "reward_weights", "reward_schema", "reward_regex", "num_generations",
+                  "max_completion_length", "grpo_beta", "grpo_epsilon", "use_vllm")
+_ONLINE_PLOTS = (("reward", ("reward", "reward_std")), ("rewards per function", ("rewards/*/mean",)),
+                 ("kl", ("kl",)), ("completion length", ("completions/mean_length", "completions/clipped_ratio")),
+                 ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")))
+
 STAGES: dict[str, Stage] = {s.id: s for s in (
     Stage("pt", "Pre-training", "text", packs_by_default=True),
     Stage("sft", "Supervised fine-tuning", "plain", task_metric=True, plots=_TASK_PLOTS,
@@ -147,18 +154,25 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
     Stage("ppo", "PPO", "prompts", implemented=False, reason=_NO_PPO,
           fields=("ref_model", "reward_model", "reward_model_type", "ppo_epochs", "ppo_buffer_size", "ppo_target",
                   "ppo_score_norm", "ppo_whiten_rewards")),
-    Stage("grpo", "GRPO", "prompts", rules=(rules.grpo,), generates=True,
-          fields=("reward_funcs", "reward_weights", "reward_schema", "reward_regex", "num_generations",
-                  "max_completion_length", "grpo_beta", "grpo_epsilon", "use_vllm"),
+    Stage("grpo", "GRPO", "prompts", rules=(rules.grpo,), generates=True, fields=_ONLINE_FIELDS,
           shared_fields=("temperature", "top_p"),
           # what TRL's GRPOTrainer logs (kl only with grpo_beta > 0; rewards/<function>/mean|std per function)
           metrics=("reward", "reward_std", "rewards/*", "kl", "entropy", "frac_reward_zero_std",
                    "completions/mean_length", "completions/min_length", "completions/max_length",
                    "completions/clipped_ratio", "completions/mean_terminated_length", "clip_ratio/region_mean",
                    "clip_ratio/low_mean", "clip_ratio/high_mean", "num_tokens"),
-          plots=(("reward", ("reward", "reward_std")), ("rewards per function", ("rewards/*/mean",)),
-                 ("kl", ("kl",)), ("completion length", ("completions/mean_length", "completions/clipped_ratio")),
-                 ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")))),
+          plots=_ONLINE_PLOTS),
+    # stage grpo's run with TRL's RLOOTrainer (leave-one-out baseline): the same keys, rules and plots
+    Stage("rloo", "RLOO", "prompts", rules=(rules.grpo,), generates=True, fields=_ONLINE_FIELDS,
+          shared_fields=("temperature", "top_p"),
+          # exactly what TRL's RLOOTrainer logs (kl only with grpo_beta > 0; aux_loss: Mixture-of-Experts only)
+          metrics=("reward", "reward_std", "rewards/*", "kl", "entropy", "frac_reward_zero_std",
+                   "completions/mean_length", "completions/min_length", "completions/max_length",
+                   "completions/clipped_ratio", "completions/mean_terminated_length",
+                   "completions/min_terminated_length", "completions/max_terminated_length", "clip_ratio/region_mean",
+                   "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+                   "num_tokens", "aux_loss"),
+          plots=_ONLINE_PLOTS),
 )}
 
 STAGE_IDS: tuple[str, ...] = tuple(STAGES)

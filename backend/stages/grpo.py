@@ -22,6 +22,10 @@ model. grpo_beta 0: no reference, no kl.
 
 What a user sees besides the metrics: every logging step appends a sample of the latest completions with
 their rewards to completions.jsonl (backend.core.rundir.COMPLETIONS_FILE) and puts the best one in the run log.
+
+Rewards: the built-in and a user's functions (backend.core.rewards), and reward models (a folder in reward_funcs:
+backend.evaluation.reward_score.RewardModelReward, loaded once, scoring each completion with its own template).
+Stage rloo (backend/stages/rloo.py) is this module with TRL's RLOOTrainer: `train_online` is shared.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ from trl import GRPOConfig, GRPOTrainer
 from backend.training.adapters import _upcast_trainable
 from backend.serving.engine import stop_token_ids
 from backend.core.methods import method
-from backend.core.rewards import RewardError, build_reward_funcs, load_schema, split_names
+from backend.core.rewards import RewardError, build_reward_funcs, load_schema, metric_name, split_names
+from backend.evaluation.reward_score import RewardModelReward
 from backend.core.rundir import COMPLETIONS_FILE
 from backend.stages.base import (RunError, StageResult, adapter_is_identity, fit, load_rows, tokenizer_and_template,
                                  trainable_model)
@@ -44,6 +49,12 @@ SAMPLES_PER_LOG = 8  # completions written to completions.jsonl per logging step
 
 
 def run(spec, run_dir, stop) -> StageResult:
+    return train_online(spec, run_dir, stop, trainer_base=GRPOTrainer, args_class=GRPOConfig, config=grpo_config(spec))
+
+
+def train_online(spec, run_dir, stop, *, trainer_base, args_class, config: dict) -> StageResult:
+    """An online RL stage (grpo, rloo): TRL's `trainer_base` generating from our prompts, scored by the spec's
+    reward functions and reward models."""
     if spec.use_vllm and not torch.cuda.is_available():
         raise RunError("use_vllm: vLLM generation needs a GPU and torch sees none: leave use_vllm off to generate "
                        "with transformers")
@@ -55,14 +66,8 @@ def run(spec, run_dir, stop) -> StageResult:
     rows, prompt_ids = prompt_rows(spec, run_dir, load_rows(spec, run_dir, spec.dataset, spec.stage), template,
                                    tokenizer)
 
-    # 3. reward functions (a user's file is imported here, before the model is loaded)
-    try:
-        reward_funcs = build_reward_funcs(spec.reward_funcs, max_completion_length=spec.max_completion_length,
-                                          regex=spec.reward_regex)
-    except RewardError as exc:
-        raise RunError(str(exc)) from None
-    weights = grpo_config(spec)["reward_weights"] or [1.0] * len(reward_funcs)
-    run_dir.log("rewards: " + ", ".join(f"{name} x {w:g}" for name, w in zip(split_names(spec.reward_funcs), weights)))
+    # 3. reward functions and reward models (a user's file is imported here, before the model is loaded)
+    reward_funcs = reward_functions(spec, run_dir)
 
     # 4. model and adapters; generation ends at the template's end of turn
     model = trainable_model(spec, run_dir, resolved)
@@ -79,8 +84,8 @@ def run(spec, run_dir, stop) -> StageResult:
     # 5. train, save, plot
     try:
         return fit(spec, run_dir, stop, model=model, tokenizer=tokenizer, train_dataset=Dataset.from_list(rows),
-                   trainer_class=_grpo_trainer_class(spec, run_dir, prompt_ids), args_class=GRPOConfig,
-                   config=grpo_config(spec), reward_funcs=reward_funcs)
+                   trainer_class=online_trainer_class(trainer_base, spec, run_dir, prompt_ids), args_class=args_class,
+                   config=config, reward_funcs=reward_funcs)
     except RewardError as exc:  # a user's reward function misbehaved: one line, no traceback
         raise RunError(str(exc)) from None
 
@@ -93,9 +98,31 @@ def grpo_config(spec) -> dict:
                 vllm_mode="colocate", log_completions=False)
 
 
+def reward_functions(spec, run_dir) -> list:
+    """reward_funcs -> TRL's reward callables, in order (reward_weights weigh them): the built-ins, a user's
+    functions (imported here) and reward models (loaded here, once, in eval mode). Logged with their weights."""
+    def reward_model(path: str):
+        run_dir.log(f"reward model {metric_name(path)}: loading {path}")
+        try:
+            return RewardModelReward(path, metric_name(path), batch_size=spec.per_device_train_batch_size,
+                                     warn=run_dir.warn)
+        except ValueError as exc:  # not a reward model, or its base cannot be found: one line naming it
+            raise RewardError(f"reward_funcs: {path}: {exc}") from None
+
+    try:
+        funcs = build_reward_funcs(spec.reward_funcs, max_completion_length=spec.max_completion_length,
+                                   regex=spec.reward_regex, reward_model=reward_model)
+    except RewardError as exc:
+        raise RunError(str(exc)) from None
+    weights = [float(w) for w in split_names(spec.reward_weights)] or [1.0] * len(funcs)
+    run_dir.log("rewards: " + ", ".join(f"{name} x {w:g}" for name, w in zip(split_names(spec.reward_funcs), weights)))
+    return funcs
+
+
 def prompt_rows(spec, run_dir, examples: list[dict], template, tokenizer) -> tuple[list[dict], dict[str, list[int]]]:
-    """Rows {prompt (the rendered text), reference, schema} for the trainer, and the token ids of each prompt
-    text (what is generated from). The last assistant turn of a row is its reference, not part of the prompt."""
+    """Rows {prompt (the rendered text), reference, schema, conversation (the prompt turns as JSON, for a reward
+    model's own template)} for the trainer, and the token ids of each prompt text (what is generated from). The
+    last assistant turn of a row is its reference, not part of the prompt."""
     schema = json.dumps(load_schema(spec.reward_schema)) if spec.reward_schema else None
     room = spec.cutoff_len - spec.max_completion_length
     rows, ids_by_prompt, cut, skipped = [], {}, 0, 0
@@ -112,7 +139,8 @@ def prompt_rows(spec, run_dir, examples: list[dict], template, tokenizer) -> tup
         if len(ids) > room:
             ids, cut = ids[len(ids) - room:], cut + 1
         ids_by_prompt.setdefault(text, ids)
-        rows.append({"prompt": text, "reference": reference, "schema": schema})
+        conversation = json.dumps({"messages": messages, "tools": example.get("tools")}, ensure_ascii=False)
+        rows.append({"prompt": text, "reference": reference, "schema": schema, "conversation": conversation})
     if skipped:
         run_dir.warn(f"{skipped} rows have no user turn to prompt with: skipped")
     if cut:
@@ -126,11 +154,11 @@ def prompt_rows(spec, run_dir, examples: list[dict], template, tokenizer) -> tup
     return rows, ids_by_prompt
 
 
-def _grpo_trainer_class(spec, run_dir, prompt_ids: dict[str, list[int]]):
-    """TRL's GRPOTrainer generating from our prompt tokens, writing completions.jsonl, with no copy of an
-    adapter that is still the identity."""
+def online_trainer_class(trainer_base, spec, run_dir, prompt_ids: dict[str, list[int]]):
+    """TRL's GRPOTrainer or RLOOTrainer (`trainer_base`: the same hooks) generating from our prompt tokens, writing
+    completions.jsonl, with no copy of an adapter that is still the identity."""
 
-    class _GRPOTrainer(GRPOTrainer):
+    class _OnlineTrainer(trainer_base):
         def __init__(self, *args, data_collator=None, **kwargs):  # GRPO batches raw rows: no collator
             super().__init__(*args, **kwargs)
             # TRL casts a quantized model's trainable weights to bf16; we keep them fp32 as every stage does.
@@ -158,7 +186,7 @@ def _grpo_trainer_class(spec, run_dir, prompt_ids: dict[str, list[int]]):
             super()._save(output_dir, state_dict)
             _without_ref_adapter_files(output_dir or self.args.output_dir)
 
-    return _GRPOTrainer
+    return _OnlineTrainer
 
 
 def write_completions(run_dir, step: int, logs: dict, weights: list[float]) -> None:

@@ -113,7 +113,8 @@ def preference(spec, stage, check_files: bool = True) -> Errors:
 
 
 def grpo(spec, stage, check_files: bool = True) -> Errors:
-    """Stage grpo: reward functions that can be loaded, settings TRL's GRPOTrainer can run with, keys it ignores."""
+    """The online RL stages (grpo, rloo): reward functions that can be loaded, settings TRL's GRPOTrainer and
+    RLOOTrainer can run with, keys they ignore."""
     errors: Errors = []
 
     def err(field: str, message: str, *involved: str) -> None:
@@ -121,13 +122,13 @@ def grpo(spec, stage, check_files: bool = True) -> Errors:
 
     names = rewards.split_names(spec.reward_funcs)
     if not names:
-        err("reward_funcs", f"stage grpo needs at least one reward function ({', '.join(rewards.BUILTINS)}, or "
-            "module:function / path/to/file.py:function)")
+        err("reward_funcs", f"stage {spec.stage} needs at least one reward function ({', '.join(rewards.BUILTINS)}, "
+            "module:function / path/to/file.py:function, or a reward model folder)")
     for name in names:
         problem = rewards.name_problem(name, check_files=check_files)
         if problem:
             err("reward_funcs", problem)
-    users = [n for n in names if n not in rewards.BUILTINS]
+    users = [n for n in names if n not in rewards.BUILTINS and not rewards.is_model_name(n)]
     if spec.reward_weights:
         try:
             weights = [float(w) for w in _split(spec.reward_weights)]
@@ -164,7 +165,7 @@ def grpo(spec, stage, check_files: bool = True) -> Errors:
         err("max_completion_length", f"must be below cutoff_len ({spec.cutoff_len}): prompt and completion share it",
             "cutoff_len")
     if spec.temperature <= 0:
-        err("temperature", "GRPO samples its completions: temperature must be above 0", "stage")
+        err("temperature", f"{stage.title} samples its completions: temperature must be above 0", "stage")
     if spec.use_vllm:
         if importlib.util.find_spec("vllm") is None:
             err("use_vllm", "vllm is not installed (pip install -e '.[vllm]', on a machine with a GPU): leave "
@@ -173,17 +174,17 @@ def grpo(spec, stage, check_files: bool = True) -> Errors:
             err("use_vllm", "vLLM generation needs a GPU and none is visible here: leave use_vllm off to generate "
                 "with transformers")
     if spec.resolved_packing:
-        err("packing", f"{REFUSED}: GRPO generates completions for whole prompts: packing does not apply",
+        err("packing", f"{REFUSED}: {stage.title} generates completions for whole prompts: packing does not apply",
             "neat_packing")
-    for name, why in (("train_on_prompt", "GRPO's loss covers the generated completions only"),
-                      ("mask_history", "GRPO trains on its own completions, not on the dataset's answers"),
-                      ("do_predict", "stage grpo writes no predictions: run `tuneboard eval` (stage sft) with the "
-                       "trained adapter")):
+    for name, why in (("train_on_prompt", f"{stage.title}'s loss covers the generated completions only"),
+                      ("mask_history", f"{stage.title} trains on its own completions, not on the dataset's answers"),
+                      ("do_predict", f"stage {spec.stage} writes no predictions: run `tuneboard eval` (stage sft) "
+                       "with the trained adapter")):
         if getattr(spec, name):
             err(name, f"{REFUSED}: {why}")
     if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
         field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
-        err(field, f"{REFUSED}: stage grpo does not evaluate while it trains (its rewards are the live measure): "
+        err(field, f"{REFUSED}: stage {spec.stage} does not evaluate while it trains (its rewards are the live measure): "
             "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
     return errors
 

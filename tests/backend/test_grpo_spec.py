@@ -41,12 +41,13 @@ def test_trl_ships_no_ppo_trainer_so_ppo_is_refused_with_the_reason():
         assert "has no PPOTrainer" in errors(stage="sft", **{key: value})[key]
 
 
-def test_grpo_keys_are_documented_for_grpo_only():
+def test_grpo_keys_are_documented_for_the_online_rl_stages():
     rows = {f["name"]: f for f in spec_fields()}
-    for key in GRPO_KEYS:
-        assert rows[key]["stages"] == ["grpo"] and rows[key]["description"], key
-    assert "grpo" in rows["stage"]["choices"] and "ppo" not in rows["stage"]["choices"]
-    assert get_stage("grpo").shared_fields == ("temperature", "top_p")
+    for key in GRPO_KEYS:  # stage rloo reads every key of grpo
+        assert {"grpo", "rloo"} <= set(rows[key]["stages"]) and "sft" not in rows[key]["stages"], key
+        assert rows[key]["description"], key
+    assert {"grpo", "rloo"} <= set(rows["stage"]["choices"])
+    assert get_stage("grpo").shared_fields == get_stage("rloo").shared_fields == ("temperature", "top_p")
     assert matches("rewards/json_valid/mean", "rewards/*/mean") and not matches("reward", "rewards/*")
 
 

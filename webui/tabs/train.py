@@ -15,6 +15,7 @@ import gradio as gr
 from backend.core import allowed, paths
 from backend.core.rundir import PHASE_SAVING, PLOT_FILE, unique_dir
 from backend.core.spec import SpecError, load_spec, read_spec_file
+from backend.stages import STAGES
 from webui import choices, jobs, live, preflight
 from webui import datasets as D
 from webui import fields as F
@@ -298,8 +299,10 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
 
 
 def completions_update(st: dict, run_dir: str):
-    """The completions table: shown for a GRPO run (its newest completions and rewards), hidden otherwise."""
-    if st.get("stage") != "grpo":
+    """The completions table: shown for a run of a stage that generates while it trains (grpo, rloo: its newest
+    completions and rewards), hidden otherwise."""
+    stage = STAGES.get(st.get("stage") or "")
+    if stage is None or not stage.generates:
         return gr.update(visible=False)
     return gr.update(value=live.completions_frame(run_dir), visible=True)
 

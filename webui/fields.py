@@ -55,7 +55,7 @@ OVERRIDES: dict[str, dict] = {
     "optim": {"choices": ["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor",
                           "sgd", "lion_8bit", "galore_adamw"], "custom": True},
     "lora_target": {"choices": ["all", "q_proj,v_proj", "q_proj,k_proj,v_proj,o_proj"], "custom": True},
-    "report_to": {"choices": ["none", "tensorboard", "wandb", "mlflow"], "custom": True},
+    "report_to": {"choices": ["none", "tensorboard", "wandb", "mlflow", "swanlab"], "custom": True},
     "learning_rate": {"step": 1e-5},
     "resume_from_checkpoint": {"placeholder": "true, or a checkpoint folder"},
     # GRPO: the built-in rewards and the extraction pair; any list or module:function can be typed

@@ -131,12 +131,21 @@ def checkpoint_kwargs() -> dict:
     return kwargs
 
 
+class _SelectiveContexts(dict):
+    """torch's context_fn: a callable that makes the selective checkpoint contexts. A dict, so TrainingArguments
+    that hold it still turn into JSON (TensorBoard's report_to writes args.to_json_string()): it reads
+    {"selective_checkpoint": ...} there."""
+
+    def __call__(self):
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts  # heavy: loaded on use, so importing this module stays light
+
+        return create_selective_checkpoint_contexts(_current_policy)
+
+
 @functools.lru_cache(maxsize=1)
 def _context_fn():
     """One object for the process, so two TrainingArguments built from one spec compare equal."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts  # heavy: loaded on use, so importing this module stays light
-
-    return functools.partial(create_selective_checkpoint_contexts, _current_policy)
+    return _SelectiveContexts(selective_checkpoint="attention and narrowing matmul outputs kept")
 
 
 def _current_policy(ctx, op, *args, **kwargs):

@@ -42,6 +42,7 @@ from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.refusals import REFUSED, reward_gguf_refusal
 from backend.core.rewards import is_model_name, split_names
 from backend.core.rundir import default_output_dir, is_reward_model_dir, model_slug, reward_model_folder
+from backend.core.trackers import tracker_names, tracker_problems
 from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, stages_using_field, stages_where,
                             stages_with_data)
 
@@ -362,7 +363,7 @@ class RunSpec(BaseModel):
     # ---------------------------------------------------------------- logging
     logging_steps: int = _f(5, "Log loss and learning rate every N steps.", "logging", ge=1)
     plot_loss: bool = _f(True, "Save training_loss.png at the end.", "logging")
-    report_to: Union[str, list[str]] = _f("none", "Experiment trackers to report to (none, tensorboard, wandb, ...).", "logging")
+    report_to: Union[str, list[str]] = _f("none", "Experiment trackers, comma-separated: tensorboard, wandb, mlflow, swanlab or none; each writes into the run folder unless the environment names its server (WANDB_API_KEY, MLFLOW_TRACKING_URI, ...).", "logging")
 
     # ---------------------------------------------------------------- eval
     do_eval: bool = _f(False, "Evaluate on the validation set after training.", "eval")
@@ -643,7 +644,7 @@ class RunSpec(BaseModel):
             "fp16": self.fp16,
             "seed": self.seed,
             "ddp_timeout": self.ddp_timeout,
-            "report_to": self.report_to,
+            "report_to": tracker_names(self.report_to) or "none",
             "logging_steps": self.logging_steps,
             "save_strategy": self.save_strategy,
             "save_steps": self.save_steps,
@@ -1072,6 +1073,8 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
             refuse("rope_scaling", f"it stretches the model's {limit} positions to cover cutoff_len (factor "
                    f"ceil(cutoff_len / {limit})), and cutoff_len {spec.cutoff_len} fits already: raise cutoff_len "
                    f"above {limit} or drop rope_scaling", "cutoff_len", "model_name_or_path")
+    for problem in tracker_problems(spec.report_to):
+        refuse("report_to", problem)
     errors.extend(_benchmark_errors(spec, check_files))
     return errors
 

@@ -20,6 +20,7 @@ from backend.core.checkpointing import checkpoint_kwargs, described, given_by_sp
 from backend.core.curves import loss_summary
 from backend.core.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
 from backend.core.methods import method
+from backend.core.trackers import point_trackers_at
 from backend.training.plot import plot_loss
 from backend.dataprep.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 from backend.dataprep.resolve import pick_template
@@ -240,6 +241,8 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
 
     out = run_dir.path
     checkpoint = resume_checkpoint(spec, out, log=run_dir.log)
+    for line in point_trackers_at(spec.report_to, out):  # before the Trainer: its tracker callbacks read the environment
+        run_dir.log(line)
     args = training_arguments(spec, out, has_eval=eval_dataset is not None, args_class=args_class, extra=config)
     reason = agreed_stop(stop.reason)  # (after the arguments: they set up the process group the ranks agree over)
     if reason:  # Abort came while the rows were tokenized or the model loaded: no step, no save after it

@@ -116,6 +116,7 @@ CONSUMED = {
     "overwrite_output_dir": "backend/test_key_effects.py::test_overwrite_output_dir_replaces_a_finished_run",
     "resume_from_checkpoint": "backend/test_train_cli.py::test_stop_file_aborts_with_a_checkpoint_then_resume",
     "plot_loss": "backend/test_train_cli.py::test_lora_sft_on_tiny_llama",
+    "report_to": "backend/test_trackers.py::test_tensorboard_event_files_hold_the_loss",
     "do_eval": "backend/test_key_effects.py::test_do_eval_alone_skips_the_predictions",
     "do_predict": "backend/test_train_cli.py::test_eval_during_training_and_predictions",
     "eval_metric": "backend/test_task_metric.py::test_json_field_f1_at_each_save_and_the_best_checkpoint_is_the_adapter",
@@ -167,6 +168,7 @@ SAMPLES = {
     "disable_gradient_checkpointing": (True, {"gradient_checkpointing": True}),
     "gradient_checkpointing": (False, {}),  # unset = on (LLaMA-Factory's default)
     "mix_strategy": ("interleave_under", {"dataset": "a,b"}),
+    "report_to": ("tensorboard", {}),
     "num_fewshot": (2, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),  # they shape tasks (refused alone)
     "limit": (5, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),
     # a shipped config: reaches the Trainer (deepspeed=...), or, for FSDP on a CPU-only machine, is refused

@@ -1,7 +1,8 @@
 """Runs tab: every run directory (and queued spec) as a table; overlay any logged metric of several runs;
 config diff; actions (open live view, resume, continue N more steps, clone into the form, continue an SFT
 run with DPO, delete with confirmation); the picked run's checkpoints (loss, task metric, which one is the
-adapter) with Promote / Undo promote (backend/core/promote.py)."""
+adapter) with Promote / Undo promote (backend/core/promote.py); the commands that open what its trackers
+(report_to: TensorBoard, MLflow, W&B, SwanLab) wrote into its folder."""
 from __future__ import annotations
 
 import shutil
@@ -16,6 +17,7 @@ from backend.core.curves import loss_summary
 from backend.core.methods import method
 from backend.core.rundir import ACTIVE_STATES, LOG_FILE
 from backend.core.spec import SpecError, load_spec, validate_spec
+from backend.core.trackers import local_logs
 from webui import fields as F
 from webui import form, jobs, live
 from webui.i18n import headers, tr
@@ -155,6 +157,14 @@ def overlay_metrics(run_dirs: list[str]) -> list[str]:
     for d in run_dirs:
         keys.update(dict.fromkeys(live.metric_keys(_records(d))))
     return list(keys)
+
+
+def trackers_md(run_dir: str | None, lang: str = "en") -> str:
+    """How to open what the run's trackers (report_to) wrote into its folder: one command per tracker."""
+    found = local_logs(run_dir) if run_dir else []
+    if not found:
+        return ""
+    return tr(lang, "runs.trackers") + "\n\n" + "\n".join(f"- {name}: `{command}`" for name, command in found)
 
 
 def diff_md(a: str | None, b: str | None, lang: str = "en") -> str:
@@ -307,6 +317,7 @@ def build(ctx) -> dict:
                 c["delete_confirm"] = reg.comp(gr.Checkbox, "runs-delete_confirm", value=False)
                 c["delete"] = reg.button("runs-delete", size="sm", variant="stop")
             c["message"] = gr.Markdown("", elem_id="runs-message")
+            c["trackers"] = gr.Markdown("", elem_id="runs-trackers")
             c["checkpoints"] = reg.comp(gr.Dataframe, "runs-checkpoints", value=checkpoint_frame(None),
                                         interactive=False, max_height=240)
             with gr.Row(equal_height=False):
@@ -440,6 +451,7 @@ def wire(ctx, c: dict) -> None:
 
     for ev in (c["target"].change, lang.change):
         ev(show_checkpoints, [c["target"], lang], [c["checkpoints"], c["checkpoint"]])
+        ev(trackers_md, [c["target"], lang], [c["trackers"]])
 
     def pick_checkpoint(evt: gr.SelectData):
         """A click on a checkpoint row picks it. Outputs: checkpoint picker."""

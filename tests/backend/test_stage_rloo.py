@@ -34,15 +34,39 @@ def online(model, out, stage: str, reward_funcs: str, **extra) -> dict:
             "reward_funcs": reward_funcs, **extra}
 
 
+def rm_spec(model, out, finetuning_type: str) -> dict:
+    """A reward model trained 2 steps on dpo_en_demo, its 2 held-out pairs scored at the end (do_predict)."""
+    return {"model_name_or_path": str(model), "output_dir": str(out), "stage": "rm", "dataset": "dpo_en_demo",
+            "finetuning_type": finetuning_type, "max_samples": 10, "val_size": 2, "do_predict": True,
+            "template": "llama3", "cutoff_len": 1024, "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 1, "max_steps": 2, "learning_rate": 0.01, "save_strategy": "no",
+            "plot_loss": False}
+
+
 @pytest.fixture(scope="module")
 def rm_run(tiny_llama, tmp_path_factory):
-    """A LoRA reward model (adapter + trained score head), 2 steps on dpo_en_demo: folder name 'rm'."""
+    """A LoRA reward model (adapter + trained score head): folder name 'rm'."""
     out = tmp_path_factory.mktemp("rm_reward") / "rm"
-    train({"model_name_or_path": str(tiny_llama), "output_dir": str(out), "stage": "rm", "dataset": "dpo_en_demo",
-           "max_samples": 8, "template": "llama3", "cutoff_len": 64, "per_device_train_batch_size": 4,
-           "gradient_accumulation_steps": 1, "max_steps": 2, "learning_rate": 0.01, "save_strategy": "no",
-           "plot_loss": False})
+    train(rm_spec(tiny_llama, out, "lora"))
     return out
+
+
+@pytest.mark.parametrize("finetuning_type", ["lora", "full"])
+def test_a_reward_model_scores_answers_as_its_rm_run_did(finetuning_type, rm_run, tiny_llama, tmp_path):
+    """The reward function gives a held-out pair's chosen answer the score the rm run gave it (same template,
+    same tokens): a LoRA run (its base + adapter + score head) and a full one (a sequence-classification folder)."""
+    from backend.evaluation.reward_score import RewardModelReward  # heavy: the scorer under test
+
+    run = rm_run
+    if finetuning_type == "full":
+        run = tmp_path / "rm_full"
+        train(rm_spec(tiny_llama, run, "full"))
+    pairs = [json.loads(line) for line in (run / "generated_predictions.jsonl").read_text().splitlines()]
+    scorer = RewardModelReward(str(run), "rm", batch_size=4)
+    conversations = [json.dumps({"messages": [{"role": "user", "content": p["question"]}]}) for p in pairs]
+    scores = scorer([""] * len(pairs), [p["chosen"] for p in pairs], conversation=conversations)
+    assert len(pairs) == 2 and scores == pytest.approx([p["chosen_score"] for p in pairs], abs=1e-4)
+    assert scorer.model.training is False and not any(p.requires_grad for p in scorer.model.parameters())
 
 
 def test_grpo_with_a_reward_model_logs_its_scores(rm_run, tiny_llama, tmp_path):

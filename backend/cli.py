@@ -19,6 +19,8 @@ commands:
   probe    SPEC.yaml [key=value ...]     measure a run's peak memory and s/step in 2 steps (longest rows first)
   preview  --dataset NAME | --messages FILE.json [options]
                                          show how rows are templated and which tokens are trained
+  lint     SPEC.yaml [key=value ...] [--fix drop_duplicates,drop_leaks,drop_empty] [--json]
+                                         find duplicates, eval leaks, cut answers, ... in a run's data
   chat     [SPEC.yaml] [key=value ...] [--query TEXT]
                                          talk to a model (+ adapter) in the terminal
   api      [SPEC.yaml] [key=value ...] [--model M] [--adapter PATH ...] [--port P] [--api-key K]
@@ -115,6 +117,12 @@ def cmd_preview(args: list[str]) -> int:
     return preview_main(args)
 
 
+def cmd_lint(args: list[str]) -> int:
+    from backend.dataprep.lint import main as lint_main  # lazy: a command loads only what it runs
+
+    return lint_main(args)
+
+
 def cmd_chat(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tuneboard chat", description="Chat with a model (+ adapter) in the terminal.")
     parser.add_argument("spec", nargs="*", help="[SPEC.yaml] [key=value ...] (model_name_or_path, adapter_name_or_path, template, ...)")
@@ -180,6 +188,7 @@ COMMANDS = {
     "validate": cmd_validate,
     "probe": cmd_probe,
     "preview": cmd_preview,
+    "lint": cmd_lint,
     "chat": cmd_chat,
     "api": cmd_api,
     "export": cmd_export,

@@ -2,7 +2,8 @@
 loaded in the UI process): parameters from the model name (e.g. "135M", "7B") or the registry, bytes per
 weight from the quantization, trainable-state bytes from the method, activations from batch x cutoff.
 Preference stages add what they hold besides: a frozen reference model copy where one is used, and the
-chosen + rejected sequences of a pairwise stage (twice the batch through the model).
+chosen + rejected sequences of a pairwise stage (twice the batch through the model). Stage kd adds its frozen
+teacher (at teacher_quantization_bit) and the full-vocabulary logits of student and teacher (teacher_bytes).
 
 Constants measured (issue 10), on the guide's recipe (examples/sft_qlora_extraction.yaml: the default 135M model,
 QLoRA 4-bit, cutoff 4096 packed, batch 4, GA 4, plain checkpointing) on this 2-core CPU: `tuneboard probe`'s
@@ -16,6 +17,7 @@ checkpointing are unchanged but for the runtime. The formula stays a guess: the 
 from __future__ import annotations
 
 import html
+import json
 import re
 from pathlib import Path
 
@@ -43,7 +45,7 @@ CHECKPOINTED_SHARE = 1 / 4.4  # activations kept with gradient checkpointing (wa
 FIELDS = ("model_name_or_path", "finetuning_type", "quantization_bit", "stage", "pref_loss", "ref_model",
           "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16",
           "nproc_per_node", "nnodes", "deepspeed", "eval_metric", "eval_samples", "max_steps",
-          "save_steps", "save_strategy")
+          "save_steps", "save_strategy", "teacher_model_name_or_path", "teacher_quantization_bit")
 
 
 def _checkpointing(flat: dict) -> bool:
@@ -72,6 +74,34 @@ def reference_copy(flat: dict) -> bool:
     except KeyError:
         return False
     return bool(flat.get("ref_model")) or not is_adapter(flat.get("finetuning_type"))
+
+
+TEACHER_LOGIT_COPIES = 6  # kd: student and teacher logits, both log-softmaxes, the divergence, its gradient
+DEFAULT_VOCAB = 50_000  # tokens per logit row when the model folder's config.json does not say
+
+
+def teacher_bytes(flat: dict, n: float, half: bool) -> tuple[float, float]:
+    """(teacher weights, logits) of a stage that distils from a teacher (stage kd): the frozen teacher at its
+    teacher_quantization_bit, and the full-vocabulary logits of student and teacher over the batch (no chunked
+    loss: the divergence needs every token's probability). (0, 0) for the other stages."""
+    try:
+        if "teacher_model_name_or_path" not in stages.get_stage(flat.get("stage") or "sft").fields:
+            return 0.0, 0.0
+    except KeyError:
+        return 0.0, 0.0
+    teacher = flat.get("teacher_model_name_or_path") or ""
+    weight_b = {4: 0.55, 8: 1.05}.get(flat.get("teacher_quantization_bit"), 2.0 if half else 4.0)
+    weights = (param_count(teacher) or n) * weight_b
+    tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024)
+    return weights, tokens * _vocab(flat.get("model_name_or_path") or "") * 4 * TEACHER_LOGIT_COPIES
+
+
+def _vocab(model: str) -> int:
+    """vocab_size from a local model folder's config.json, else DEFAULT_VOCAB (no model is loaded here)."""
+    try:
+        return int(json.loads((Path(model).expanduser() / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_VOCAB
 
 
 def pairwise(flat: dict) -> bool:
@@ -128,13 +158,15 @@ def estimate(flat: dict) -> dict:
     reference = 0.0
     if reference_copy(flat):
         reference = (param_count(flat.get("ref_model") or "") or n) * weight_b  # frozen: weights only
+    teacher, logits = teacher_bytes(flat, n, half)
+    acts += logits
     local, world, stage = layout(flat)
     weights, state = shard(weights, state, world, stage)
-    per_process = RUNTIME_BYTES + (weights + state + acts + reference) * 1.2
+    per_process = RUNTIME_BYTES + (weights + state + acts + reference + teacher) * 1.2
     # On a CPU every local process takes its share of the same RAM; a GPU process holds it on its own device.
     total = per_process * (local if not launch.visible_accelerators() else 1)
     return {"known": True, "params": n, "weights": weights, "state": state, "activations": acts,
-            "reference": reference, "pairs": pairs, "total": total, "per_process": per_process,
+            "reference": reference, "teacher": teacher, "pairs": pairs, "total": total, "per_process": per_process,
             "processes": local, "world": world, "zero_stage": stage,
             "available": psutil.virtual_memory().available, "machine": psutil.virtual_memory().total}
 
@@ -148,6 +180,7 @@ def summary_md(flat: dict, lang: str = "en") -> str:
     cls = "tb-mem-ok" if fits else "tb-mem-warn"
     verdict = tr(lang, "pf.fits" if fits else "pf.not_fit")
     extra = tr(lang, "pf.reference", gib=f'{e["reference"] / gib:.1f}') if e["reference"] else ""
+    extra += tr(lang, "pf.teacher", gib=f'{e["teacher"] / gib:.1f}') if e["teacher"] else ""
     pairs = tr(lang, "pf.pairs") if e["pairs"] else ""
     split = ""
     if e["world"] > 1:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from backend.dataprep.preprocess import IGNORE_INDEX, PaddingCollator, build_sft_dataset
+from backend.training import probe
 from backend.stages.base import (RunError, StageResult, fit, predict_held_out, tokenizer_and_template,
                                  train_and_eval_rows, trainable_model)
 
@@ -51,6 +52,7 @@ def run(spec, run_dir, stop) -> StageResult:
     # 3. the student (+adapter) and the frozen teacher
     model = trainable_model(spec, run_dir, resolved)
     teacher = load_teacher(spec, run_dir, tokenizer)
+    probe.record_teacher(teacher)  # a `tuneboard probe` child: the teacher's bytes, for its suggestions
     run_dir.log(f"distillation: kd_beta {spec.kd_beta:g} ({_divergence(spec.kd_beta)}), kd_lmbda {spec.kd_lmbda:g} "
                 f"(on-policy share), kd_temperature {spec.kd_temperature:g}, kd_alpha {spec.kd_alpha:g} (cross-entropy)")
 

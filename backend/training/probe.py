@@ -80,6 +80,14 @@ def longest_first(rows):
     return sorted(rows, key=row_length, reverse=True)
 
 
+def record_teacher(model) -> None:
+    """In a probe's child: the frozen teacher's weight bytes and parameters (stage kd holds it besides the
+    student), for the teacher_quantization_bit suggestion."""
+    if active():
+        _write_measures(teacher_weights_mib=sum(p.numel() * p.element_size() for p in model.parameters()) / MIB,
+                        teacher_params=sum(p.numel() for p in model.parameters()))
+
+
 def _write_measures(**fields) -> None:
     path = active()
     if not path:
@@ -202,6 +210,9 @@ def suggestions(spec, measured: dict, available_mib: float) -> list[dict]:
     params = measured.get("params") or 0
     if method(spec.finetuning_type).quantized_base and not spec.quantization_bit and frozen and params:
         add({"quantization_bit": 4}, peak - frozen + params * QLORA_BYTES_PER_PARAM / MIB)
+    teacher, teacher_params = measured.get("teacher_weights_mib") or 0.0, measured.get("teacher_params") or 0
+    if teacher and teacher_params and not getattr(spec, "teacher_quantization_bit", None):  # stage kd's teacher
+        add({"teacher_quantization_bit": 4}, peak - teacher + teacher_params * QLORA_BYTES_PER_PARAM / MIB)
     longest = max(measured.get("first_batch_lengths") or [0])
     cutoff = spec.cutoff_len
     while cutoff > 128:  # a cutoff only saves memory below the longest row

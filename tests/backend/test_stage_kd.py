@@ -109,3 +109,25 @@ def test_kd_refuses_keys_its_loss_would_ignore(tiny_llama):
         validate_spec({"model_name_or_path": str(tiny_llama), "stage": "kd"})
     with pytest.raises(SpecError, match="packing: not supported"):
         validate_spec({**base, "packing": True})
+
+
+def test_preflight_and_probe_count_the_teacher(tiny_llama):
+    from backend.training.probe import suggestions
+    from webui import preflight
+
+    flat = {"model_name_or_path": "org/SmolLM2-135M", "stage": "kd", "teacher_model_name_or_path": "org/SmolLM2-360M",
+            "cutoff_len": 256, "per_device_train_batch_size": 2}
+    kd, sft = preflight.estimate(flat), preflight.estimate({**flat, "stage": "sft"})
+    assert kd["teacher"] == pytest.approx(360e6 * 4) and sft["teacher"] == 0  # fp32 weights: no bf16 asked
+    assert preflight.estimate({**flat, "teacher_quantization_bit": 4})["teacher"] == pytest.approx(360e6 * 0.55)
+    logits = 2 * 256 * preflight.DEFAULT_VOCAB * 4 * preflight.TEACHER_LOGIT_COPIES
+    assert kd["activations"] - sft["activations"] == pytest.approx(logits)
+    assert kd["total"] > sft["total"] + (360e6 * 4 + logits)
+    assert "teacher" in preflight.summary_md(flat)
+
+    spec = RunSpec(model_name_or_path=str(tiny_llama), stage="kd", teacher_model_name_or_path=str(tiny_llama))
+    measured = {"peak_mib": 3000.0, "baseline_mib": 2000.0, "teacher_weights_mib": 1400.0, "teacher_params": 360e6}
+    offered = [s["change"] for s in suggestions(spec, measured, available_mib=2500.0)]
+    assert {"teacher_quantization_bit": 4} in offered
+    quantized = spec.model_copy(update={"teacher_quantization_bit": 4})
+    assert {"teacher_quantization_bit": 4} not in [s["change"] for s in suggestions(quantized, measured, 2500.0)]

@@ -4,6 +4,8 @@ teacher (a `tuneboard api` started for the run, or any OpenAI-compatible endpoin
 polls: progress bar, accepted / rejected by reason, tokens, ETA, the latest pairs; Abort. The dataset is
 registered when it ends; "Fine-tune on it" fills the Train form; "Score" runs step score (the student, base
 and the top bar's adapter, against the teacher on the held-out chunks) and shows distill_report.json.
+The third teacher, "from a local teacher model (logits)", generates no pairs: its button fills the Train form
+with a stage kd run (backend/stages/kd.py) of the top bar's model from that teacher model / adapter.
 
 The API key never passes through the page: the form names the environment variable (or the file) that holds
 it, and the subprocess reads it. The variable must be one the server's operator offers for that very base URL
@@ -76,7 +78,7 @@ def build(ctx) -> dict:
         c["examples"] = reg.comp(gr.Textbox, "distill-examples", lines=2, scale=3, value="",
                                  placeholder='[{"input": "...", "output": {...}}]')
     with gr.Row(equal_height=True):
-        c["teacher"] = reg.dropdown("distill-teacher", ["local", "endpoint"], value="local", scale=1)
+        c["teacher"] = reg.dropdown("distill-teacher", ["local", "endpoint", "logits"], value="local", scale=1)
         c["teacher_local_model"] = reg.comp(gr.Textbox, "distill-teacher_local_model", value="", scale=2,
                                             placeholder="empty = the student (the model in the top bar)")
         c["teacher_local_adapter"] = reg.comp(gr.Textbox, "distill-teacher_local_adapter", value="", scale=2,
@@ -100,6 +102,7 @@ def build(ctx) -> dict:
         c["abort"] = reg.button("distill-abort", variant="stop")
         c["finetune"] = reg.button("distill-finetune")
         c["score"] = reg.button("distill-score")
+        c["kd"] = reg.button("distill-kd", variant="primary", visible=False)
     c["message"] = gr.Markdown("", elem_id="distill-message")
     c["progress"] = gr.HTML(tools.progress_html("idle", 0, None), elem_id="distill-progress")
     c["counts"] = gr.Markdown("", elem_id="distill-counts")
@@ -288,6 +291,28 @@ def finetune_spec(st: dict, method: str | None = None, quant=None, lang: str = "
                         dataset=dataset["name"], cutoff_len=flat["cutoff_len"]) + note
 
 
+def kd_spec(model, teacher_model, teacher_adapter, method=None, quant=None, lang: str = "en"):
+    """(RunSpec for the Train form, message): stage kd (logit distillation) of the top bar's model from the
+    local teacher (its model, empty = the student's, and its adapter), the top bar's method and quantization
+    (LoRA by default; QLoRA only with LoRA). (None, why) when neither a teacher model nor an adapter is named."""
+    teacher, adapter = (teacher_model or "").strip(), (teacher_adapter or "").strip()
+    if not teacher and not adapter:
+        return None, tr(lang, "distill.kd_needs_teacher")
+    flat = {"model_name_or_path": model, "stage": "kd", "teacher_model_name_or_path": teacher or model,
+            "finetuning_type": method if method in METHODS else "lora"}
+    if adapter:
+        flat["teacher_adapter"] = adapter
+    bits = None if quant in (None, "", "none") else int(quant)
+    if bits is not None and METHODS[flat["finetuning_type"]].quantized_base:
+        flat["quantization_bit"] = bits
+    try:
+        run_spec = validate_spec(flat, check_files=False)
+    except SpecError as exc:
+        return None, f"✖ {exc}"
+    shown = flat["teacher_model_name_or_path"] + (f" + {adapter}" if adapter else "")
+    return run_spec, tr(lang, "distill.kd_set", model=model, teacher=shown)
+
+
 def attach(job_dir: str | None) -> dict:
     """The tab's state for an existing job folder (a page reload or a UI restart): its tool_spec.yaml says the
     run folder and the step."""
@@ -408,14 +433,17 @@ def wire(ctx, c: dict) -> None:
     top, train, tabs, data = ctx.top, ctx.tab("train"), ctx.tabs, ctx.comps.get("data")
 
     def show_teacher(kind):
-        """Local teacher: its model and adapter; endpoint: URL, model, key variable, key file. Inputs: teacher.
-        Outputs: local model, local adapter, URL, model, key env, key file."""
-        local = kind == "local"
-        return (gr.update(visible=local), gr.update(visible=local), *[gr.update(visible=not local)] * 4)
+        """Local teacher (pairs or logits): its model and adapter; endpoint: URL, model, key variable, key file;
+        logits: the kd button instead of Generate, Fine-tune and Score. Inputs: teacher. Outputs: local model,
+        local adapter, URL, model, key env, key file, start, finetune, score, kd."""
+        local, logits = kind in ("local", "logits"), kind == "logits"
+        return (gr.update(visible=local), gr.update(visible=local), *[gr.update(visible=not local)] * 4,
+                *[gr.update(visible=not logits)] * 3, gr.update(visible=logits))
 
     c["teacher"].change(show_teacher, [c["teacher"]], [c["teacher_local_model"], c["teacher_local_adapter"],
                                                         c["teacher_url"], c["teacher_model"], c["key_env"],
-                                                        c["key_file"]], show_progress="hidden")
+                                                        c["key_file"], c["start"], c["finetune"], c["score"],
+                                                        c["kd"]], show_progress="hidden")
     form = [top["model_name_or_path"], top["template"], c["documents"], c["text_column"], c["task"], c["schema"],
             c["answer_format"], c["examples"], c["teacher"], c["teacher_local_model"], c["teacher_local_adapter"],
             c["teacher_url"],
@@ -461,6 +489,18 @@ def wire(ctx, c: dict) -> None:
 
     c["finetune"].click(on_finetune, [c["state"], top["finetuning_type"], top["quantization_bit"], top["lang"]],
                         [c["message"], tabs, *inputs])
+
+    def on_kd(model, teacher_model, teacher_adapter, method, quant, lang):
+        """Fill the Train form for logit distillation from the local teacher (kd_spec). Inputs: the top bar's
+        model, the teacher model and adapter, the top bar's method, quantization, language. Outputs: message,
+        tabs, the form."""
+        spec, message = kd_spec(model, teacher_model, teacher_adapter, method, quant, lang)
+        if spec is None:
+            return (message, gr.skip(), *([gr.skip()] * len(inputs)))
+        return (message, gr.Tabs(selected="train"), *spec_to_inputs(spec, top_names, train["names"]))
+
+    c["kd"].click(on_kd, [top["model_name_or_path"], c["teacher_local_model"], c["teacher_local_adapter"],
+                          top["finetuning_type"], top["quantization_bit"], top["lang"]], [c["message"], tabs, *inputs])
 
     def relabel(st, lang):
         """A language switch: the tables' headers, the counts and the latest pairs in the new language (the

@@ -31,6 +31,31 @@ ALPACA_ONLY_COLUMNS = ("query", "response", "history")
 CONVERSATION_ONLY_COLUMNS = ("messages",)
 TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag",
             "system_tag")
+# LLaMA-Factory's defaults where an entry leaves them out: the tags of each conversation format, the columns of each
+DEFAULT_TAGS = {
+    "sharegpt": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
+    "openai": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+               "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"},
+}
+
+
+def entry_columns(entry: dict) -> dict:
+    """{column key: the file's column} for an entry, its formatting's defaults under what it declares."""
+    formatting = entry.get("formatting", "alpaca")
+    if formatting == "alpaca":
+        columns = {"prompt": "instruction", "query": "input", "response": "output"}
+    else:
+        columns = {"messages": "conversations" if formatting == "sharegpt" else "messages"}
+    if entry.get("ranking"):
+        columns.update(chosen="chosen", rejected="rejected")
+    columns.update(entry.get("columns", {}))
+    return columns
+
+
+def entry_tags(entry: dict) -> dict:
+    """The role / content tags of a conversation entry, its formatting's defaults under what it declares."""
+    return dict(DEFAULT_TAGS.get(entry.get("formatting", "alpaca"), {}), **entry.get("tags", {}))
 
 class DatasetError(ValueError):
     """A dataset cannot be used: the message names the dataset, the file and the problem."""

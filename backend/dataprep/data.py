@@ -38,7 +38,8 @@ import datasets
 from backend.core import paths
 from backend.core.dataset_info import (ALPACA_ONLY_COLUMNS, COLUMN_KEYS, CONVERSATION_ONLY_COLUMNS,  # noqa: F401
                                   ENTRY_KEYS, FORMATTINGS, HUB_KEYS, MEDIA_COLUMNS, TAG_KEYS, DatasetError,
-                                  DatasetInfo, check_new_entry, entry_problems, load_dataset_info,
+                                  DEFAULT_TAGS, DatasetInfo, check_new_entry, entry_columns, entry_problems,
+                                  entry_tags, load_dataset_info,
                                   read_dataset_info, resolve_dataset_dir, write_entry)
 from backend.stages import STAGE_IDS, get_stage, stages_with_data
 from backend.dataprep.templates import tool_arguments
@@ -46,12 +47,6 @@ from backend.dataprep.templates import tool_arguments
 # ---------------------------------------------------------------------------------------------
 # Schema
 # ---------------------------------------------------------------------------------------------
-DEFAULT_TAGS = {
-    "sharegpt": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"},
-    "openai": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-               "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"},
-}
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
               ".txt": "text"}
 MAX_REASONS = 5  # skipped rows kept (per dataset) for the report
@@ -313,16 +308,8 @@ class _Spec:
 
 def _entry_spec(name: str, entry: dict) -> _Spec:
     formatting = entry.get("formatting", "alpaca")
-    declared = dict(entry.get("columns", {}))
-    if formatting == "alpaca":
-        columns = {"prompt": "instruction", "query": "input", "response": "output"}
-    else:
-        columns = {"messages": "conversations" if formatting == "sharegpt" else "messages"}
-    if entry.get("ranking"):
-        columns.update(chosen="chosen", rejected="rejected")
-    columns.update(declared)
-    tags = dict(DEFAULT_TAGS.get(formatting, {}), **entry.get("tags", {}))
-    return _Spec(name, formatting, bool(entry.get("ranking")), columns, tags, set(declared))
+    return _Spec(name, formatting, bool(entry.get("ranking")), entry_columns(entry), entry_tags(entry),
+                 set(entry.get("columns", {})))
 
 
 def _conversation(items: Any, spec: _Spec, stage: str) -> tuple[list[dict], str | None]:

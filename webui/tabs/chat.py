@@ -28,11 +28,11 @@ from pathlib import Path
 import gradio as gr
 import httpx
 
-from backend.core import allowed, paths
+from backend.core import allowed, chat_rows, paths
 from backend.core.promote import promoted_checkpoint
 from backend.core.dataset_info import DatasetError, probe_question, read_dataset_info
 from backend.core.rundir import CHECKPOINT_PREFIX, SPEC_FILE
-from webui import live
+from webui import choices, live
 from webui.jobs import read_spec_dict
 from webui.i18n import refusal, tr
 
@@ -218,6 +218,16 @@ def build(ctx) -> dict:
         ui["clear"] = reg.button("chat-clear")
         ui["export"] = reg.button("chat-export")
     ui["export_file"] = gr.File(visible=False, elem_id="chat-export_file")
+    # "Save as a training row": the conversation (pane A) with its last answer as corrected here, into a dataset
+    with reg.accordion("chat-save", open=False):
+        with gr.Row(equal_height=True):
+            ui["save_dataset"] = reg.dropdown("chat-save_dataset", choices.dataset_names(), value=None,
+                                              allow_custom_value=True, scale=2)
+            ui["save_answer"] = reg.comp(gr.Textbox, "chat-save_answer", lines=3, scale=5)
+        with gr.Row():
+            ui["save_fill"] = reg.button("chat-save_fill", size="sm")
+            ui["save_row"] = reg.button("chat-save_row", variant="primary", size="sm")
+        ui["save_message"] = gr.Markdown("", elem_id="chat-save_message")
     with reg.accordion("chat-settings", open=False):
         ui["system"] = reg.comp(gr.Textbox, "chat-system", lines=2, value="")
         ui["tools"] = reg.comp(gr.Code, "chat-tools", language="json", value="")
@@ -507,6 +517,32 @@ def export(st, system):
     return gr.update(value=str(path), visible=True)
 
 
+def last_answer(st) -> str:
+    """The last answer of pane A, to correct before saving. Inputs: state. Outputs: save_answer."""
+    hist = (st or {}).get("hist_a") or []
+    return hist[-1]["content"] if hist and hist[-1]["role"] == "assistant" else ""
+
+
+def save_training_row(st, dataset, answer, system, tools_json, lang: str = "en"):
+    """The conversation so far (pane A) as one training row of `dataset` (created and registered when new), its
+    last answer replaced by `answer` when one is typed. Inputs: state, dataset, answer, system, tools, language.
+    Outputs: save_message, save_dataset."""
+    messages = _messages((st or {}).get("hist_a") or [], system)
+    if answer and answer.strip():
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": answer.strip()})  # the answer the model did not give
+        else:
+            messages[-1] = {"role": "assistant", "content": answer.strip()}
+    try:
+        saved = chat_rows.save_row(None, dataset or "", messages, tools_json or "")
+    except DatasetError as exc:
+        return f"✖ `{tr(lang, 'chat-save_dataset')}`: {exc}", gr.skip()
+    key = "chat.saved_new" if saved.created else "chat.saved"
+    names = choices.dataset_names()
+    return (tr(lang, key, dataset=dataset.strip(), row=saved.index, file=saved.path.name),
+            gr.update(choices=[(n, n) for n in names], value=dataset.strip()))
+
+
 def wire(ctx, ui: dict) -> None:
     top, st = ui["top"], ui["state"]
     load_evt = ui["load"].click(
@@ -534,4 +570,7 @@ def wire(ctx, ui: dict) -> None:
         source.change(suggest, [top["adapter_name_or_path"], top["lang"]], [ui["probe"], ui["probe_question"]])
     ui["probe"].click(use_probe, [ui["probe_question"]], [ui["message"]])
     ui["export"].click(export, [st, ui["system"]], [ui["export_file"]])
+    ui["save_fill"].click(last_answer, [st], [ui["save_answer"]])
+    ui["save_row"].click(save_training_row, [st, ui["save_dataset"], ui["save_answer"], ui["system"], ui["tools"],
+                                             top["lang"]], [ui["save_message"], ui["save_dataset"]])
     ui["compare"].change(lambda on: gr.update(visible=bool(on)), [ui["compare"]], [ui["chat_b"]])

@@ -17,6 +17,7 @@ from backend.core.curves import loss_summary
 from backend.core.methods import method
 from backend.core.rundir import ACTIVE_STATES, LOG_FILE
 from backend.core.spec import SpecError, load_spec, validate_spec
+from backend.stages import get_stage, stages_with_data
 from backend.core.trackers import local_logs
 from webui import fields as F
 from webui import form, jobs, live
@@ -259,7 +260,7 @@ def continue_dpo_spec(run_dir: str | None, lang: str = "en"):
         spec = load_spec(Path(run_dir) / jobs.SPEC_FILE, check_files=False)
     except (SpecError, OSError) as exc:
         return None, tr(lang, "runs.cannot_continue", error=exc)
-    if spec.stage != "sft":
+    if spec.stage not in stages_with_data("plain"):  # sft, kd: an adapter trained on conversations
         return None, tr(lang, "runs.dpo_needs_sft", stage=spec.stage)
     if not method(spec.finetuning_type).adapter:
         return None, tr(lang, "runs.dpo_needs_lora", method=spec.finetuning_type)
@@ -269,6 +270,8 @@ def continue_dpo_spec(run_dir: str | None, lang: str = "en"):
     if not (Path(run_dir) / "adapter_config.json").exists():
         return None, tr(lang, "runs.no_adapter")
     flat = spec.flat_dict(include_defaults=False)
+    for key in get_stage(spec.stage).fields:  # the first stage's own keys (kd's teacher) are not dpo's
+        flat.pop(key, None)
     flat.update(stage="dpo", dataset=DPO_DATASET, adapter_name_or_path=str(run_dir))
     # eval_dataset: an SFT evaluation set is no ranking data, DPO cannot score it
     for key in ("output_dir", "resume_from_checkpoint", "overwrite_output_dir", "eval_dataset"):

@@ -258,7 +258,10 @@ def test_type_messages(files):
 
 def test_choice_messages(files):
     m = messages({"stage": "sfft", "quantization_bit": 3, "finetuning_type": "qlora", "optim": "adamw"})
-    assert m["stage"] == "must be one of pt, sft, rm, dpo, orpo, simpo, kto, grpo (got 'sfft')"
+    from backend.stages import IMPLEMENTED  # light: the stage declarations, in their order
+
+    assert m["stage"] == f"must be one of {', '.join(IMPLEMENTED)} (got 'sfft')"
+    assert IMPLEMENTED[:7] == ("pt", "sft", "rm", "dpo", "orpo", "simpo", "kto") and "rloo" in IMPLEMENTED
     assert m["quantization_bit"] == "must be one of 4, 8, null (got 3)"
     assert m["finetuning_type"] == "must be one of lora, oft, freeze, full (got 'qlora')"
     assert m["optim"].startswith("unknown optimizer 'adamw'")

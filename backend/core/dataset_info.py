@@ -14,6 +14,7 @@ from typing import Any
 
 from backend.core import paths
 from backend.core.atomic import write_json_atomic
+from backend.core.hub_data import is_hub_id
 
 # ---------------------------------------------------------------------------------------------
 # Schema
@@ -191,6 +192,8 @@ class DatasetInfo:
     def entry(self, name: str) -> dict:
         if name in self.problems:
             raise DatasetError(f"{self.path}: " + "; ".join(self.problems[name]))
+        if name not in self.raw and is_hub_id(name):  # `dataset: org/name`: a hub dataset, the default columns
+            return {"hf_hub_url": name}
         if name not in self.entries:
             known = list(self.raw)
             close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)

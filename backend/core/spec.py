@@ -34,6 +34,7 @@ from backend.core import allowed, eval_rules, gguf_header, paths
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
 from backend.core.dataset_info import DatasetError, read_dataset_info
+from backend.core.hub_data import hub_problem, is_hub_id
 from backend.core.launch import distributed_errors
 from backend.core.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
 from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/evaluation/task_metric.py scores them)
@@ -1178,7 +1179,7 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         bad = {}
     errors = []
     for field, name in wanted:
-        entry = info.get(name)
+        entry = info.get(name, {"hf_hub_url": name} if is_hub_id(name) else None)  # `dataset: org/name`: a hub dataset
         if name in bad:
             errors.append((field, f"{info_path}: " + "; ".join(bad[name]), involved))
             continue
@@ -1198,6 +1199,10 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
                 errors.append((field, f"dataset {name!r}: file not found: {data_path} (file_name in {info_path})",
                                involved))
                 continue
+        problem = hub_problem(name, entry, info_path.parent)  # a hub entry: offline, not found, a missing package
+        if problem:
+            errors.append((field, problem, involved))
+            continue
         ranking = bool(entry.get("ranking"))
         columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
         kind = get_stage(spec.stage).data

@@ -41,6 +41,8 @@ from backend.core.dataset_info import (ALPACA_ONLY_COLUMNS, COLUMN_KEYS, CONVERS
                                   DEFAULT_TAGS, DatasetInfo, check_new_entry, entry_columns, entry_problems,
                                   entry_tags, load_dataset_info,
                                   read_dataset_info, resolve_dataset_dir, write_entry)
+from backend.core.hub_data import hub_key
+from backend.dataprep.hub import hub_source, read_hub_rows
 from backend.stages import STAGE_IDS, get_stage, stages_with_data
 from backend.dataprep.templates import tool_arguments
 
@@ -134,7 +136,7 @@ def _data_files(name: str, entry: dict, dataset_dir: Path, info_path: Path) -> l
     hub = [k for k in HUB_KEYS if k in entry]
     if "file_name" not in entry:
         raise DatasetError(f"dataset '{name}' in {info_path} has no local file ({hub[0]}: {entry[hub[0]]}); "
-                           f"TuneBoard reads local files only (no network): download the data and set 'file_name'")
+                           f"this step reads local files only: download the data and register it with 'file_name'")
     path = Path(entry["file_name"]).expanduser()
     if not path.is_absolute():
         path = dataset_dir / path
@@ -567,15 +569,16 @@ def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, s
                 max_samples: int | None, seed: int, identity: tuple[str, str]) -> tuple[list[dict], DatasetCounts]:
     spec = _entry_spec(name, entry)
     _check_stage(name, spec, stage)
-    files = _data_files(name, entry, dataset_dir, info_path)
+    hub = hub_key(entry) is not None  # hf_hub_url (a hub id or a hub-style folder), cloud_file_name, ...
+    files = [Path(hub_source(entry, dataset_dir))] if hub else _data_files(name, entry, dataset_dir, info_path)
     many = len(files) > 1
     counts = DatasetCounts(name, [_display(p) for p in files], spec.formatting)
     rows: list[tuple[Path, int, dict]] = []
     for path in files:
         try:
-            file_rows = read_rows(path, entry.get("split", "train"))
+            file_rows = read_hub_rows(name, entry, dataset_dir) if hub else read_rows(path, entry.get("split", "train"))
         except DatasetError as exc:
-            raise DatasetError(f"dataset '{name}': {exc}") from None
+            raise (exc if hub else DatasetError(f"dataset '{name}': {exc}")) from None
         present = set(file_rows[0]) if file_rows else set()
         if file_rows:
             for key in _required_columns(spec, stage):

@@ -396,9 +396,11 @@ def test_unknown_dataset_suggests_close_names():
     assert "did you mean 'identity'" in msg
 
 
-def test_hub_only_entry_is_a_clear_offline_error(tmp_path):
+def test_hub_only_entry_is_a_clear_offline_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # TuneBoard's default (backend/cli.py); tests/backend/test_hub_data.py has the rest
     d = make_dir(tmp_path, {"hub": {"hf_hub_url": "someone/some-data", "split": "train"}}, {})
-    with pytest.raises(DatasetError, match="'hub'.*hf_hub_url: someone/some-data.*local files only"):
+    with pytest.raises(DatasetError, match="^dataset 'hub': someone/some-data is on the Hugging Face Hub and this "
+                                           r"machine is offline \(HF_HUB_OFFLINE=1\)"):
         load_examples("hub", d)
 
 

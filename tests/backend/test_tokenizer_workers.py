@@ -44,7 +44,7 @@ def test_tokenizer_pools_end_under_a_swallowing_sigterm_handler():
 def _train(model: Path, out: Path, workers: int) -> subprocess.CompletedProcess:
     args = [f"model_name_or_path={model}", f"output_dir={out}", "dataset=identity", "template=llama3",
             "cutoff_len=128", "max_steps=1", "lora_rank=4", "per_device_train_batch_size=2",
-            f"preprocessing_num_workers={workers}"]
+            f"preprocessing_num_workers={workers}", "overwrite_cache=true"]  # tokenized here, not loaded
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         return subprocess.run([sys.executable, "-m", "backend.cli", "train", *args], cwd="/tmp", env=env,

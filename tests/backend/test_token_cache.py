@@ -1,0 +1,75 @@
+"""The tokenized cache (tokenized_path, overwrite_cache, and the default one under the saves folder): a second run
+of the same data loads the saved rows and says so; a changed setting re-tokenizes and says why; a cache path that
+is a file is one line at validate. Tokenization only (no model, no training)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+from backend.core import paths
+from backend.core.rundir import RUNNING_LOG, RunDir
+from backend.core.spec import SpecError, validate_spec
+from backend.dataprep.resolve import pick_template
+from backend.stages import pt, sft
+from backend.training.models import load_tokenizer, resolve_model
+
+import pytest
+
+
+def _tokenize(stage, tiny_llama, out, **keys):
+    spec = validate_spec(dict(model_name_or_path=str(tiny_llama), dataset="identity" if stage is sft else "c4_demo",
+                              stage="sft" if stage is sft else "pt", template="llama3", max_samples=12,
+                              output_dir=str(out), **keys))
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    run_dir = RunDir(out)
+    if stage is sft:
+        template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
+        rows = sft.tokenized(spec, run_dir, tokenizer, template)[0]
+    else:
+        rows = pt.tokenized(spec, run_dir, tokenizer)[0]
+    run_dir.close()
+    return rows, (out / RUNNING_LOG).read_text(encoding="utf-8")
+
+
+def test_second_run_loads_the_cache_and_a_changed_cutoff_retokenizes(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path / "saves"))
+    first, log1 = _tokenize(sft, tiny_llama, tmp_path / "r1", cutoff_len=64)
+    assert "tokenizing (key" in log1 and "no tokenized cache of these datasets yet" in log1, log1
+    assert "saved the tokenized dataset to" in log1
+    second, log2 = _tokenize(sft, tiny_llama, tmp_path / "r2", cutoff_len=64)
+    assert second == first and "loaded the tokenized dataset from" in log2 and "tokenizing" not in log2, log2
+    assert str(paths.saves_dir() / ".cache" / "tokenized") in log2
+    assert "train rows: 12 rows" in log2  # the stats of the tokenizing run, shown again
+    third, log3 = _tokenize(sft, tiny_llama, tmp_path / "r3", cutoff_len=16)
+    assert "loaded" not in log3 and "cutoff_len 64 -> 16" in log3, log3
+    assert third != first and max(len(r["input_ids"]) for r in third) <= 16
+    _, log4 = _tokenize(sft, tiny_llama, tmp_path / "r4", cutoff_len=64, overwrite_cache=True)
+    assert "tokenizing (key" in log4 and "overwrite_cache is true" in log4, log4
+    _, log5 = _tokenize(sft, tiny_llama, tmp_path / "r5", cutoff_len=64, train_on_prompt=True)
+    assert "train_on_prompt False -> True" in log5, log5
+
+
+def test_tokenized_path_is_checked_against_the_data(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path / "saves"))
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(paths.DATA_DIR / "c4_demo.jsonl", data)
+    info = json.loads((paths.DATA_DIR / "dataset_info.json").read_text())
+    (data / "dataset_info.json").write_text(json.dumps({"c4_demo": info["c4_demo"]}))
+    cache = tmp_path / "tok"
+    keys = dict(tokenized_path=str(cache), dataset_dir=str(data), cutoff_len=32)
+    first, _ = _tokenize(pt, tiny_llama, tmp_path / "r1", **keys)
+    assert (cache / "meta.json").is_file() and (cache / "train").is_dir()
+    again, log = _tokenize(pt, tiny_llama, tmp_path / "r2", **keys)
+    assert again == first and f"loaded the tokenized dataset from {cache}" in log, log
+    data_file = data / "c4_demo.jsonl"
+    data_file.write_text(data_file.read_text().replace("a", "b", 1))  # the data changed: never a stale cache
+    changed, log = _tokenize(pt, tiny_llama, tmp_path / "r3", **keys)
+    assert "loaded" not in log and f"{data_file} changed" in log and changed != first, log
+    assert not (paths.saves_dir() / ".cache").exists()  # tokenized_path set: no default cache written
+
+    with pytest.raises(SpecError) as err:
+        validate_spec({"tokenized_path": str(data_file)})
+    assert str(err.value) == (f"tokenized_path: {data_file} is a file: tokenized_path names a folder "
+                              "(the tokenized dataset is saved there in Arrow files)")

@@ -3,14 +3,17 @@ colour (a ranking row as its prompt + chosen + rejected answers, a KTO row with 
 statistics; register a new dataset (upload or path, format, column mapping, preview, save)."""
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
 from backend.core import allowed, paths
-from webui import choices
-from webui import datasets as D
+from webui import choices, jobs
+from webui import datasets as D, row_editor
+from webui.datasets import dir_refusal, preview_args as _preview_args
 from webui.i18n import refusal, tr
 import html
 
@@ -39,11 +42,14 @@ def build(ctx) -> dict:
         c["show"] = reg.button("data-show", size="sm", variant="primary")
         c["next"] = reg.button("data-next", size="sm")
         c["stats"] = reg.button("data-stats", size="sm")
+        c["check"] = reg.button("data-check", size="sm")
     c["info_warning"] = gr.Markdown("", elem_id="data-info_warning")
     c["summary"] = gr.Markdown("", elem_id="data-summary")
     c["legend"] = reg.html("data-legend", legend_html)
     c["rendered"] = gr.HTML("", elem_id="data-preview")
     c["stats_md"] = gr.Markdown("", elem_id="data-stats_md")
+    c["lint_md"] = gr.Markdown("", elem_id="data-lint_md")
+    row_editor.build(reg, c)  # the shown row's JSON, edited and saved as a new version (webui/row_editor.py)
     c["hist"] = reg.comp(gr.BarPlot, "data-hist", value=pd.DataFrame({"tokens": [], "rows": []}), x="tokens",
                          y="rows", height=220, visible=False)
     with reg.accordion("data-group-register", open=False):
@@ -63,28 +69,6 @@ def build(ctx) -> dict:
         c["reg_message"] = gr.Markdown("", elem_id="data-reg_message")
         c["reg_rows"] = gr.HTML("", elem_id="data-reg_rows")
     return c
-
-
-def _preview_args(dataset, index, top_vals, cutoff, dataset_dir) -> list[str]:
-    model, template = top_vals
-    args = ["--dataset", dataset, "--index", str(int(index or 0)), "--template", template or "auto",
-            "--model", model or paths.DEFAULT_MODEL_ID, "--cutoff-len", str(int(cutoff or 1024))]
-    if dataset_dir:
-        args += ["--dataset-dir", dataset_dir]
-    return args
-
-
-def dir_refusal(dataset_dir, lang: str = "en", write: bool = False, model: str | None = None) -> str:
-    """"" when the dataset folder may be read (written: `write`), else the refusal in `lang` (the folder,
-    the allowed roots): its dataset_info.json and the files it names would be shown on the page. `model`:
-    the tokenizer's model, checked as backend.core.allowed.check_model says (the preview's errors are shown)."""
-    try:
-        if (dataset_dir or "").strip():
-            (allowed.check_write if write else allowed.check_read)(dataset_dir, "dataset_dir")
-        allowed.check_model(model, "model_name_or_path")
-    except allowed.PathRefused as exc:
-        return refusal(lang, exc)
-    return ""
 
 
 def info_warning(dataset_dir, lang: str = "en") -> str:
@@ -141,6 +125,56 @@ def stats(dataset_dir, dataset, model, template, cutoff, lang="en"):
     return "\n\n".join(lines), gr.update(value=hist, visible=True, sort=order)
 
 
+def lint_stage(dataset_dir, dataset) -> str:
+    """The stage a dataset is checked for, by its kind (as the preview picks it): ranking -> dpo, a kto_tag
+    column -> kto, else sft."""
+    entry = choices.dataset_info((dataset_dir or "").strip() or None).get(dataset) or {}
+    if not isinstance(entry, dict):
+        return "sft"
+    return "dpo" if entry.get("ranking") else "kto" if "kto_tag" in (entry.get("columns") or {}) else "sft"
+
+
+def check(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: float = 600) -> str:
+    """The Check button: `tuneboard lint --json` in a subprocess (the lint loads the tokenizer and the data
+    stack, which the UI process never imports) for the dataset with the top bar's model and template and the
+    Train form's cutoff_len. Inputs: as stats. Outputs: the findings as markdown."""
+    if not dataset:
+        return tr(lang, "data.pick")
+    refused = dir_refusal(dataset_dir, lang, model=model)
+    if refused:
+        return refused
+    args = [f"dataset={dataset}", f"model_name_or_path={model or paths.DEFAULT_MODEL_ID}",
+            f"template={template or 'auto'}", f"cutoff_len={int(cutoff or 1024)}",
+            f"stage={lint_stage(dataset_dir, dataset)}"]
+    if (dataset_dir or "").strip():
+        args.append(f"dataset_dir={dataset_dir.strip()}")
+    try:
+        proc = subprocess.run(jobs.tuneboard_argv() + ["lint", *args, "--json"], capture_output=True, text=True,
+                              timeout=timeout, cwd=str(paths.REPO_ROOT))
+    except subprocess.TimeoutExpired:
+        return f"✖ lint took longer than {timeout:.0f} s"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        res = {"error": "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or f"exit {proc.returncode}"}
+    if "error" in res:
+        return "✖ " + html.escape(res["error"])
+    findings = res.get("findings") or []
+    if not findings:
+        return tr(lang, "data.lint_none")
+    by = {s: sum(f["severity"] == s for f in findings) for s in ("error", "warning", "info")}
+    out = [tr(lang, "data.lint", n=len(findings), errors=by["error"], warnings=by["warning"], infos=by["info"])]
+    icon = {"error": "✖", "warning": "⚠", "info": "ℹ"}
+    for f in findings:
+        rows = f["rows"][:20]
+        where = (" · rows " + ", ".join(map(str, rows)) + (", …" if len(f["rows"]) > 20 else "")) if rows else ""
+        fix = f" · `--fix {f['fix']}`" if f.get("fix") else ""
+        out.append(f"- {icon.get(f['severity'], '')} **{html.escape(f['check'])}** ({html.escape(f['dataset'])}): "
+                   f"{html.escape(f['message'])}{where}{fix}")
+    return "\n".join(out)
+
+
 def histogram(lengths: list[int], max_bins: int = 20) -> tuple[pd.DataFrame, list[str]]:
     """Row lengths -> (frame of bins "lo-hi" tokens and their row counts, the bins in numeric order). The
     bar plot draws text categories in the order it is given (as text they sort 101, 105, 49, ...)."""
@@ -177,6 +211,7 @@ def wire(ctx, c: dict) -> None:
         tab.select(info_warning, [c["dir"], top["lang"]], [c["info_warning"]], show_progress="hidden")
     top["lang"].change(info_warning, [c["dir"], top["lang"]], [c["info_warning"]], show_progress="hidden")
     c["show"].click(show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
+    row_editor.wire(c, ins, [c["summary"], c["rendered"]])
     # a dataset picked: its statistics are not the last one's, and its row 0 is shown at once
     c["dataset"].change(lambda: (0, *cleared_stats()), None, [c["index"], c["stats_md"], c["hist"]],
                         show_progress="hidden").then(show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
@@ -186,6 +221,9 @@ def wire(ctx, c: dict) -> None:
         show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     c["stats"].click(stats, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff,
                              top["lang"]], [c["stats_md"], c["hist"]])
+    c["dataset"].change(lambda: "", None, [c["lint_md"]], show_progress="hidden")  # not the last dataset's findings
+    c["check"].click(check, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff,
+                             top["lang"]], [c["lint_md"]])
 
     def list_datasets(dataset_dir, lang):
         """The datasets of a folder (under the allowed roots). Inputs: folder, language. Outputs: dataset

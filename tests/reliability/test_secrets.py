@@ -28,8 +28,9 @@ def test_a_real_run_keeps_no_secret_from_its_environment(tiny_llama, tmp_path):
     spec = jobs.write_spec_yaml(run, "\n".join([
         f"model_name_or_path: {tiny_llama}", f"output_dir: {run}", "dataset: identity", "template: llama3",
         "cutoff_len: 64", "per_device_train_batch_size: 2", "gradient_accumulation_steps: 1", "logging_steps: 1",
-        "lora_rank: 4", "max_steps: 2", "save_steps: 1", "plot_loss: false", "report_to: none"]) + "\n")
-    jobs.launch(run, [sys.executable, "-m", "backend.cli", "train", str(spec)], env=SECRETS)
+        "lora_rank: 4", "max_steps: 2", "save_steps: 1", "plot_loss: false",
+        "report_to: tensorboard,mlflow,wandb"]) + "\n")  # the trackers' files too (W&B offline: no network here)
+    jobs.launch(run, [sys.executable, "-m", "backend.cli", "train", str(spec)], env={**SECRETS, "WANDB_MODE": "offline"})
     wait_for(lambda: read_status(run).get("state") in ("completed", "failed", "aborted"), timeout=600,
              what="the run's final status")
     assert read_status(run)["state"] == "completed", (run / "process_output.log").read_text()[-3000:]
@@ -37,6 +38,8 @@ def test_a_real_run_keeps_no_secret_from_its_environment(tiny_llama, tmp_path):
     names = {p.relative_to(run).as_posix() for p in files}
     assert {"run_spec.yaml", "status.json", "running_log.txt", "trainer_log.jsonl", "launch.json",
             "process_output.log", "checkpoint-1/training_args.bin", "adapter_model.safetensors"} <= names, names
+    assert any(n.startswith("runs/") for n in names) and any(n.startswith("mlruns/") for n in names)
+    assert any(n.startswith("wandb/offline-run-") for n in names), names
     for path in files:
         content = path.read_bytes()
         for variable, value in SECRETS.items():

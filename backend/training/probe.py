@@ -133,7 +133,8 @@ def instrument(train_dataset, collator, callbacks: list):
     class ProbeCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
             frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad) if model else 0
-            _write_measures(rows=len(train_dataset), rss_train_begin_mib=psutil.Process().memory_info().rss / MIB,
+            rows = len(train_dataset) if hasattr(train_dataset, "__len__") else None  # a stream (streaming) has no length
+            _write_measures(rows=rows, rss_train_begin_mib=psutil.Process().memory_info().rss / MIB,
                             frozen_weights_mib=frozen / MIB,
                             params=sum(p.numel() for p in model.parameters()) if model else None)
 

@@ -12,10 +12,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from backend.core import dataset_info, paths
+from backend.core import allowed, dataset_info, paths
 from backend.core.dataset_info import FORMATTINGS, DatasetError
 from webui import jobs
-from webui.i18n import tr
+from webui.i18n import refusal, tr
 import yaml
 
 FORMATS = FORMATTINGS  # the backend's list (backend.core.dataset_info)
@@ -26,6 +26,30 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 class RegisterError(ValueError):
     pass
+
+
+def preview_args(dataset, index, top_vals, cutoff, dataset_dir) -> list[str]:
+    """`tuneboard preview` arguments for one row; `top_vals`: (model, template)."""
+    model, template = top_vals
+    args = ["--dataset", dataset, "--index", str(int(index or 0)), "--template", template or "auto",
+            "--model", model or paths.DEFAULT_MODEL_ID, "--cutoff-len", str(int(cutoff or 1024))]
+    if dataset_dir:
+        args += ["--dataset-dir", dataset_dir]
+    return args
+
+
+def dir_refusal(dataset_dir, lang: str = "en", write: bool = False, model: str | None = None) -> str:
+    """"" when the dataset folder may be read (written: `write`), else the refusal in `lang` (the folder,
+    the allowed roots): its dataset_info.json and the files it names would be shown on the page. `model`:
+    the tokenizer's model, checked as backend.core.allowed.check_model says (the preview's errors are shown)."""
+    try:
+        if (dataset_dir or "").strip():
+            (allowed.check_write if write else allowed.check_read)(dataset_dir, "dataset_dir")
+        allowed.check_model(model, "model_name_or_path")
+    except allowed.PathRefused as exc:
+        return refusal(lang, exc)
+    return ""
+
 
 
 def run_preview(args: list[str], timeout: float = 300) -> dict:

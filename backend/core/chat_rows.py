@@ -6,8 +6,8 @@ it (an OpenAI-format JSONL file next to dataset_info.json). Light (no torch): th
 
 `messages`: OpenAI messages (system first if any, then user / assistant / tool turns, assistant turns may carry
 `tool_calls`), ending with the assistant answer to store. Every refusal is one DatasetError line that names the
-dataset (and its file), and nothing is written then. The file is rewritten whole through a temporary file and
-os.replace (backend.core.atomic), so a crash leaves the old file or the new one, never half a row.
+dataset (and its file), and nothing is written then. The file is rewritten whole (backend.core.dataset_versions'
+write_rows: a temporary file and os.replace), so a crash leaves the old file or the new one, never half a row.
 """
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.core.atomic import write_text_atomic
 from backend.core.dataset_info import (DatasetError, check_new_entry, entry_columns, entry_tags,
                                        load_dataset_info, read_dataset_info, resolve_dataset_dir, write_entry)
+from backend.core.dataset_versions import SUFFIXES, read_rows, write_rows
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-SUFFIXES = (".json", ".jsonl")
 # a new dataset: OpenAI messages (its default tags), the system prompt as the first message, tools as a column
 NEW_ENTRY_COLUMNS = {"messages": "messages", "tools": "tools"}
 
@@ -106,27 +105,6 @@ def _alpaca_row(name: str, entry: dict, system: str, turns: list[dict], tools: s
     return row
 
 
-def _read_rows(path: Path, name: str) -> list:
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    try:
-        if path.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        rows = json.loads(text) if text.strip() else []
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"dataset '{name}': {path} is not valid JSON (line {exc.lineno}): nothing was saved") \
-            from None
-    if not isinstance(rows, list):
-        raise DatasetError(f"dataset '{name}': {path} is not a JSON list of rows: nothing was saved")
-    return rows
-
-
-def _write_rows(path: Path, rows: list) -> None:
-    if path.suffix == ".jsonl":
-        write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    else:
-        write_text_atomic(path, json.dumps(rows, indent=2, ensure_ascii=False) + "\n")
-
-
 def save_row(dataset_dir, name: str, messages: list[dict], tools: str = "") -> SavedRow:
     """Append the conversation as one training row of dataset `name` (created and registered when new)."""
     name = (name or "").strip()
@@ -156,9 +134,9 @@ def save_row(dataset_dir, name: str, messages: list[dict], tools: str = "") -> S
         raise DatasetError(f"dataset '{name}': rows can be added to a .json or .jsonl file, not {path.name}")
     build = _alpaca_row if entry.get("formatting", "alpaca") == "alpaca" else _conversation_row
     row = build(name, entry, system, turns, tools or "")
-    rows = _read_rows(path, name)
+    rows = read_rows(path, name)
     rows.append(row)
-    _write_rows(path, rows)
+    write_rows(path, rows)
     if created:
         write_entry(folder, name, entry)
     return SavedRow(path, len(rows) - 1, created)

@@ -273,3 +273,15 @@ def write_entry(dataset_dir: str | os.PathLike | None, name: str, entry: dict, o
     info[name] = entry
     write_json_atomic(info_path, info, newline=True)
     return info_path
+
+
+def remove_entry(dataset_dir: str | os.PathLike | None, name: str) -> Path:
+    """Take `name` out of dataset_info.json (the undo of a saved version: backend.core.dataset_versions), every other
+    entry kept as written, the file replaced atomically. Returns the file's path."""
+    info_path = resolve_dataset_dir(dataset_dir) / "dataset_info.json"
+    info = dict(read_dataset_info(info_path.parent).raw)
+    if name not in info:
+        raise DatasetError(f"dataset '{name}' is not registered in {info_path}: nothing removed")
+    del info[name]
+    write_json_atomic(info_path, info, newline=True)
+    return info_path

@@ -787,3 +787,20 @@ def register_dataset(dataset_dir: str | os.PathLike | None, name: str, entry: di
     return report
 
 
+
+
+def example_from_row(name: str, row: Any, dataset_dir: str | os.PathLike | None = None, *, stage: str = "sft",
+                     identity_name: str = "TuneBoard Assistant", identity_author: str = "the TuneBoard team") -> dict:
+    """One raw row in dataset `name`'s own format (its entry's formatting, columns and tags) -> the example training
+    would make of it, as load_examples makes each file row (the Data tab's row editor renders an edited row with it).
+    A row training would skip is a DatasetError naming the dataset and the reason."""
+    info = read_dataset_info(resolve_dataset_dir(dataset_dir))
+    spec = _entry_spec(name, info.entry(name))
+    _check_stage(name, spec, stage)
+    if not isinstance(row, dict):
+        raise DatasetError(f"dataset '{name}': a row is a JSON object, got {type(row).__name__}")
+    try:
+        example = convert_row(row, spec, stage)
+    except RowError as exc:
+        raise DatasetError(f"dataset '{name}': this row would be skipped: {exc}") from None
+    return _fill_identity(example, identity_name, identity_author)

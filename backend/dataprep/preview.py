@@ -27,6 +27,8 @@ def parse_args(args: list[str]) -> argparse.Namespace:
     source.add_argument("--dataset", help="registered dataset name(s), comma separated")
     source.add_argument("--messages", help="a JSON file holding an OpenAI-style messages list")
     p.add_argument("--dataset-dir", default=None, help="folder with dataset_info.json (default: the repo's data/)")
+    p.add_argument("--row", default=None, help="with --dataset (one name): a JSON file holding one raw row in that "
+                   "dataset's own format, shown instead of the file's rows (the Data tab's row editor)")
     p.add_argument("--index", type=int, default=0, help="first row to show (0-based)")
     p.add_argument("--count", type=int, default=1, help="how many rows to show")
     p.add_argument("--template", default="auto", help="template name, or auto (the tokenizer's own)")
@@ -180,7 +182,7 @@ def show(row: dict) -> str:
 
 def main(args: list[str]) -> int:
     opts = parse_args(args)
-    from backend.dataprep.data import DatasetError, load_examples  # heavy: loaded on use, so importing this module stays light
+    from backend.dataprep.data import DatasetError, example_from_row, load_examples  # heavy: loaded on use, so importing this module stays light
     from backend.training.models import load_tokenizer, resolve_model  # heavy: loaded on use, so importing this module stays light
 
     warnings: list[str] = []
@@ -194,6 +196,17 @@ def main(args: list[str]) -> int:
                 loaded = json.load(f)
             messages = loaded.get("messages", loaded) if isinstance(loaded, dict) else loaded
             examples = [{"messages": messages, "_row": 0, "_source": opts.messages}]
+        elif opts.row:
+            stage = resolve_stage(opts)
+            with open(opts.row, encoding="utf-8") as f:
+                try:
+                    raw = json.load(f)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"the row is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") \
+                        from None
+            examples = [dict(example_from_row(opts.dataset, raw, opts.dataset_dir, stage=stage), _row=opts.index,
+                             _source=opts.dataset)]
+            kind, opts.index = get_stage(stage).data, 0
         else:
             stage = resolve_stage(opts)
             examples, report = load_examples(opts.dataset, opts.dataset_dir, stage=stage)

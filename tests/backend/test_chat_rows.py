@@ -66,3 +66,20 @@ def test_refusals_name_the_dataset_and_write_nothing(data_dir, name, messages, w
     with pytest.raises(DatasetError, match=words):
         save_row(data_dir, name, messages)
     assert {p.name: p.read_bytes() for p in data_dir.iterdir()} == files
+
+
+def test_versions_keep_the_original_and_undo_removes_only_a_version(data_dir):
+    from backend.core import dataset_versions as V
+
+    original = (data_dir / "alpaca_en_demo.json").read_bytes()
+    first = V.replace_row(data_dir, "alpaca_en_demo", 0, {"instruction": "q", "input": "", "output": "a"})
+    second = V.replace_row(data_dir, "alpaca_en_demo", 0, {"instruction": "q2", "input": "", "output": "a2"})
+    assert (first.name, second.name) == ("alpaca_en_demo_v2", "alpaca_en_demo_v3")
+    assert (data_dir / "alpaca_en_demo.json").read_bytes() == original
+    with pytest.raises(DatasetError, match="not a saved version"):
+        V.remove_version(data_dir, "alpaca_en_demo")
+    with pytest.raises(DatasetError, match="row 1000000 is not in"):
+        V.replace_row(data_dir, "alpaca_en_demo", 10**6, {})
+    V.remove_version(data_dir, "alpaca_en_demo_v2")
+    assert not first.path.exists() and "alpaca_en_demo_v2" not in load_dataset_info(data_dir)
+    assert second.path.exists() and "alpaca_en_demo_v3" in load_dataset_info(data_dir)

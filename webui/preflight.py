@@ -3,7 +3,8 @@ loaded in the UI process): parameters from the model name (e.g. "135M", "7B") or
 weight from the quantization, trainable-state bytes from the method, activations from batch x cutoff.
 Preference stages add what they hold besides: a frozen reference model copy where one is used, and the
 chosen + rejected sequences of a pairwise stage (twice the batch through the model). Stage kd adds its frozen
-teacher (at teacher_quantization_bit) and the full-vocabulary logits of student and teacher (teacher_bytes).
+teacher (at teacher_quantization_bit) and the full-vocabulary logits of student and teacher (teacher_bytes). A
+reward model named in reward_funcs (grpo, rloo) adds its frozen weights (reward_model_bytes).
 
 Constants measured (issue 10), on the guide's recipe (examples/sft_qlora_extraction.yaml: the default 135M model,
 QLoRA 4-bit, cutoff 4096 packed, batch 4, GA 4, plain checkpointing) on this 2-core CPU: `tuneboard probe`'s
@@ -22,12 +23,14 @@ import re
 from pathlib import Path
 
 import psutil
+import yaml
 
 from backend import stages
 from backend.core import checkpointing, launch
 from backend.core.atomic import write_text_atomic
 from backend.core.methods import METHODS, is_adapter
 from backend.core.paths import DEFAULT_MODEL_ID
+from backend.core.rewards import is_model_name, split_names
 from backend.core.spec import RunSpec
 from backend.stages import uses_reference
 from webui.i18n import tr
@@ -104,6 +107,44 @@ def _vocab(model: str) -> int:
         return DEFAULT_VOCAB
 
 
+def reward_model_bytes(flat: dict) -> float:
+    """The frozen reward models in reward_funcs (each loaded once beside the policy, no gradients): the parameters
+    in the folder's safetensors headers (an rm run's adapter: plus its base's, run_spec.yaml's
+    model_name_or_path; a base that is no local folder counts by its name) at 2 bytes with bf16/fp16, else 4."""
+    total = 0.0
+    for name in split_names(flat.get("reward_funcs")):
+        folder = Path(name).expanduser()
+        if not is_model_name(name) or not folder.is_dir():
+            continue
+        params = _safetensors_params(folder)
+        if (folder / "adapter_config.json").is_file():
+            try:
+                base = str(yaml.safe_load((folder / "run_spec.yaml").read_text(encoding="utf-8"))["model_name_or_path"])
+            except (OSError, yaml.YAMLError, KeyError, TypeError):
+                base = ""
+            params += _safetensors_params(Path(base).expanduser()) or param_count(base) or 0
+        total += params * (2 if flat.get("bf16") or flat.get("fp16") else 4)
+    return total
+
+
+def _safetensors_params(folder: Path) -> int:
+    """The parameter count in a folder's *.safetensors files, from their headers alone (0 where there are none)."""
+    count = 0
+    for path in folder.glob("*.safetensors") if folder.is_dir() else ():
+        try:
+            with path.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        except (OSError, ValueError):
+            continue
+        for key, tensor in header.items():
+            if key != "__metadata__":
+                n = 1
+                for dim in tensor.get("shape", ()):
+                    n *= dim
+                count += n
+    return count
+
+
 def pairwise(flat: dict) -> bool:
     """Whether each row is a chosen + rejected pair (both go through the model: the batch doubles)."""
     return stages.pairwise(flat.get("stage"))
@@ -159,14 +200,15 @@ def estimate(flat: dict) -> dict:
     if reference_copy(flat):
         reference = (param_count(flat.get("ref_model") or "") or n) * weight_b  # frozen: weights only
     teacher, logits = teacher_bytes(flat, n, half)
+    rewards = reward_model_bytes(flat)
     acts += logits
     local, world, stage = layout(flat)
     weights, state = shard(weights, state, world, stage)
-    per_process = RUNTIME_BYTES + (weights + state + acts + reference + teacher) * 1.2
+    per_process = RUNTIME_BYTES + (weights + state + acts + reference + teacher + rewards) * 1.2
     # On a CPU every local process takes its share of the same RAM; a GPU process holds it on its own device.
     total = per_process * (local if not launch.visible_accelerators() else 1)
     return {"known": True, "params": n, "weights": weights, "state": state, "activations": acts,
-            "reference": reference, "teacher": teacher, "pairs": pairs, "total": total, "per_process": per_process,
+            "reference": reference, "teacher": teacher, "reward_models": rewards, "pairs": pairs, "total": total, "per_process": per_process,
             "processes": local, "world": world, "zero_stage": stage,
             "available": psutil.virtual_memory().available, "machine": psutil.virtual_memory().total}
 
@@ -181,6 +223,7 @@ def summary_md(flat: dict, lang: str = "en") -> str:
     verdict = tr(lang, "pf.fits" if fits else "pf.not_fit")
     extra = tr(lang, "pf.reference", gib=f'{e["reference"] / gib:.1f}') if e["reference"] else ""
     extra += tr(lang, "pf.teacher", gib=f'{e["teacher"] / gib:.1f}') if e["teacher"] else ""
+    extra += tr(lang, "pf.reward_models", gib=f'{e["reward_models"] / gib:.1f}') if e["reward_models"] else ""
     pairs = tr(lang, "pf.pairs") if e["pairs"] else ""
     split = ""
     if e["world"] > 1:

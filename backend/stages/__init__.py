@@ -30,7 +30,6 @@ Adding a stage = its module, its declaration below, and its locale key `train-st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Callable
 
 from backend.core.metrics import TASK_METRICS, task_log_key
@@ -45,19 +44,6 @@ NEEDED_COLUMN = {"kto": "kto_tag"}  # a dataset kind that needs a column of data
 _PREF_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                  "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
                  "log_odds_ratio", "log_odds_chosen", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
-
-
-def _trl_version() -> str:
-    try:
-        return metadata.version("trl")
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
-
-
-# Checked in TRL 1.16's sources: no PPOTrainer / PPOConfig in trl.trainer nor in trl.experimental (TRL removed its
-# PPO trainer); tests/backend/test_stage_grpo.py asserts it is still absent, so this reason cannot go stale.
-_NO_PPO = (f"TRL {_trl_version()} has no PPOTrainer (neither trl.trainer nor trl.experimental ships one): "
-           "use stage grpo with reward functions, or stage dpo/kto on preference data")
 
 
 @dataclass(frozen=True)
@@ -151,9 +137,21 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
           # (what kd_alpha mixes in; logged at any kd_alpha) and the share of steps on the student's own completions
           metrics=("kd_loss", "ce_loss", "on_policy"),
           plots=(("distillation", ("kd_loss", "ce_loss")), ("on-policy share", ("on_policy",)))),
-    Stage("ppo", "PPO", "prompts", implemented=False, reason=_NO_PPO,
-          fields=("ref_model", "reward_model", "reward_model_type", "ppo_epochs", "ppo_buffer_size", "ppo_target",
-                  "ppo_score_norm", "ppo_whiten_rewards")),
+    # written here (TRL has no PPO trainer): backend/stages/ppo.py logs these (reward: the raw score's mean)
+    Stage("ppo", "PPO", "prompts", rules=(rules.ppo,),
+          fields=("ref_model", "reward_model", "reward_model_type", "reward_funcs", "reward_weights", "reward_schema",
+                  "reward_regex", "max_completion_length", "ppo_epochs", "ppo_buffer_size", "ppo_target",
+                  "ppo_score_norm", "ppo_whiten_rewards", "init_kl_coef", "adap_kl_ctrl", "gamma", "lam", "cliprange",
+                  "cliprange_value", "vf_coef"),
+          shared_fields=("temperature", "top_p"),
+          metrics=("reward", "reward_std", "rewards/*", "kl", "kl_coef", "policy_loss", "value_loss", "clip_fraction",
+                   "value_clip_fraction", "entropy", "approx_kl", "completions/mean_length",
+                   "completions/clipped_ratio", "ppo/updates"),
+          plots=(("reward", ("reward", "reward_std")), ("rewards per function", ("rewards/*/mean",)), ("kl", ("kl",)),
+                 ("kl coefficient", ("kl_coef",)),
+                 ("losses", ("policy_loss", "value_loss")), ("clip fraction", ("clip_fraction", "value_clip_fraction")),
+                 ("entropy", ("entropy",)), ("approx kl", ("approx_kl",)),
+                 ("completion length", ("completions/mean_length", "completions/clipped_ratio")))),
     Stage("grpo", "GRPO", "prompts", rules=(rules.grpo,), generates=True, fields=_ONLINE_FIELDS,
           shared_fields=("temperature", "top_p"),
           # what TRL's GRPOTrainer logs (kl only with grpo_beta > 0; rewards/<function>/mean|std per function)

@@ -20,7 +20,7 @@ from backend.core.checkpointing import checkpoint_kwargs, described, given_by_sp
 from backend.core.curves import loss_summary
 from backend.core.launch import fsdp_training_arguments, read_accelerate_config, resolve_config, world_size
 from backend.core.methods import method
-from backend.core.trackers import point_trackers_at
+from backend.core.trackers import point_trackers_at, tracker_names
 from backend.training.plot import plot_loss
 from backend.dataprep.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 from backend.dataprep.resolve import pick_template
@@ -225,6 +225,16 @@ def distributed_arguments(spec) -> dict:
     return out
 
 
+def start_swanlab_run(out: Path) -> None:
+    """transformers' SwanLab callback asks swanlab.get_run() before its swanlab.init(), and swanlab 0.10 raises there
+    when no run is active ('No active Run'): start the run here, where the environment points it (backend/core/
+    trackers.py); the callback adds the arguments to its config and logs into it."""
+    import swanlab  # optional: report_to swanlab (its own extra)
+
+    swanlab.init(project=os.environ.get("SWANLAB_PROJECT"), experiment_name=out.name,
+                 logdir=os.environ.get("SWANLAB_LOG_DIR"), mode=os.environ.get("SWANLAB_MODE"))
+
+
 def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collator=None, eval_dataset=None,
         trainer_class=None, args_class=None, config: dict | None = None, task_metric=None,
         **trainer_kwargs) -> StageResult:
@@ -243,6 +253,8 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     checkpoint = resume_checkpoint(spec, out, log=run_dir.log)
     for line in point_trackers_at(spec.report_to, out):  # before the Trainer: its tracker callbacks read the environment
         run_dir.log(line)
+    if "swanlab" in tracker_names(spec.report_to) and run_dir.writer:
+        start_swanlab_run(out)
     args = training_arguments(spec, out, has_eval=eval_dataset is not None, args_class=args_class, extra=config)
     reason = agreed_stop(stop.reason)  # (after the arguments: they set up the process group the ranks agree over)
     if reason:  # Abort came while the rows were tokenized or the model loaded: no step, no save after it

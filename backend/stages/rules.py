@@ -245,3 +245,78 @@ def kd(spec, stage, check_files: bool = True) -> Errors:
         err("packing", f"{REFUSED}: stage kd compares teacher and student over whole rows: packing does not apply "
             "(set packing and neat_packing to false)", "neat_packing")
     return errors
+
+
+def ppo(spec, stage, check_files: bool = True) -> Errors:
+    """Stage ppo: one reward source (a reward model folder or reward functions), settings its loop can run with,
+    keys it would ignore."""
+    errors: Errors = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field, "stage") + involved)))
+
+    names = rewards.split_names(spec.reward_funcs)
+    if spec.reward_model_type == "api":
+        err("reward_model_type", f"{REFUSED}: scoring through an OpenAI-compatible endpoint is not written for stage "
+            "ppo (only local reward models are loaded): give reward_model as an rm run or sequence-classification "
+            "folder with reward_model_type lora or full, or reward_funcs", "reward_model")
+    elif spec.reward_model and names:
+        err("reward_model", "stage ppo takes one reward source: a reward_model or reward_funcs, not both",
+            "reward_funcs")
+    elif not spec.reward_model and not names:
+        err("reward_model", "stage ppo needs a reward: reward_model (an rm run or sequence-classification folder) or "
+            f"reward_funcs ({', '.join(rewards.BUILTINS)}, or module:function / path/to/file.py:function)",
+            "reward_funcs")
+    elif spec.reward_model and check_files:
+        folder = Path(spec.reward_model).expanduser()
+        adapter = (folder / "adapter_config.json").is_file()
+        if not folder.is_dir():
+            err("reward_model", f"{spec.reward_model} is not a folder (give a stage rm run's output_dir or a "
+                "sequence-classification model folder)")
+        elif adapter != (spec.reward_model_type == "lora"):
+            err("reward_model_type", f"{spec.reward_model} holds " + ("an adapter: set reward_model_type lora" if adapter
+                else "a full model (no adapter_config.json): set reward_model_type full"), "reward_model")
+    for name in names:
+        problem = rewards.name_problem(name, check_files=check_files)
+        if problem:
+            err("reward_funcs", problem)
+    if spec.reward_weights:
+        try:
+            weights = [float(w) for w in _split(spec.reward_weights)]
+        except ValueError:
+            err("reward_weights", f"{spec.reward_weights!r}: expected numbers, comma-separated")
+        else:
+            if len(weights) != len(names):
+                err("reward_weights", f"{len(weights)} weights for {len(names)} reward functions: give one weight "
+                    "per function, in the order of reward_funcs", "reward_funcs")
+    if spec.reward_schema and "json_schema" not in names and not [n for n in names if n not in rewards.BUILTINS]:
+        err("reward_schema", f"{REFUSED}: only the json_schema reward (or your own function, as `schema`) reads it",
+            "reward_funcs")
+    if spec.reward_regex and "format_regex" not in names:
+        err("reward_regex", f"{REFUSED}: only the format_regex reward reads it", "reward_funcs")
+    if spec.ppo_target != type(spec).model_fields["ppo_target"].default and not spec.adap_kl_ctrl:
+        err("ppo_target", f"{REFUSED}: the KL weight is fixed (adap_kl_ctrl false), so no target steers it: drop "
+            "ppo_target or set adap_kl_ctrl true", "adap_kl_ctrl")
+    if spec.max_completion_length >= spec.cutoff_len:
+        err("max_completion_length", f"must be below cutoff_len ({spec.cutoff_len}): prompt and response share it",
+            "cutoff_len")
+    if spec.temperature <= 0:
+        err("temperature", "PPO samples its responses: temperature must be above 0")
+    several = str(spec.nproc_per_node) not in ("1", "auto") or spec.nnodes > 1  # auto: checked at launch (ppo.py)
+    if several or spec.deepspeed or spec.accelerate_config:
+        field = "deepspeed" if spec.deepspeed else ("accelerate_config" if spec.accelerate_config else "nproc_per_node")
+        err(field, f"{REFUSED}: stage ppo's rollout loop (generate, score, ppo_epochs updates) is written for one "
+            "process: it neither shards the model nor gathers rollouts across ranks; run it on one device")
+    if spec.resolved_packing:
+        err("packing", f"{REFUSED}: PPO generates responses for whole prompts: packing does not apply", "neat_packing")
+    for name, why in (("train_on_prompt", "PPO's loss covers the generated responses only"),
+                      ("mask_history", "PPO trains on its own responses, not on the dataset's answers"),
+                      ("do_predict", "stage ppo writes no predictions: run `tuneboard eval` (stage sft) with the "
+                       "trained adapter")):
+        if getattr(spec, name):
+            err(name, f"{REFUSED}: {why}")
+    if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
+        field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
+        err(field, f"{REFUSED}: stage ppo does not evaluate while it trains (its rewards are the live measure): "
+            "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
+    return errors

@@ -100,3 +100,41 @@ def test_running_moments_normalise_by_every_score_seen():
 def test_entropy_of_uniform_and_certain():
     logits = t([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
     assert P.entropy(logits).tolist()[0] == pytest.approx([math.log(4), 0.0], abs=1e-5)
+
+
+def test_each_ppo_key_changes_the_update():
+    """The spec keys reach the arithmetic the trainer runs (backend/stages/ppo.py: kl_controller,
+    advantages_and_returns, ppo_loss): each, set to another value, changes what one rollout batch trains on."""
+    from backend.core.spec import validate_spec
+    from backend.stages.ppo import advantages_and_returns, kl_controller, ppo_loss
+
+    def spec(**keys):
+        return validate_spec({"stage": "ppo", "dataset": "identity", "reward_funcs": "json_valid", **keys},
+                             check_files=False)
+
+    torch.manual_seed(0)
+    scores, values = t([1.0, -0.5, 2.0]), torch.randn(3, 4)
+    logprobs, ref = -torch.rand(3, 4), -torch.rand(3, 4)
+    mask = t([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+
+    def rollout(s, kl_coef=0.2, moments=None):
+        return advantages_and_returns(s, scores, logprobs, ref, values, mask, kl_coef,
+                                      moments or P.RunningMoments(0.0, 4.0, 10.0))
+
+    adv, ret, _ = rollout(spec())
+    for keys in ({"gamma": 0.5}, {"lam": 0.3}, {"ppo_whiten_rewards": True}, {"ppo_score_norm": True}):
+        other_adv, other_ret, _ = rollout(spec(**keys))
+        assert not torch.allclose(other_ret, ret), keys
+    assert not torch.allclose(rollout(spec(), kl_coef=0.05)[1], ret)  # init_kl_coef is the kl_coef of step 1
+    assert kl_controller(spec(init_kl_coef=0.05)).value == 0.05
+    assert kl_controller(spec(adap_kl_ctrl=False)).update(50.0, 64) == 0.2  # fixed
+    adaptive = kl_controller(spec()).update(50.0, 64)
+    assert adaptive > 0.2 and kl_controller(spec(ppo_target=100.0)).update(50.0, 64) < 0.2  # towards the target
+
+    new_logprobs, new_values = logprobs + 0.3 * torch.randn(3, 4), values + torch.randn(3, 4)
+    loss, stats = ppo_loss(spec(), new_logprobs, logprobs, adv, new_values, values, ret, mask)
+    assert set(stats) == {"policy_loss", "value_loss", "clip_fraction", "approx_kl", "value_clip_fraction"}
+    assert loss.item() == pytest.approx(stats["policy_loss"] + 0.1 * stats["value_loss"])
+    for keys in ({"cliprange": 0.05}, {"cliprange_value": 0.05}, {"vf_coef": 1.0}):
+        assert ppo_loss(spec(**keys), new_logprobs, logprobs, adv, new_values, values, ret, mask)[0].item() \
+            != pytest.approx(loss.item()), keys

@@ -3,6 +3,7 @@ files a TensorBoard reader parses, MLflow's local file store, W&B's offline run)
 a tracker whose package is missing is refused at validate with what to install."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -13,7 +14,8 @@ from backend.core.spec import SpecError, validate_spec
 from backend.core.trackers import local_logs, tracker_environment
 
 TRACKER_VARIABLES = ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_DIR", "MLFLOW_TRACKING_URI",
-                     "TENSORBOARD_LOGGING_DIR")
+                     "TENSORBOARD_LOGGING_DIR", "SWANLAB_MODE", "SWANLAB_API_KEY", "SWANLAB_LOG_DIR")
+SWANLAB = importlib.util.find_spec("swanlab") is not None  # its own extra: tested where it is installed
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +30,17 @@ def tracked_run(tiny_llama, tmp_path_factory):
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "template": "llama3", "dataset": "identity",
                           "max_samples": 8, "cutoff_len": 64, "max_steps": 3, "per_device_train_batch_size": 2,
                           "gradient_accumulation_steps": 1, "logging_steps": 1, "save_strategy": "no",
-                          "plot_loss": False, "report_to": "tensorboard, mlflow, wandb", "output_dir": str(out)})
+                          "plot_loss": False, "report_to": "tensorboard, mlflow, wandb" + (", swanlab" if SWANLAB else ""),
+                          "output_dir": str(out)})
     try:
         assert train.run(spec) == 0, (out / "running_log.txt").read_text()[-3000:]
         import wandb  # optional: the trackers extra
 
         wandb.finish()  # what the training process's exit does (wandb's atexit hook): this run is in-process
+        if SWANLAB:
+            import swanlab  # optional: the swanlab extra
+
+            swanlab.finish()  # the same for SwanLab
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -106,6 +113,17 @@ def test_wandb_runs_offline_in_the_run_folder(tracked_run):
     assert [step for step, _ in logged] == [1, 2, 3]
     assert [loss for _, loss in logged] == pytest.approx(losses, rel=1e-4)
     assert ("wandb", f"wandb sync {out / 'wandb'}/offline-run-*") in local_logs(out)
+
+
+@pytest.mark.skipif(not SWANLAB, reason="swanlab is not installed (pip install -e '.[swanlab]')")
+def test_swanlab_runs_locally_in_the_run_folder(tracked_run):
+    out, losses = tracked_run
+    runs = list((out / "swanlog").glob("run-*"))
+    assert len(runs) == 1, sorted(p.name for p in (out / "swanlog").iterdir())
+    series = [[json.loads(line)["data"] for line in log.read_text().splitlines()]  # one folder per logged key
+              for log in runs[0].glob("logs/*/1000.log")]
+    assert any(values == pytest.approx(losses, rel=1e-4) for values in series), series
+    assert ("swanlab", f"swanlab watch {out / 'swanlog'}") in local_logs(out)
 
 
 def test_a_tracker_without_its_package_is_refused_at_validate(monkeypatch):

@@ -112,11 +112,11 @@ def test_pretraining_stage(tiny_llama, tmp_path):
     assert status(out)["state"] == "completed"
 
 
-def test_unimplemented_stage_is_refused_before_launch(tiny_llama, tmp_path):
+def test_a_stage_missing_its_input_is_refused_before_launch(tiny_llama, tmp_path):
     out = tmp_path / "ppo"
     proc = train(*tiny_args(tiny_llama, out, "stage=ppo"))
     assert proc.returncode == 1
-    assert "stage: stage 'ppo': TRL" in proc.stderr and "has no PPOTrainer" in proc.stderr
+    assert "reward_model: stage ppo needs a reward" in proc.stderr
     assert not out.exists()  # refused by validation: no run directory, nothing launched
 
 

@@ -37,8 +37,8 @@ def test_spec_to_form_to_spec_round_trip(stage, method):
         data["dataset"] = "kto_en_demo"
     if method == "lora":
         data.update(quantization_bit=4, use_dora=True)
-    if stage == "ppo":
-        data["reward_model"] = "some/reward"
+    if stage == "ppo":  # a reward function, and its own keys off their defaults
+        data.update(packing=False, reward_funcs="json_valid", ppo_epochs=2, init_kl_coef=0.1, gamma=0.99, temperature=0.8)
     if stage == "grpo":  # its reward settings and its sampling keys (shown for grpo only) survive the round trip
         data.update(packing=False, reward_funcs="json_schema,field_f1", reward_weights="1,0.5", num_generations=2,
                     temperature=0.8, top_p=0.9, grpo_beta=0.0)

@@ -52,3 +52,19 @@ def test_grpo_fields_on_the_form():
     assert rows["reward_funcs"].kind == "dropdown" and rows["reward_funcs"].custom
     assert "json_schema,field_f1" in rows["reward_funcs"].choices
     assert rows["num_generations"].ge == 2 and rows["temperature"].group == "method"
+
+
+def test_rloo_run_shows_the_same_view_and_form_fields_as_grpo(root):
+    """Stage rloo (TRL's RLOOTrainer, grpo's run otherwise): its reward plots, the completions table, grpo's fields."""
+    d = run_dir_with(root, "rloo-run", {"stage": "rloo", "dataset": "identity", "reward_funcs": "json_valid"},
+                     grpo_records())
+    (d / COMPLETIONS_FILE).write_text(json.dumps({"step": 1, "prompt": "p", "completion": "c", "reward": 1.0,
+                                                  "rewards": {"json_valid": 1.0}}) + "\n")
+    out = T.view_updates(T.attach(str(d)), False)
+    n = len(live.plot_names())
+    plots = dict(zip(live.plot_names(), out[4:4 + n]))
+    assert plots["reward"]["visible"] and plots["rewards per function"]["visible"] and plots["kl"]["visible"]
+    assert out[4 + n]["visible"] is True and list(out[4 + n]["value"].step) == [1]
+    rows = F.form_rows()
+    assert ({r.name for r in rows if r.visible_for("rloo", "lora")} ==
+            {r.name for r in rows if r.visible_for("grpo", "lora")})

@@ -110,3 +110,27 @@ def test_module_function_and_bad_names(tmp_path, monkeypatch):
     assert "not a module name" in rewards.name_problem("my-mod:f")
     with pytest.raises(RewardError, match="importing nosuchmodule_xyz failed"):
         build_reward_funcs("nosuchmodule_xyz:f")
+
+
+def test_a_folder_in_reward_funcs_is_a_reward_model_in_its_place(tmp_path):
+    """A path (a '/' in it, or an existing folder) is a reward model: named after its folder in the metrics, built
+    by the loader the stage passes, in its place among the functions; without a loader it is refused."""
+    folder = tmp_path / "rm-run"
+    folder.mkdir()
+    assert rewards.is_model_name(str(folder)) and rewards.is_model_name("./saves/rm/")
+    assert not rewards.is_model_name("json_valid") and not rewards.is_model_name("my.py:f")
+    assert rewards.metric_name(f"{folder}/") == "rm-run" and rewards.metric_name("pkg.mod:brevity") == "brevity"
+    assert rewards.name_problem(str(folder)) is None
+    assert "is not a folder" in rewards.name_problem(f"{tmp_path}/missing")
+    assert rewards.name_problem(f"{tmp_path}/missing", check_files=False) is None
+    assert "nor a reward model folder" in rewards.name_problem("json_vald")
+    loaded = []
+
+    def loader(path):
+        loaded.append(path)
+        return lambda prompts, completions, **kw: [0.5] * len(completions)
+
+    funcs = build_reward_funcs(f"json_valid,{folder}", reward_model=loader)
+    assert loaded == [str(folder)] and funcs[0].__name__ == "json_valid" and funcs[1](["p"], ["c"]) == [0.5]
+    with pytest.raises(RewardError, match="is a reward model"):
+        build_reward_funcs(str(folder))

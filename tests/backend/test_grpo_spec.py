@@ -77,18 +77,22 @@ def test_grpo_settings_checked_at_validate(tmp_path):
     assert not errors(stage="grpo", reward_funcs="json_valid", grpo_beta=0, grpo_epsilon=0.1)
 
 
-def test_grpo_keys_reach_trls_config(tmp_path):
-    """Each GRPO key lands on GRPOConfig under TRL's name (built the way the stage builds it)."""
-    from trl import GRPOConfig
+@pytest.mark.parametrize("stage", ["grpo", "rloo"])
+def test_grpo_keys_reach_trls_config(stage, tmp_path):
+    """Each GRPO key lands on GRPOConfig (stage rloo: RLOOConfig) under TRL's name (built the way the stage builds
+    it)."""
+    from trl import GRPOConfig, RLOOConfig
 
     from backend.stages.base import training_arguments
     from backend.stages.grpo import grpo_config
+    from backend.stages.rloo import rloo_config
 
-    spec = validate_spec({**BASE, "stage": "grpo", "reward_funcs": "json_valid,field_f1", "reward_weights": "2,0.5",
+    spec = validate_spec({**BASE, "stage": stage, "reward_funcs": "json_valid,field_f1", "reward_weights": "2,0.5",
                           "num_generations": 2, "max_completion_length": 40, "grpo_beta": 0.1, "grpo_epsilon": 0.3,
                           "temperature": 0.7, "top_p": 0.9, "per_device_train_batch_size": 2,
                           "gradient_accumulation_steps": 3}, check_files=False)
-    args = training_arguments(spec, tmp_path, has_eval=False, args_class=GRPOConfig, extra=grpo_config(spec))
+    args_class, config = (GRPOConfig, grpo_config) if stage == "grpo" else (RLOOConfig, rloo_config)
+    args = training_arguments(spec, tmp_path, has_eval=False, args_class=args_class, extra=config(spec))
     assert (args.num_generations, args.max_completion_length, args.beta, args.epsilon) == (2, 40, 0.1, 0.3)
     assert (args.temperature, args.top_p, args.reward_weights, args.use_vllm) == (0.7, 0.9, [2.0, 0.5], False)
     assert args.generation_batch_size == 6  # completions per optimizer step: 3 prompts x 2 generations

@@ -63,6 +63,9 @@ def test_tensorboard_event_files_hold_the_loss(tracked_run):
     assert [p.value for p in points] == pytest.approx(losses, rel=1e-4)
     assert ("tensorboard", f"tensorboard --logdir {out / 'runs'}") in local_logs(out)
     assert f"report_to tensorboard: tensorboard --logdir {out / 'runs'}" in (out / "running_log.txt").read_text()
+    from webui.tabs.runs import trackers_md  # the Runs tab's line for the picked run
+
+    assert f"- tensorboard: `tensorboard --logdir {out / 'runs'}`" in trackers_md(str(out)).splitlines()
 
 
 def test_mlflow_local_store_gets_the_loss(tracked_run):

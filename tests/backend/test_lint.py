@@ -98,3 +98,15 @@ def test_lint_command_json_and_bad_input(tiny_llama, tmp_path, capsys):
     assert main(args + ["dataset=planted"]) == 1
     err = capsys.readouterr().err
     assert f"dataset 'planted': file not found: {folder / 'planted.json'}" in err and "Traceback" not in err, err
+
+
+def test_pretraining_documents_and_the_eos_token(tiny_llama, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    docs = [{"text": f"Document {k} is about {TOPICS[k]}, written plainly for a reader new to it."} for k in range(4)]
+    docs[2]["text"] += "<|eot_id|>"  # tiny_llama's EOS written into the text: TuneBoard adds one more
+    (folder / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    (folder / "dataset_info.json").write_text(json.dumps({"docs": {"file_name": "docs.jsonl",
+                                                                   "columns": {"prompt": "text"}}}))
+    found = lint(_spec(folder, tiny_llama, dataset="docs", stage="pt")).findings
+    assert [(f.check, f.severity, f.rows) for f in found] == [("pt_eos", "info", [2])], [f.line() for f in found]

@@ -44,8 +44,9 @@ def missing_package(name: str) -> str | None:
     module, package = TRACKERS[name]
     if importlib.util.find_spec(module) is not None:
         return None
-    return (f"report_to {name} needs the {package} package, which is not installed: pip install {package} "
-            f"(or pip install -e '.[trackers]' for tensorboard, wandb and mlflow)")
+    extra = "(or pip install -e '.[swanlab]')" if name == "swanlab" else \
+        "(or pip install -e '.[trackers]' for tensorboard, wandb and mlflow)"
+    return f"report_to {name} needs the {package} package, which is not installed: pip install {package} {extra}"
 
 
 def tracker_problems(report_to) -> list[str]:
@@ -126,6 +127,8 @@ def point_trackers_at(report_to, out: Path) -> list[str]:
                   or (name == "swanlab" and os.environ.get("SWANLAB_MODE") != "local")
                   or (name == "mlflow" and "MLFLOW_TRACKING_URI" not in env))
         where = "to the server the environment configures" if remote else open_command(name, Path(out))
+        if name == "tensorboard" and "TENSORBOARD_LOGGING_DIR" not in env:
+            where = "into the folder TENSORBOARD_LOGGING_DIR names"
         lines.append(f"report_to {name}: {where}")
     return lines
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -63,6 +64,7 @@ def hub_dir(tmp_path_factory):
         "hub_folder_typo": {"hf_hub_url": "./hub_rep"},
         "remote": {"hf_hub_url": "tuneboard-tests/alpaca-mini", "subset": "en"},
         "modelscope": {"ms_hub_url": "AI-ModelScope/alpaca-gpt4-data-en"},
+        "cloud": {"cloud_file_name": "s3://a-bucket/alpaca.json"},
     }
     (root / "dataset_info.json").write_text(json.dumps(info))
     return root
@@ -127,6 +129,10 @@ def test_offline_a_hub_entry_is_one_line_at_validate_and_in_the_form(hub_dir, mo
         validate_spec({"dataset": "remote", "dataset_dir": str(hub_dir)})
     assert exc.value.errors == [("dataset", line.replace("(HF_HUB_OFFLINE=1)", "(127.0.0.1 is unreachable)"))]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # Python's own mark of a module that cannot be imported
+    with pytest.raises(SpecError, match=r"^dataset: dataset 'cloud': cloud_file_name s3://a-bucket/alpaca.json needs "
+                                        r"the s3fs package \(fsspec's s3:// file system\), which is not installed"):
+        validate_spec({"dataset": "cloud", "dataset_dir": str(hub_dir)})
     # the Train form (webui.form.check, as the Train tab validates) on `dataset: org/name` with the shipped data/
     spec, errors = form.check({"dataset": "tuneboard-tests/alpaca-mini"}, [])
     assert spec is None and errors == [("dataset", line.replace("'remote'", "'tuneboard-tests/alpaca-mini'"))]

@@ -140,10 +140,11 @@ def kd_terms(student_logits, teacher_logits, labels, *, beta: float, temperature
     the trained positions. Logits are [batch, seq, vocab] aligned with labels (shifted here)."""
     student, teacher, targets = student_logits[:, :-1], teacher_logits[:, :-1], labels[:, 1:]
     mask = targets != IGNORE_INDEX
-    divergence = GKDTrainer.generalized_jsd_loss(student[mask].unsqueeze(0), teacher[mask].unsqueeze(0),
-                                                 beta=beta, temperature=temperature, reduction="sum")
+    student, teacher = student[mask].float(), teacher[mask].float()  # the trained positions, in fp32 (bf16 runs)
+    divergence = GKDTrainer.generalized_jsd_loss(student.unsqueeze(0), teacher.unsqueeze(0), beta=beta,
+                                                 temperature=temperature, reduction="sum")
     count = mask.sum().clamp_min(1)
-    ce = F.cross_entropy(student[mask].float(), targets[mask], reduction="sum")
+    ce = F.cross_entropy(student, targets[mask], reduction="sum")
     return divergence / count, ce / count
 
 
@@ -157,8 +158,8 @@ def _trainer_class(spec, vocab: int):
             with torch.no_grad():
                 teacher = self.teacher_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
             # tokens past the tokenizer's (padded embedding rows) are never targets: compare the real vocabulary
-            divergence, ce = kd_terms(student.logits[..., :vocab], teacher.logits[..., :vocab].to(student.logits.dtype),
-                                      inputs["labels"], beta=spec.kd_beta, temperature=spec.kd_temperature)
+            divergence, ce = kd_terms(student.logits[..., :vocab], teacher.logits[..., :vocab], inputs["labels"],
+                                      beta=spec.kd_beta, temperature=spec.kd_temperature)
             loss = (1 - spec.kd_alpha) * divergence + spec.kd_alpha * ce
             mode = "train" if model.training else "eval"
             self._metrics[mode]["kd_loss"].append(self.accelerator.gather(divergence.detach()).mean().item())

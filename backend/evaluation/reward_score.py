@@ -195,8 +195,7 @@ class RewardModelReward:
         resolved = resolve_model(spec.model_name_or_path)
         self.model, self.tokenizer = load_reward_model(spec, resolved, warn=warn)
         self.model.requires_grad_(False)
-        if torch.cuda.is_available() and not getattr(self.model, "hf_device_map", None):
-            self.model.to(torch.cuda.current_device())
+        self.placed = bool(getattr(self.model, "hf_device_map", None))  # a quantized model loads onto its device
         self.template = pick_template(spec.template, resolved, self.tokenizer, warn=warn or print,
                                       enable_thinking=getattr(spec, "enable_thinking", True))
 
@@ -204,6 +203,10 @@ class RewardModelReward:
         """One score per completion; None where the template renders no answer token (not counted)."""
         if conversation is None:
             raise ValueError(f"reward model {self.path}: the rows carry no conversation to render")
+        if not self.placed:  # on the first call: the trainer has picked this process's GPU by then
+            if torch.cuda.is_available():
+                self.model.to(torch.cuda.current_device())
+            self.placed = True
         sequences_, where = [], []
         for i, (row, completion) in enumerate(zip(conversation, completions)):
             example = json.loads(row)

@@ -227,7 +227,7 @@ class RunSpec(BaseModel):
     flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3"] = _f("auto", "Attention kernel: auto, eager (disabled), SDPA, FlashAttention-2/3 (falls back to SDPA if missing).", "model")
     enable_liger_kernel: bool = _f(False, "Use Liger fused kernels (GPU only; ignored with a warning on CPU).", "model")
     use_unsloth: bool = _f(False, "Use Unsloth's optimized LoRA kernels (GPU only).", "model", methods=["lora"], refused="Unsloth is not integrated (its kernels need a GPU and the package is not installed): drop use_unsloth; flash_attn and enable_liger_kernel are the supported speed-ups")
-    low_cpu_mem_usage: bool = _f(True, "Load the model with low CPU memory usage.", "model", refused="transformers 5 always loads weights without a second copy in memory (it ignores low_cpu_mem_usage); drop the key")
+    low_cpu_mem_usage: bool = _f(True, "Load the model with low CPU memory usage.", "model", refused="the installed transformers has no low_cpu_mem_usage switch to set: its loader always reads the weights without a second copy in memory; drop the key")
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f("auto", "Weight dtype for inference and export.", "model")
 
     # ---------------------------------------------------------------- method (stage + finetuning type)
@@ -409,7 +409,7 @@ class RunSpec(BaseModel):
     export_dir: Optional[str] = _f(None, "Folder to write the exported (merged) model to.", "export")
     export_size: float = _f(5, "Maximum shard size of the exported model, in GB (0.5 = 500 MB).", "export", gt=0)
     export_device: Literal["cpu", "auto"] = _f("cpu", "Device used to merge and export.", "export")
-    export_legacy_format: bool = _f(False, "Save .bin files instead of safetensors.", "export", refused="transformers 5 writes safetensors only (.bin files cannot be written): set export_legacy_format: false")
+    export_legacy_format: bool = _f(False, "Save .bin files instead of safetensors.", "export", refused="the installed transformers has no .bin writer (its save_pretrained writes safetensors only), so no .bin file can be written: set export_legacy_format: false")
     export_quantization_bit: Optional[Literal[2, 3, 4, 8]] = _f(None, "Quantize the exported model to this many bits (GPTQ).", "export", refused="GPTQ export quantization is not implemented: for a quantized file use export_format: gguf with export_gguf_type: q8_0")
     export_quantization_dataset: Optional[str] = _f(None, "Calibration dataset for export quantization.", "export", refused="it is the calibration data of GPTQ export quantization, which is not implemented: for a quantized file use export_format: gguf with export_gguf_type: q8_0")
     export_hub_model_id: Optional[str] = _f(None, "Push the exported model to this hub repository.", "export", refused="pushing to the hub is not available (no network): upload export_dir yourself (huggingface-cli upload)")

@@ -173,8 +173,8 @@ def check_request(spec) -> None:
     if not spec.export_dir:
         raise ExportError("export_dir is required: the folder to write the exported model to")
     if spec.export_legacy_format:
-        raise ExportError("export_legacy_format: true (.bin files) is not supported: transformers 5 writes "
-                          "safetensors only; set export_legacy_format: false")
+        raise ExportError("export_legacy_format: true (.bin files) is not supported: the installed transformers has "
+                          "no .bin writer (it writes safetensors only); set export_legacy_format: false")
     if spec.export_quantization_bit is not None:
         raise ExportError("export_quantization_bit: GPTQ export quantization is not implemented yet; for a "
                           "quantized file use export_format: gguf with export_gguf_type: q8_0")

@@ -62,7 +62,8 @@ class Finding:
         shown = ", ".join(map(str, self.rows[:MAX_SHOWN])) + (", ..." if len(self.rows) > MAX_SHOWN else "")
         rows = f" (rows {shown})" if self.rows else ""
         fix = f" [fix: {self.fix}]" if self.fix else ""
-        return f"{self.severity}: {self.check}: {self.dataset}: {self.message}{rows}{fix}"
+        where = f" {self.dataset}:" if self.dataset != "-" else ""  # "-": about the model, not a dataset
+        return f"{self.severity}: {self.check}:{where} {self.message}{rows}{fix}"
 
 
 @dataclass

@@ -75,7 +75,8 @@ def _questions(name, hub_dir):
     return [e["messages"][0]["content"] for e in examples]
 
 
-def test_a_hub_style_folder_loads_through_the_hub_loader(hub_dir):
+def test_a_hub_style_folder_loads_through_the_hub_loader(hub_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # TuneBoard's default (backend/cli.py): a folder needs no hub
     assert _questions("hub_en", hub_dir) == [f"en train question {i}" for i in range(5)]  # both parquet shards
     assert _questions("hub_en_test", hub_dir) == ["en test question 0", "en test question 1"]
     assert _questions("hub_de", hub_dir) == [f"de train question {i}" for i in range(4)]  # an absolute folder

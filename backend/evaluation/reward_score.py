@@ -161,15 +161,16 @@ def _model_folder(spec, resolved) -> Path:
 
 
 # the keys of an rm run's run_spec.yaml that say how its model loads and how it renders what it scores
+# (trust_remote_code is not one of them: the spec that uses the reward model decides whether its code runs)
 _RM_LOAD_KEYS = ("finetuning_type", "quantization_bit", "quantization_method", "quantization_type",
-                 "double_quantization", "template", "enable_thinking", "trust_remote_code", "rope_scaling",
-                 "resize_vocab", "new_special_tokens", "cutoff_len", "flash_attn", "bf16", "fp16", "pure_bf16")
+                 "double_quantization", "template", "enable_thinking", "rope_scaling", "resize_vocab",
+                 "new_special_tokens", "cutoff_len", "flash_attn", "bf16", "fp16", "pure_bf16")
 
 
-def reward_model_spec(path: str | Path):
+def reward_model_spec(path: str | Path, *, trust_remote_code: bool = False):
     """How to load the reward model in `path` (an rm run's output_dir, or a sequence-classification model folder):
     its run_spec.yaml's loading keys when it has one (LoRA: its base model + the folder as the adapter), else a
-    full model with the tokenizer's own chat template."""
+    full model with the tokenizer's own chat template; trust_remote_code is the caller's (its spec's)."""
     model, adapter = reward_model_location(path)
     saved = {}
     spec_file = Path(path).expanduser() / SPEC_FILE
@@ -179,7 +180,8 @@ def reward_model_spec(path: str | Path):
     keys.setdefault("template", "auto")
     keys.setdefault("cutoff_len", 1024)
     keys["finetuning_type"] = keys.get("finetuning_type", "lora") if adapter else "full"
-    return SimpleNamespace(**keys, model_name_or_path=model, adapter_name_or_path=adapter)
+    return SimpleNamespace(**keys, model_name_or_path=model, adapter_name_or_path=adapter,
+                           trust_remote_code=trust_remote_code)
 
 
 class RewardModelReward:
@@ -187,10 +189,10 @@ class RewardModelReward:
     loaded once (eval mode, no gradients), it scores each prompt's conversation + completion rendered by the reward
     model's own template (the rm run's), as stage rm scored its pairs: the same tokens, cut the same way."""
 
-    def __init__(self, path: str, name: str, *, batch_size: int = 8, warn=None):
+    def __init__(self, path: str, name: str, *, batch_size: int = 8, warn=None, trust_remote_code: bool = False):
         self.__name__ = name  # TRL names the metrics rewards/<name>/mean|std after it
         self.path, self.batch_size = path, batch_size
-        spec = reward_model_spec(path)
+        spec = reward_model_spec(path, trust_remote_code=trust_remote_code)
         self.cutoff_len = spec.cutoff_len
         resolved = resolve_model(spec.model_name_or_path)
         self.model, self.tokenizer = load_reward_model(spec, resolved, warn=warn)

@@ -105,7 +105,7 @@ def reward_functions(spec, run_dir) -> list:
         run_dir.log(f"reward model {metric_name(path)}: loading {path}")
         try:
             return RewardModelReward(path, metric_name(path), batch_size=spec.per_device_train_batch_size,
-                                     warn=run_dir.warn)
+                                     warn=run_dir.warn, trust_remote_code=spec.trust_remote_code)
         except ValueError as exc:  # not a reward model, or its base cannot be found: one line naming it
             raise RewardError(f"reward_funcs: {path}: {exc}") from None
 

@@ -34,7 +34,7 @@ from backend.core.rewards import is_model_name, split_names
 from backend.core.spec import RunSpec
 from backend.stages import uses_reference
 from webui.i18n import tr
-from backend.core.rundir import PROBE_RESULT_FILE, PHASE_TRAINING, RUNNING_LOG
+from backend.core.rundir import PROBE_RESULT_FILE, PHASE_TRAINING, RUNNING_LOG, SPEC_FILE
 from webui import jobs, tools, live
 from backend.core.curves import step_seconds
 import time
@@ -119,7 +119,7 @@ def reward_model_bytes(flat: dict) -> float:
         params = _safetensors_params(folder)
         if (folder / "adapter_config.json").is_file():
             try:
-                base = str(yaml.safe_load((folder / "run_spec.yaml").read_text(encoding="utf-8"))["model_name_or_path"])
+                base = str(yaml.safe_load((folder / SPEC_FILE).read_text(encoding="utf-8"))["model_name_or_path"])
             except (OSError, yaml.YAMLError, KeyError, TypeError):
                 base = ""
             params += _safetensors_params(Path(base).expanduser()) or param_count(base) or 0

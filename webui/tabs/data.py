@@ -49,6 +49,7 @@ def build(ctx) -> dict:
     c["rendered"] = gr.HTML("", elem_id="data-preview")
     c["stats_md"] = gr.Markdown("", elem_id="data-stats_md")
     c["lint_md"] = gr.Markdown("", elem_id="data-lint_md")
+    c["lint_rows"] = reg.comp(gr.Dropdown, "data-lint_rows", choices=[], value=None, visible=False)
     row_editor.build(reg, c)  # the shown row's JSON, edited and saved as a new version (webui/row_editor.py)
     c["hist"] = reg.comp(gr.BarPlot, "data-hist", value=pd.DataFrame({"tokens": [], "rows": []}), x="tokens",
                          y="rows", height=220, visible=False)
@@ -134,15 +135,23 @@ def lint_stage(dataset_dir, dataset) -> str:
     return "dpo" if entry.get("ranking") else "kto" if "kto_tag" in (entry.get("columns") or {}) else "sft"
 
 
-def check(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: float = 600) -> str:
+def check(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: float = 600):
     """The Check button: `tuneboard lint --json` in a subprocess (the lint loads the tokenizer and the data
     stack, which the UI process never imports) for the dataset with the top bar's model and template and the
-    Train form's cutoff_len. Inputs: as stats. Outputs: the findings as markdown."""
+    Train form's cutoff_len. Inputs: as stats. Outputs: the findings as markdown, the picker of their rows
+    (picking one shows that row in the preview)."""
+    md, findings = _check(dataset_dir, dataset, model, template, cutoff, lang, timeout)
+    rows = [(f"{f['check']} · {f['dataset']} · {r}", str(r)) for f in findings for r in f["rows"][:50]
+            if f["dataset"] == dataset]
+    return md, gr.update(choices=rows, value=None, visible=bool(rows))
+
+
+def _check(dataset_dir, dataset, model, template, cutoff, lang, timeout) -> tuple[str, list[dict]]:
     if not dataset:
-        return tr(lang, "data.pick")
+        return tr(lang, "data.pick"), []
     refused = dir_refusal(dataset_dir, lang, model=model)
     if refused:
-        return refused
+        return refused, []
     args = [f"dataset={dataset}", f"model_name_or_path={model or paths.DEFAULT_MODEL_ID}",
             f"template={template or 'auto'}", f"cutoff_len={int(cutoff or 1024)}",
             f"stage={lint_stage(dataset_dir, dataset)}"]
@@ -152,17 +161,17 @@ def check(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: flo
         proc = subprocess.run(jobs.tuneboard_argv() + ["lint", *args, "--json"], capture_output=True, text=True,
                               timeout=timeout, cwd=str(paths.REPO_ROOT))
     except subprocess.TimeoutExpired:
-        return f"✖ lint took longer than {timeout:.0f} s"
+        return f"✖ lint took longer than {timeout:.0f} s", []
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     try:
         res = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         res = {"error": "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or f"exit {proc.returncode}"}
     if "error" in res:
-        return "✖ " + html.escape(res["error"])
+        return "✖ " + html.escape(res["error"]), []
     findings = res.get("findings") or []
     if not findings:
-        return tr(lang, "data.lint_none")
+        return tr(lang, "data.lint_none"), []
     by = {s: sum(f["severity"] == s for f in findings) for s in ("error", "warning", "info")}
     out = [tr(lang, "data.lint", n=len(findings), errors=by["error"], warnings=by["warning"], infos=by["info"])]
     icon = {"error": "✖", "warning": "⚠", "info": "ℹ"}
@@ -172,7 +181,7 @@ def check(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: flo
         fix = f" · `--fix {f['fix']}`" if f.get("fix") else ""
         out.append(f"- {icon.get(f['severity'], '')} **{html.escape(f['check'])}** ({html.escape(f['dataset'])}): "
                    f"{html.escape(f['message'])}{where}{fix}")
-    return "\n".join(out)
+    return "\n".join(out), findings
 
 
 def histogram(lengths: list[int], max_bins: int = 20) -> tuple[pd.DataFrame, list[str]]:
@@ -221,9 +230,13 @@ def wire(ctx, c: dict) -> None:
         show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
     c["stats"].click(stats, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff,
                              top["lang"]], [c["stats_md"], c["hist"]])
-    c["dataset"].change(lambda: "", None, [c["lint_md"]], show_progress="hidden")  # not the last dataset's findings
+    c["dataset"].change(lambda: ("", gr.update(choices=[], value=None, visible=False)), None,
+                        [c["lint_md"], c["lint_rows"]], show_progress="hidden")  # not the last dataset's findings
     c["check"].click(check, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff,
-                             top["lang"]], [c["lint_md"]])
+                             top["lang"]], [c["lint_md"], c["lint_rows"]])
+    # a finding's row picked: the preview shows it
+    c["lint_rows"].input(lambda r: int(r) if r not in (None, "") else gr.skip(), [c["lint_rows"]], [c["index"]]).then(
+        show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)
 
     def list_datasets(dataset_dir, lang):
         """The datasets of a folder (under the allowed roots). Inputs: folder, language. Outputs: dataset

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from backend.core import paths
 from backend.core.dataset_info import read_dataset_info, resolve_dataset_dir
+from backend.core.hub_data import hub_key, local_repo
 from backend.core.tokenized import META, folder_problem
 
 CACHE_VERSION = 1
@@ -61,10 +62,14 @@ def _file_state(path: Path) -> list:
 
 
 def _files(entry: dict, dataset_dir: Path) -> list[Path] | None:
-    """The entry's local data files (a folder: every file in it); None for an entry without a local file."""
+    """The entry's local data files (a folder: every file in it; an hf_hub_url that is a hub-style local folder too);
+    None for an entry without a local file (a hub id: its data can change unseen)."""
     name = entry.get("file_name")
     if not isinstance(name, str) or not name.strip():
-        return None
+        folder = local_repo(str(entry["hf_hub_url"]), dataset_dir) if hub_key(entry) == "hf_hub_url" else None
+        if folder is None:
+            return None
+        name = str(folder)
     path = Path(name).expanduser()
     path = path if path.is_absolute() else dataset_dir / path
     if path.is_dir():

@@ -137,3 +137,20 @@ def test_offline_a_hub_entry_is_one_line_at_validate_and_in_the_form(hub_dir, mo
     # the Train form (webui.form.check, as the Train tab validates) on `dataset: org/name` with the shipped data/
     spec, errors = form.check({"dataset": "tuneboard-tests/alpaca-mini"}, [])
     assert spec is None and errors == [("dataset", line.replace("'remote'", "'tuneboard-tests/alpaca-mini'"))]
+
+
+def test_the_tokenized_cache_keys_a_hub_style_folder_by_its_files(hub_dir, tiny_llama):
+    from transformers import AutoTokenizer
+
+    from backend.dataprep.token_cache import cache_key, key_id
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    folder = validate_spec({"dataset": "hub_folder", "dataset_dir": str(hub_dir)}, check_files=False)
+    parts, no_default = cache_key(folder, "sft", tokenizer)
+    assert no_default is None and f"file {hub_dir / 'plain_repo' / 'data' / 'v2' / 'train-0.jsonl'}" in parts
+    before = key_id(parts)
+    shard = hub_dir / "plain_repo" / "data" / "v1" / "train.jsonl"  # not read by the other tests
+    shard.write_text(shard.read_text() + json.dumps(_rows("v1", "train", 1, start=1)[0]) + "\n")
+    assert key_id(cache_key(folder, "sft", tokenizer)[0]) != before  # a changed file is a new key
+    remote = validate_spec({"dataset": "remote", "dataset_dir": str(hub_dir)}, check_files=False)
+    assert "has no local file" in cache_key(remote, "sft", tokenizer)[1]  # a hub id can change unseen: no default cache

@@ -136,7 +136,8 @@ def _data_files(name: str, entry: dict, dataset_dir: Path, info_path: Path) -> l
     hub = [k for k in HUB_KEYS if k in entry]
     if "file_name" not in entry:
         raise DatasetError(f"dataset '{name}' in {info_path} has no local file ({hub[0]}: {entry[hub[0]]}); "
-                           f"this step reads local files only: download the data and register it with 'file_name'")
+                           f"streaming and tuneboard lint read local files only: download the data and register it with "
+                           f"'file_name'")
     path = Path(entry["file_name"]).expanduser()
     if not path.is_absolute():
         path = dataset_dir / path

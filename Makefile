@@ -7,6 +7,9 @@ TB := $(VENV)/bin/tuneboard
 # The CPU wheel this machine class has locally; a machine with an NVIDIA GPU gets pip's default build.
 TORCH_CPU_VERSION ?= 2.13.0
 DEMO_DIR ?= saves/demo-identity
+# llama.cpp's built wheel (make setup-gguf), kept outside the venv so `make clean` + `make setup` reuse it
+LLAMACPP_VERSION := 0.3.36
+GGUF_WHEELS ?= $(HOME)/.cache/tuneboard/wheels
 export HF_HUB_OFFLINE=1
 export HF_HUB_DISABLE_TELEMETRY=1
 export GRADIO_ANALYTICS_ENABLED=False
@@ -15,9 +18,25 @@ export TOKENIZERS_PARALLELISM=false
 # are compiled on first use, and cached in TORCH_EXTENSIONS_DIR); with ops on, its install needs a CUDA toolchain.
 export DS_BUILD_OPS=0
 
-.PHONY: setup allocator demo webui test test-fast browser clean bench
+.PHONY: setup allocator demo webui test test-fast browser clean bench setup-gguf
 
 setup: $(VENV)/.installed allocator
+	@# llama.cpp (the llamacpp extra) only when setup-gguf built its wheel before: compiling it is ~7 min
+	@$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install --no-index --find-links $(GGUF_WHEELS) \
+		"llama-cpp-python==$(LLAMACPP_VERSION)" 2>/dev/null \
+		|| echo "note: llama.cpp is not installed (k-quant GGUF exports need it): make setup-gguf builds it once (~7 min)"
+
+# llama.cpp for GGUF k-quants and the llama.cpp checks of GGUF exports: llama-cpp-python compiled from its source
+# package once (about 7 minutes on 2 cores, the compiler's output in $(GGUF_WHEELS)/build.log), kept as a wheel in
+# $(GGUF_WHEELS) (and pip's own wheel cache, `pip cache dir`): a fresh venv installs it from there in seconds.
+setup-gguf: $(VENV)/.installed
+	@mkdir -p $(GGUF_WHEELS)
+	@ls $(GGUF_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 \
+		|| (echo "building llama.cpp (llama-cpp-python $(LLAMACPP_VERSION)) from source: ~7 min on 2 cores; log: $(GGUF_WHEELS)/build.log" \
+		&& $(VENV)/bin/pip wheel -v --disable-pip-version-check -w $(GGUF_WHEELS) "llama-cpp-python==$(LLAMACPP_VERSION)" > $(GGUF_WHEELS)/build.log 2>&1) \
+		|| (tail -20 $(GGUF_WHEELS)/build.log; exit 1)
+	$(PIP) install --no-index --find-links $(GGUF_WHEELS) "llama-cpp-python==$(LLAMACPP_VERSION)"
+	@$(PY) -c "import llama_cpp; print('llama.cpp ready: llama-cpp-python', llama_cpp.__version__)"
 
 # jemalloc for training processes (backend/training/allocator.py: as lean as glibc with a fixed mmap threshold, ~35%
 # faster); training runs with glibc malloc when it is missing.

@@ -30,7 +30,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from backend.core import allowed, eval_rules, gguf_header, paths
+from backend.core import allowed, eval_rules, gguf_header, llamacpp, paths
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
 from backend.core.dataset_info import DatasetError, read_dataset_info
@@ -414,11 +414,11 @@ class RunSpec(BaseModel):
     export_quantization_dataset: Optional[str] = _f(None, "Calibration dataset for export quantization.", "export", refused="it is the calibration data of GPTQ export quantization, which is not implemented: for a quantized file use export_format: gguf with export_gguf_type: q8_0")
     export_hub_model_id: Optional[str] = _f(None, "Push the exported model to this hub repository.", "export", refused="pushing to the hub is not available (no network): upload export_dir yourself (huggingface-cli upload)")
     export_format: Literal["safetensors", "gguf"] = _f("safetensors", "Exported file format: HF safetensors folder or a GGUF file.", "export")
-    export_gguf_type: Literal["f16", "q8_0", "f32", "bf16"] = _f("f16", "GGUF tensor type when export_format is gguf.", "export")
+    export_gguf_type: Literal["f16", "q8_0", "f32", "bf16", "q4_k_m", "q5_k_m", "q6_k", "q4_0"] = _f("f16", "GGUF tensor type when export_format is gguf (the k-quants q4_k_m, q5_k_m, q6_k and q4_0 are written by llama.cpp's quantizer from an f16 file: make setup-gguf).", "export")
     export_overwrite: bool = _f(False, "Replace the contents of a non-empty export_dir.", "export")
 
     # ---------------------------------------------------------------- generation (chat, predict)
-    infer_backend: Literal["huggingface", "vllm"] = _f("huggingface", "Inference engine for chat and the API.", "generation")
+    infer_backend: Literal["huggingface", "vllm", "llamacpp"] = _f("huggingface", "Inference engine for chat and the API (llamacpp: llama.cpp on a .gguf file or a GGUF export folder, make setup-gguf).", "generation")
     max_new_tokens: int = _f(512, "Maximum tokens generated per answer.", "generation", ge=1)
     do_sample: bool = _f(True, "Sample (true) or decode greedily (false).", "generation")
     temperature: float = _f(0.95, "Sampling temperature.", "generation", ge=0)
@@ -887,6 +887,7 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     if spec.export_format == "gguf" and spec.export_quantization_bit is not None:
         err("export_quantization_bit", "is for safetensors export; for gguf choose export_gguf_type instead",
             "export_format")
+    errors.extend(llamacpp.spec_errors(spec))
     if spec.export_quantization_bit is not None and spec.adapter_name_or_path:
         err("export_quantization_bit", "merge the adapter first, then quantize the merged model",
             "adapter_name_or_path")

@@ -43,6 +43,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from backend.serving.engine import stop_token_ids
 from backend.exporting.gguf_export import GGUFExportError, check_supported, vocab_metadata, write_gguf
+from backend.exporting import llamacpp_check
+from backend.core import llamacpp
 from backend.core.methods import method
 from backend.exporting.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
 from backend.training.adapters import _split
@@ -60,6 +62,7 @@ from backend.dataprep.templates import template_to_jinja
 
 REPORT_FILE = EXPORT_REPORT_FILE
 MODELFILE = "Modelfile"
+REFERENCE_F16 = "reference-f16.gguf.tmp"  # in the staging folder only: removed before it takes export_dir's place
 STEPS = 6
 GREEDY_TOKENS = 12
 PROBE_CONVERSATIONS = [
@@ -82,6 +85,8 @@ PROBE_PAIRS = [
 # (absolute floor, fraction of the largest |logit|)
 LOGIT_TOL = {"float32": (1e-3, 1e-5), "f32": (1e-3, 1e-5), "float16": (2e-2, 5e-3), "f16": (2e-2, 5e-3),
              "bfloat16": (1e-1, 3e-2), "bf16": (1e-1, 3e-2), "q8_0": (2.5e-1, 1e-1)}
+# llama.cpp's k-quants (backend.core.llamacpp.QUANT_TYPES) have no logit tolerance here: their logits through
+# transformers' dequantizing loader are reported, and the quality gate is llama.cpp's own perplexity
 GREEDY_MUST_MATCH = ("float32", "f32", "float16", "f16")
 
 
@@ -383,12 +388,18 @@ def compare(src: dict, got: dict, *, kind: str, stored: str, expected: dict) -> 
     """The checks, each {"name", "ok", "detail", ...figures}."""
     checks = []
     scale = max(float(t.abs().max()) for t in src["logits"])
-    floor, frac = LOGIT_TOL[stored]
-    tol = max(floor, frac * scale)
     diff = _max_abs(src["logits"], got["logits"])
-    checks.append({"name": "logits", "ok": diff <= tol, "max_abs_diff": diff, "tolerance": tol,
-                   "max_abs_logit": scale,
-                   "detail": f"max |export - (base+adapter)| logit difference {diff:.3g} (tolerance {tol:.3g})"})
+    if stored in LOGIT_TOL:
+        floor, frac = LOGIT_TOL[stored]
+        tol = max(floor, frac * scale)
+        checks.append({"name": "logits", "ok": diff <= tol, "max_abs_diff": diff, "tolerance": tol,
+                       "max_abs_logit": scale,
+                       "detail": f"max |export - (base+adapter)| logit difference {diff:.3g} (tolerance {tol:.3g})"})
+    else:  # a k-quant: no tolerance of our own (llamacpp_perplexity is its check); the adapter check compares
+        tol = diff
+        checks.append({"name": "logits", "ok": True, "max_abs_diff": diff, "max_abs_logit": scale, "required": False,
+                       "detail": f"max |export - (base+adapter)| logit difference {diff:.3g} through transformers' "
+                                 f"dequantizing loader (reported for {stored}; llama.cpp's perplexity is the check)"})
     effect = src.get("adapter_effect")
     if effect is not None:
         vs_base = _max_abs(src["base_logits"], got["logits"])
@@ -573,11 +584,27 @@ def export(spec) -> dict:
     else:
         stored = spec.export_gguf_type
         name = f"{spec.model_short_name()}-{stored}.gguf"
-        _say(4, f"writing GGUF ({stored}) for {final / name}")
         eot = next((i for i in stop_ids if i != tokenizer.eos_token_id), None)
-        gguf_info = write_gguf(out / name, model.state_dict(), model.config, tokenizer, gguf_type=stored,
-                               chat_template=chat_template, eot_token_id=eot, name=spec.model_short_name(),
-                               log=lambda m: print(f"  {m}", flush=True))
+        # the f16 file llama.cpp quantizes (a k-quant) and measures the export against; not shipped
+        reference = out / REFERENCE_F16 if stored in llamacpp.QUANT_TYPES or (
+            stored != "f16" and llamacpp.available()) else None
+        write_kw = dict(chat_template=chat_template, eot_token_id=eot, name=spec.model_short_name(),
+                        log=lambda m: print(f"  {m}", flush=True))
+        if reference is not None:
+            _say(4, f"writing the f16 GGUF for llama.cpp{' to quantize' if stored in llamacpp.QUANT_TYPES else ''}")
+            gguf_info = write_gguf(reference, model.state_dict(), model.config, tokenizer, gguf_type="f16", **write_kw)
+        if stored in llamacpp.QUANT_TYPES:
+            _say(4, f"quantizing to {stored} with llama.cpp for {final / name}")
+            try:
+                llamacpp_check.quantize(reference, out / name, stored)
+            except llamacpp_check.LlamaCppError as exc:
+                shutil.rmtree(out, ignore_errors=True)
+                raise ExportError(f"export_gguf_type {stored}: llama.cpp's quantizer failed: {exc}") from None
+            gguf_info = dict(gguf_info, gguf_type=stored, quantized_by="llama.cpp (llama_model_quantize) from f16")
+        else:
+            _say(4, f"writing GGUF ({stored}) for {final / name}")
+            gguf_info = write_gguf(out / name, model.state_dict(), model.config, tokenizer, gguf_type=stored,
+                                   **write_kw)
         source_info["gguf"] = gguf_info
         try:
             pieces = derive_pieces(template, tokenizer)
@@ -587,8 +614,12 @@ def export(spec) -> dict:
         except TemplateError as exc:
             modelfile_problems = [f"cannot express the chat template as an Ollama template: {exc}"]
         request_extra = {"gguf_file": name, "dtype": "float32"}
+    ppl_rows = []
+    if kind == "gguf" and llamacpp.available():  # held-out rows for llama.cpp's perplexity, answers included
+        ppl_rows = [tokenizer(template.render_text(c), add_special_tokens=False).input_ids for c in
+                    [p["messages"] + [p["chosen"]] for p in PROBE_PAIRS] + llamacpp_check.HELD_OUT]
     del model
-    files = sorted(p.name for p in out.iterdir())
+    files = sorted(p.name for p in out.iterdir() if p.name != REFERENCE_F16)
 
     _say(5, "verifying: reloading the export in a fresh process")
     expected = {"rendered": rendered, "stop_ids": stop_ids, "chat_template": chat_template}
@@ -604,6 +635,20 @@ def export(spec) -> dict:
                        "detail": "the Modelfile's TEMPLATE renders the probe conversations like the training template, "
                                  f"with PARAMETER stop for {list(template.stop_words)}" if not modelfile_problems
                        else "; ".join(modelfile_problems)})
+        llamacpp_row = None
+        if llamacpp.available():
+            _say(5, f"verifying in llama.cpp: {name}{' against the f16 file' if reference else ''}")
+            found, llamacpp_row = llamacpp_check.verify(
+                out / name, reference, stored, rows=ppl_rows, prompts=prompts, rendered=rendered,
+                greedy=src["greedy"], stop_ids=stop_ids, chat_template=chat_template,
+                max_new_tokens=GREEDY_TOKENS, warn=warn)
+            checks.extend(found)
+        else:
+            warn("not checked in llama.cpp (llama-cpp-python is not installed): " + llamacpp.HOW_TO_GET)
+        if reference is not None:
+            reference.unlink(missing_ok=True)
+        if llamacpp_row:
+            source_info["llamacpp"] = llamacpp_row
 
     return _conclude(out, final, checks, {"format": kind, "stored_as": stored, "files": files,
                                           "source": source_info, "warnings": warnings}, started)
@@ -702,7 +747,7 @@ def main(args: list[str]) -> int:
         print("usage: tuneboard export SPEC.yaml [key=value ...]\n\n"
               "keys: model_name_or_path, adapter_name_or_path, template, finetuning_type, export_dir, export_size (GB "
               "per shard), export_device, export_legacy_format, export_format (safetensors|gguf), export_gguf_type "
-              "(f16|q8_0|f32|bf16), export_overwrite, infer_dtype\nwrites export_dir/export_report.json; exit 1 when a "
+              "(f16|q8_0|f32|bf16; with llama.cpp: q4_k_m|q5_k_m|q6_k|q4_0), export_overwrite, infer_dtype\nwrites export_dir/export_report.json; exit 1 when a "
               "check fails")
         return 0 if args else 2
 

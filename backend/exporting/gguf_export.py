@@ -72,7 +72,7 @@ def detect_pre_tokenizer(tokenizer_json: dict) -> str:
         return "llama-bpe"
     if "Split" in types and "p{N}" in patterns:
         return "qwen2"
-    return "gpt2"
+    return "gpt-2"  # llama.cpp's name for GPT-2's byte-level split ("gpt2" is the tokenizer model, not a pre)
 
 
 def vocab_metadata(tokenizer, vocab_size: int) -> dict:

@@ -4,6 +4,7 @@
                              stream(messages, tools=None, stop_event=None, **sampling) -> Stream (iterates text)
     HFEngine                 transformers `generate`; streaming through TextIteratorStreamer in a thread
     VLLMEngine               vLLM, used only when it imports and a CUDA GPU is present
+    LlamaCppEngine           llama.cpp on a GGUF file (infer_backend llamacpp, the llamacpp extra)
     load_engines(spec, ...)  {served name: engine}: the base model and every adapter, sharing one base
 
 The prompt is rendered by the same template code as training (backend.dataprep.templates) and tokenized with
@@ -758,6 +759,130 @@ class VLLMEngine:
         return result
 
 
+class LlamaCppEngine:
+    """llama.cpp (llama-cpp-python, the llamacpp extra) on one GGUF file, e.g. a `tuneboard export` of a tuned
+    model: the fast way to chat with it on a CPU. The prompt is rendered by our template and tokenized by the
+    GGUF's own tokenizer (transformers reads it from the file), then passed to llama.cpp as token ids, so the
+    ids are those the export check compared. One llama.cpp context: requests take turns on it whole (a lock,
+    waited on while the request is still wanted). Streams token by token; logprobs from llama.cpp's logits."""
+
+    enforces_time_limit = True
+
+    def __init__(self, name, llm, tokenizer, template, *, defaults=None, default_system=None):
+        self.name, self.llm, self.tokenizer, self.template = name, llm, tokenizer, template
+        self.lock = threading.Lock()
+        self.defaults = dict(defaults or {})
+        self.default_system = default_system
+        self.eos_ids = stop_token_ids(tokenizer, template)
+        self.context_length = int(llm.n_ctx())
+
+    prompt_ids = HFEngine.prompt_ids
+    _sampling = HFEngine._sampling
+
+    def _acquire(self, stop_event, deadline) -> bool:
+        while not self.lock.acquire(timeout=0.05):
+            if (stop_event is not None and stop_event.is_set()) or (deadline and time.monotonic() > deadline):
+                return False
+        return True
+
+    def _generate(self, ids, s: Sampling, stops, stop_event, deadline, state: dict) -> Iterator[str]:
+        """Text pieces of the answer (stop strings held back and cut); `state` gets the finish reason and the
+        generated ids."""
+        filt, out, shown = StopFilter(stops), [], ""
+        state.update(reason="stop", ids=out)
+        if not self._acquire(stop_event, deadline):
+            state["reason"] = "abort" if stop_event is not None and stop_event.is_set() else "time_limit"
+            return
+        try:
+            if s.seed is not None:
+                self.llm.set_seed(s.seed)
+            tokens = self.llm.generate(ids, reset=True, temp=0.0 if s.greedy else s.temperature,
+                                       top_k=s.top_k if not s.greedy else 1, top_p=s.top_p if not s.greedy else 1.0,
+                                       min_p=0.0, repeat_penalty=s.repetition_penalty)
+            try:
+                for token in tokens:
+                    token = int(token)
+                    out.append(token)
+                    if token in self.eos_ids:
+                        break
+                    text = self.tokenizer.decode(out, skip_special_tokens=True)
+                    if not text.endswith("\ufffd"):  # a character split across tokens waits for its rest
+                        piece = filt.feed(text[len(shown):])
+                        shown = text
+                        if piece:
+                            yield piece
+                        if filt.done:
+                            break
+                    if len(out) >= s.max_new_tokens:
+                        state["reason"] = "length"
+                        break
+                    if stop_event is not None and stop_event.is_set():
+                        state["reason"] = "abort"
+                        break
+                    if deadline and time.monotonic() > deadline:
+                        state["reason"] = "time_limit"
+                        break
+            finally:
+                tokens.close()
+        finally:
+            self.lock.release()
+        piece = filt.flush()
+        if piece:
+            yield piece
+
+    def stream(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
+               **sampling) -> Stream:
+        make_sampling(self.defaults, sampling)  # bad sampling values are reported before the prompt's
+        ids = self.prompt_ids(messages, tools)
+        s = self._sampling(sampling, len(ids), max_tokens_cap)
+        stops = _stop_strings(self.tokenizer, self.template, s.stop)
+        deadline = time.monotonic() + time_limit if time_limit else None
+        result, state = Stream(iter(())), {}
+
+        def pieces():
+            text = []
+            for piece in self._generate(ids, s, stops, stop_event, deadline, state):
+                text.append(piece)
+                yield piece
+            answer, calls, reason = "".join(text), [], state["reason"]
+            if tools:
+                answer, calls = parse_tool_calls(answer, self.template, tools)
+                reason = "tool_calls" if calls else reason
+            result.reply = Reply(answer, calls, reason, len(ids), len(state["ids"]), list(state["ids"]))
+
+        result._pieces = pieces()
+        return result
+
+    def chat(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
+             **sampling) -> Reply:
+        stream = self.stream(messages, tools, stop_event=stop_event, time_limit=time_limit,
+                             max_tokens_cap=max_tokens_cap, **sampling)
+        for _ in stream:
+            pass
+        return stream.reply
+
+    def score(self, ids: list[int], top: int = 0) -> list[TokenLogprob]:
+        """HFEngine.score from llama.cpp's logits (the context keeps every position's: logits_all)."""
+        # optional dependency's companion: numpy comes with llama-cpp-python; the module top stays light
+        import numpy as np
+
+        if not ids:
+            raise ValueError("nothing to score: the prompt has no tokens")
+        if len(ids) > self.context_length:
+            raise ContextLengthError("prompt", len(ids), 0, self.context_length)
+        with self.lock:
+            self.llm.reset()
+            self.llm.eval(ids)
+            logits = np.array(self.llm.scores[: len(ids) - 1], dtype=np.float64)
+        logp = logits - logits.max(axis=1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+        out = [TokenLogprob(ids[0], None)]
+        for i, token in enumerate(ids[1:]):
+            best = np.argsort(-logp[i])[:top] if top else []
+            out.append(TokenLogprob(token, float(logp[i, token]), [(int(t), float(logp[i, t])) for t in best]))
+        return out
+
+
 # ------------------------------------------------------------------------------------------ loading
 @dataclass
 class Served:
@@ -842,6 +967,8 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
     if not served:
         raise ValueError("nothing to serve: give a model or an adapter")
     backend = getattr(spec, "infer_backend", "huggingface")
+    if backend == "llamacpp":
+        return _load_llamacpp(spec, served, warn, log)
     if backend == "vllm":
         why = vllm_unavailable()
         if why is None:
@@ -940,3 +1067,35 @@ def _load_vllm(spec, served: list[Served], warn: Warn, log) -> dict[str, Engine]
         engines[e.name] = VLLMEngine(e.name, llm, tokenizer, template, lora=lora, lock=lock, defaults=defaults,
                                      default_system=getattr(spec, "default_system", None))
     return engines
+
+
+def _load_llamacpp(spec, served: list[Served], warn: Warn, log) -> dict[str, Engine]:
+    """One LlamaCppEngine on the GGUF file model_name_or_path names (a .gguf file, or a folder holding one: an
+    export folder). Adapters are not applied by llama.cpp here: they are merged into the file by tuneboard export."""
+    from backend.core import llamacpp  # light; here so the module top names no optional dependency
+    from backend.training.models import resolve_model  # heavy: loaded on use, so importing this module stays light
+
+    if not llamacpp.available():
+        raise ValueError(llamacpp.missing("infer_backend llamacpp"))
+    if any(e.adapters for e in served):
+        raise ValueError("infer_backend llamacpp serves a GGUF file as it is: merge the adapter into one first "
+                         "(tuneboard export with export_format: gguf) and serve that file, or use infer_backend: "
+                         "huggingface")
+    resolved = resolve_model(spec.model_name_or_path)
+    if not resolved.gguf_file:
+        raise ValueError(f"infer_backend llamacpp needs a .gguf file (or an export folder holding one): "
+                         f"model_name_or_path {spec.model_name_or_path} is a transformers folder; export it with "
+                         "export_format: gguf, or use infer_backend: huggingface")
+    from transformers import AutoTokenizer  # heavy: loaded on use, so importing this module stays light
+
+    from backend.serving.llamacpp_model import open_llama  # optional dependency: loads llama.cpp when it serves
+
+    gguf_path = Path(resolved.path) / resolved.gguf_file
+    log(f"loading {gguf_path} with llama.cpp ...")
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path), gguf_file=resolved.gguf_file)
+    template = pick_template(spec.template, resolved, tokenizer, warn=warn,
+                             enable_thinking=getattr(spec, "enable_thinking", True))
+    llm = open_llama(str(gguf_path), n_ctx=0, logits_all=True, verbose=False)  # n_ctx 0: the file's context
+    entry = served[0]
+    return {entry.name: LlamaCppEngine(entry.name, llm, tokenizer, template, defaults=sampling_defaults(spec),
+                                       default_system=getattr(spec, "default_system", None))}

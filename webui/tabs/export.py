@@ -16,6 +16,7 @@ import pandas as pd
 
 from backend.core import allowed, paths
 from backend.core.methods import is_adapter
+from backend.core.llamacpp import QUANT_TYPES  # k-quants: refused at validate, with how, without llama.cpp
 from backend.core.spec import SpecError, validate_spec
 from webui import jobs, tools
 from webui.i18n import headers, refusal, tr
@@ -42,7 +43,7 @@ def build(ctx) -> dict:
         c["dir"] = reg.comp(gr.Textbox, "export-dir", value="", scale=4,
                             placeholder_fields={"path": paths.saves_dir() / "exports"})
         c["format"] = reg.dropdown("export-format", ["safetensors", "gguf"], value="safetensors", scale=1)
-        c["gguf_type"] = reg.dropdown("export-gguf_type", ["f16", "q8_0", "bf16", "f32"], value="f16", scale=1,
+        c["gguf_type"] = reg.dropdown("export-gguf_type", ["f16", "q8_0", "bf16", "f32", *QUANT_TYPES], value="f16", scale=1,
                                       visible=False)
         c["size"] = reg.comp(gr.Number, "export-size", value=5, minimum=0.01, step=0.5, scale=1)
         c["device"] = reg.dropdown("export-device", ["cpu", "auto"], value="cpu", scale=1)

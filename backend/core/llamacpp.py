@@ -1,0 +1,42 @@
+"""llama.cpp as an optional dependency (the `llamacpp` extra: llama-cpp-python, which compiles llama.cpp from
+its source package: a few minutes once, then pip's wheel cache). Light: it only asks whether the package is
+installed (importlib.util.find_spec), so the spec and the web UI can refuse what needs it, with how to get it.
+
+What needs it: the k-quant GGUF types (llama.cpp's quantizer writes them; the `gguf` package can only read
+them). Every GGUF export is also checked in llama.cpp when it is installed (backend/exporting/llamacpp_check.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from backend.core.refusals import REFUSED
+
+# export_gguf_type -> llama.cpp's llama_ftype name (llama_cpp.LLAMA_FTYPE_MOSTLY_<name>)
+QUANT_TYPES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q4_0": "Q4_0"}
+# perplexity on the held-out rows may rise by this share of the f16 file's before the export warns
+PPL_WARN = {"f32": 0.01, "bf16": 0.01, "q8_0": 0.01, "q6_k": 0.02, "q5_k_m": 0.04, "q4_k_m": 0.06, "q4_0": 0.10}
+HOW_TO_GET = "`make setup-gguf` builds it once (llama-cpp-python from source, a few minutes; pip caches the wheel)"
+
+
+def available() -> bool:
+    """llama-cpp-python is installed (not imported: importing it loads the compiled library)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def missing(what: str) -> str:
+    """The refusal of `what` when llama-cpp-python is not installed."""
+    return f"{REFUSED}: {what} needs llama.cpp (the llama-cpp-python package), which is not installed: {HOW_TO_GET}"
+
+
+def spec_errors(spec) -> list[tuple[str, str, frozenset]]:
+    """validate's rule: a k-quant GGUF type is written by llama.cpp's quantizer, and infer_backend llamacpp
+    runs llama.cpp: both need the package."""
+    if available():
+        return []
+    errors = []
+    if spec.export_format == "gguf" and spec.export_gguf_type in QUANT_TYPES:
+        errors.append(("export_gguf_type", missing(f"export_gguf_type {spec.export_gguf_type} (a k-quant GGUF, written "
+                                                   "by llama.cpp's quantizer)"), frozenset({"export_gguf_type", "export_format"})))
+    if spec.infer_backend == "llamacpp":
+        errors.append(("infer_backend", missing("infer_backend llamacpp"), frozenset({"infer_backend"})))
+    return errors

@@ -1,0 +1,243 @@
+"""A GGUF export quantized and checked by llama.cpp itself (llama-cpp-python, the optional `llamacpp` extra:
+backend/core/llamacpp.py says whether it is installed).
+
+- quantize(): llama.cpp's quantizer (llama_model_quantize) turns the f16 file our writer made into a k-quant.
+- verify(): the exported file is loaded by llama.cpp and measured against the f16 file: perplexity on held-out
+  chat rows (a file that does not load or gives no finite perplexity fails the export; a rise above the
+  type's share of the f16 perplexity, backend.core.llamacpp.PPL_WARN, is a warning), greedy answers to the
+  probe prompts against the adapter's (reported), the chat template, the end-of-turn tokens and the
+  tokenization of the rendered prompts as llama.cpp reads them back (required), tokens/s of greedy decoding.
+
+Both run in a child process (`python -m backend.exporting.llamacpp_check quantize|measure ...`): llama.cpp
+logs to the process's stderr, and a file that crashes it must not take the export with it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from backend.core.llamacpp import PPL_WARN, QUANT_TYPES
+from backend.core.paths import REPO_ROOT
+
+# held-out rows for the perplexity (rendered with the training template, answer included), besides the
+# probe pairs' chosen answers the export passes in
+HELD_OUT = [
+    [{"role": "user", "content": "Why is the sky blue?"},
+     {"role": "assistant", "content": "Sunlight is scattered by the molecules of the air, and blue light, with its "
+                                      "shorter wavelength, is scattered much more than red light."}],
+    [{"role": "user", "content": "Give me a tip for learning a new language."},
+     {"role": "assistant", "content": "Practise a little every day: short, regular sessions help you remember "
+                                      "words far better than one long session a week."}],
+    [{"role": "user", "content": "What does a compiler do?"},
+     {"role": "assistant", "content": "A compiler translates a program written in a programming language into "
+                                      "machine code that a computer can run."}],
+    [{"role": "user", "content": "Name three fruits."},
+     {"role": "assistant", "content": "Apples, bananas and oranges."}],
+]
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp refused or failed: one line saying why."""
+
+
+def _child(args: list[str]) -> str:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "backend.exporting.llamacpp_check", *args], cwd=str(REPO_ROOT),
+                          env=env, capture_output=True, text=True)
+    if proc.returncode < 0:
+        raise LlamaCppError(f"llama.cpp crashed ({signal.Signals(-proc.returncode).name}) on it")
+    if proc.returncode != 0:
+        raise LlamaCppError(_reason(proc.stderr, proc.returncode))
+    return proc.stdout
+
+
+def _reason(stderr: str, code: int) -> str:
+    """The line of llama.cpp's log that says why (its loader's error lines), else the last line."""
+    lines = [ln.strip() for ln in (stderr or "").splitlines() if ln.strip()]
+    for marker in ("error loading model:", "error:", "failed", "error"):
+        hits = [ln for ln in lines if marker in ln.lower()]
+        if hits:
+            return hits[0][:300]
+    return (lines[-1][:300] if lines else f"the llama.cpp process ended with code {code}")
+
+
+def quantize(f16: Path, out: Path, gguf_type: str) -> None:
+    """llama.cpp's quantizer: f16 GGUF -> gguf_type (q4_k_m, q5_k_m, q6_k, q4_0). Raises LlamaCppError."""
+    _child(["quantize", str(f16), str(out), gguf_type])
+    if not out.is_file():
+        raise LlamaCppError(f"llama.cpp's quantizer wrote no {out.name}")
+
+
+def measure(path: Path, request: dict) -> dict:
+    """Load `path` in llama.cpp (a child process) and measure it on the request's rows and prompts."""
+    with tempfile.TemporaryDirectory(prefix="tuneboard-llamacpp-") as tmp:
+        req = Path(tmp) / "request.json"
+        req.write_text(json.dumps(request), encoding="utf-8")
+        _child(["measure", str(path), str(req)])
+        return json.loads((Path(tmp) / "result.json").read_text(encoding="utf-8"))
+
+
+def verify(path: Path, reference: Path | None, stored: str, *, rows: list[list[int]], prompts: list[list[int]],
+           rendered: list[str], greedy: list[list[int]], stop_ids: list[int], chat_template: str,
+           max_new_tokens: int, warn) -> tuple[list[dict], dict]:
+    """The llama.cpp checks of the exported file `path` (a `stored` GGUF) against `reference` (the f16 file; None
+    when the export is the f16 file). Returns (checks, the report's row: size, perplexity, delta, tokens/s)."""
+    request = {"rows": rows, "prompts": prompts, "rendered": rendered, "stop_ids": stop_ids,
+               "max_new_tokens": max_new_tokens}
+    size = path.stat().st_size
+    row: dict = {"type": stored, "file": path.name, "size_mb": round(size / 2**20, 2)}
+    try:
+        got = measure(path, request)
+    except LlamaCppError as exc:
+        return [{"name": "llamacpp_load", "ok": False, "detail": f"llama.cpp cannot load {path.name}: {exc}"}], row
+    ref = got
+    if reference is not None:
+        try:
+            ref = measure(reference, request)
+        except LlamaCppError as exc:
+            return [{"name": "llamacpp_load", "ok": False,
+                     "detail": f"llama.cpp cannot load the f16 reference {reference.name}: {exc}"}], row
+    checks = [{"name": "llamacpp_load", "ok": True, "tensor_types": got["tensor_types"],
+               "detail": f"llama.cpp loads {path.name} ({row['size_mb']} MB; tensor types "
+                         + ", ".join(f"{k} x{v}" for k, v in got["tensor_types"].items()) + ")"}]
+
+    ppl, ppl_f16 = got["ppl"], ref["ppl"]
+    finite = math.isfinite(ppl) and math.isfinite(ppl_f16)
+    delta = ppl / ppl_f16 - 1 if finite else float("nan")
+    limit = PPL_WARN.get(stored)
+    row.update({"ppl": round(ppl, 4), "ppl_f16": round(ppl_f16, 4), "ppl_delta_pct": round(100 * delta, 3),
+                "tokens_per_s": round(got["tokens_per_s"], 1), "tokens_per_s_f16": round(ref["tokens_per_s"], 1),
+                "ppl_tokens": got["ppl_tokens"]})
+    if finite and limit is not None and delta > limit:
+        warn(f"llama.cpp perplexity of the {stored} file is {100 * delta:.2f}% above the f16 file's "
+             f"({ppl:.4g} vs {ppl_f16:.4g}; the {stored} threshold is {100 * limit:g}%)")
+    checks.append({"name": "llamacpp_perplexity", "ok": finite, "ppl": ppl, "ppl_f16": ppl_f16,
+                   "delta_pct": 100 * delta, "warn_above_pct": None if limit is None else 100 * limit,
+                   "size_mb": row["size_mb"], "tokens_per_s": got["tokens_per_s"],
+                   "detail": (f"perplexity in llama.cpp on {len(rows)} held-out rows ({got['ppl_tokens']} tokens): "
+                              f"{ppl:.4g}" + (f" vs {ppl_f16:.4g} for the f16 file ({100 * delta:+.2f}%)"
+                                              if reference is not None else " (the f16 file itself)")
+                              + f"; {got['tokens_per_s']:.1f} tokens/s greedy")
+                   if finite else f"llama.cpp gives no finite perplexity for {path.name} ({ppl}): a broken file"})
+
+    total = sum(len(s) for s in greedy)
+    same = sum(sum(1 for a, b in zip(s, g) if a == b) for s, g in zip(greedy, got["greedy"]))
+    row["greedy_agreement"] = round(same / max(total, 1), 3)
+    checks.append({"name": "llamacpp_greedy", "ok": True, "identical": greedy == got["greedy"],
+                   "agreement": same / max(total, 1), "required": False, "greedy": got["greedy"],
+                   "detail": f"greedy answers in llama.cpp: {same}/{total} tokens agree with the adapter's "
+                             "(reported, not required)"})
+
+    problems = []
+    if got["chat_template"] != chat_template:
+        problems.append("its chat template differs from the training template")
+    not_eog = [i for i in stop_ids if not got["eog"].get(str(i))]
+    if not_eog:
+        problems.append(f"token(s) {not_eog} do not end generation in llama.cpp")
+    if got["ids"] != prompts:
+        bad = next(i for i, (a, b) in enumerate(zip(got["ids"], prompts)) if a != b)
+        problems.append(f"llama.cpp splits probe prompt {bad} into other token ids")
+    checks.append({"name": "llamacpp_template", "ok": not problems, "stop_ids": stop_ids,
+                   "detail": "llama.cpp reads back the chat template, ends generation on the end-of-turn ids "
+                             f"{stop_ids} and tokenizes the rendered prompts as the training tokenizer"
+                   if not problems else "; ".join(problems)})
+    return checks, row
+
+
+# ============================================================================ child process
+def _quantize_main(src: str, dst: str, gguf_type: str) -> int:
+    import llama_cpp  # optional dependency (the llamacpp extra): only this child loads the compiled library
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPES[gguf_type]}")
+    params.nthread = os.cpu_count() or 1
+    code = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    if code != 0:
+        print(f"error: llama_model_quantize returned {code}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _nll(scores: np.ndarray, ids: list[int]) -> float:
+    """Summed negative log-likelihood of ids[1:] given the logits of each previous position."""
+    logits = scores[: len(ids) - 1].astype(np.float64)
+    top = logits.max(axis=1, keepdims=True)
+    logz = (top[:, 0] + np.log(np.exp(logits - top).sum(axis=1)))
+    return float((logz - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
+
+
+def _tensor_types(path: str) -> dict:
+    import gguf  # heavy: the GGUF reader, only in this child
+
+    counts: dict = {}
+    for t in gguf.GGUFReader(path).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _measure_main(path: str, request_path: str) -> int:
+    import llama_cpp  # optional dependency (the llamacpp extra): only this child loads the compiled library
+
+    from backend.serving.llamacpp_model import open_llama  # loads the compiled library: only in this child
+
+    req = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    longest = max([len(r) for r in req["rows"]] + [len(p) + req["max_new_tokens"] for p in req["prompts"]])
+    n_ctx = max(64, longest + 8)
+    llm = open_llama(path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
+                     verbose=True)  # its log goes to stderr, which the parent reads for why a load failed
+    nll, count = 0.0, 0
+    for ids in req["rows"]:
+        llm.reset()
+        llm.eval(ids)
+        nll += _nll(llm.scores, ids)
+        count += len(ids) - 1
+    stop = set(req["stop_ids"])
+    answers, decoded, decode_s = [], 0, 0.0
+    for ids in req["prompts"]:
+        llm.reset()
+        llm.eval(ids)
+        out: list[int] = []
+        while len(out) < req["max_new_tokens"]:
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            if token in stop:
+                break
+            out.append(token)
+            started = time.perf_counter()
+            llm.eval([token])
+            decode_s += time.perf_counter() - started
+            decoded += 1
+        answers.append(out)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    result = {
+        "ppl": math.exp(nll / count) if count else float("nan"), "ppl_tokens": count,
+        "greedy": answers, "tokens_per_s": decoded / decode_s if decode_s else 0.0,
+        "chat_template": llm.metadata.get("tokenizer.chat_template"),
+        "eog": {str(i): bool(llama_cpp.llama_vocab_is_eog(vocab, i)) for i in req["stop_ids"]},
+        "ids": [llm.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in req["rendered"]],
+        "tensor_types": _tensor_types(path),
+    }
+    (Path(request_path).parent / "result.json").write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+def main(args: list[str]) -> int:
+    if args[:1] == ["quantize"] and len(args) == 4:
+        return _quantize_main(*args[1:])
+    if args[:1] == ["measure"] and len(args) == 3:
+        return _measure_main(*args[1:])
+    print("usage: python -m backend.exporting.llamacpp_check quantize F16.gguf OUT.gguf TYPE | measure FILE.gguf "
+          "REQUEST.json", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

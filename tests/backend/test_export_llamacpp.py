@@ -1,0 +1,173 @@
+"""GGUF k-quants written by llama.cpp's quantizer and every GGUF export checked in llama.cpp itself
+(backend/exporting/llamacpp_check.py); the k-quants refused, with how to get llama.cpp, when it is missing.
+
+The model is a one-layer Llama as wide as a k-quant block (256 columns), so q4_k_m really holds Q4_K / Q6_K
+tensors (the session's tiny models are 64 wide: llama.cpp would fall back to Q5_0 for every tensor); its
+tokenizer is the tiny Llama's (the SmolLM2 tokenizer llama.cpp knows, plus Llama 3's special tokens)."""
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from backend.core import llamacpp
+from backend.core.refusals import REFUSED
+from backend.core.spec import SpecError, validate_spec
+from backend.exporting import llamacpp_check
+from backend.exporting.export import export, main
+
+needs_llamacpp = pytest.mark.skipif(not llamacpp.available(),
+                                    reason="llama-cpp-python is not installed (make setup-gguf builds it)")
+
+
+def test_kquant_refused_without_llama_cpp_says_how_to_get_it(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(SpecError) as exc:
+        validate_spec({"export_format": "gguf", "export_gguf_type": "q4_k_m"}, check_files=False)
+    field, message = exc.value.errors[0]
+    assert field == "export_gguf_type" and message.startswith(REFUSED)
+    assert "llama-cpp-python" in message and "make setup-gguf" in message
+    validate_spec({"export_format": "gguf", "export_gguf_type": "q8_0"}, check_files=False)  # our own writer's
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tiny_llama, tmp_path_factory):
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("wide_llama")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _spec(model, export_dir, gguf_type, **kw):
+    return validate_spec({"model_name_or_path": str(model), "finetuning_type": "full", "template": "llama3",
+                          "export_dir": str(export_dir), "export_format": "gguf", "export_gguf_type": gguf_type, **kw})
+
+
+@pytest.fixture(scope="module")
+def q4_export(wide_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q4") / "export"
+    return out, export(_spec(wide_llama, out, "q4_k_m"))
+
+
+@needs_llamacpp
+def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export):
+    from backend.exporting.export import read_gguf_metadata
+
+    out, report = q4_export
+    assert report["ok"], report["checks"]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert {"llamacpp_load", "llamacpp_perplexity", "llamacpp_greedy", "llamacpp_template"} <= set(checks)
+    assert checks["llamacpp_template"]["ok"], checks["llamacpp_template"]["detail"]
+    # llama.cpp's quantizer wrote real k-quant blocks (not a fallback), and the file says it is Q4_K_M
+    assert {"Q4_K", "Q6_K"} <= set(checks["llamacpp_load"]["tensor_types"])
+    gguf_file = next(out.glob("*.gguf"))
+    assert gguf_file.name.endswith("-q4_k_m.gguf")
+    assert read_gguf_metadata(gguf_file)["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    # the report's row: smaller than the f16 file, perplexity measured against it
+    row = report["source"]["llamacpp"]
+    assert row["type"] == "q4_k_m" and row["ppl"] > 1 and row["ppl_f16"] > 1 and row["tokens_per_s"] > 0
+    assert abs(row["ppl_delta_pct"] - 100 * (row["ppl"] / row["ppl_f16"] - 1)) < 0.01
+    assert sorted(p.name for p in out.iterdir()) == sorted(["Modelfile", gguf_file.name, "export_report.json"])
+    assert (out / "Modelfile").read_text().startswith(f"FROM ./{gguf_file.name}\n")
+
+
+@needs_llamacpp
+def test_truncated_file_fails_in_one_line_and_the_earlier_export_stays(q4_export, wide_llama, monkeypatch, capsys):
+    out, report = q4_export
+    gguf_file = next(out.glob("*.gguf"))
+    before = gguf_file.read_bytes()
+    real_quantize = llamacpp_check.quantize
+
+    def quantize_then_truncate(f16, dst, gguf_type):  # a file cut short, as by a full disk or a killed copy
+        real_quantize(f16, dst, gguf_type)
+        data = dst.read_bytes()
+        dst.write_bytes(data[: len(data) // 2])
+
+    monkeypatch.setattr(llamacpp_check, "quantize", quantize_then_truncate)
+    assert main(_argv(wide_llama, out)) == 1
+    printed = capsys.readouterr().out
+    failed = json.loads((out.parent / "export.failed" / "export_report.json").read_text())
+    load = next(c for c in failed["checks"] if c["name"] == "llamacpp_load")
+    assert not load["ok"] and "\n" not in load["detail"] and f"cannot load {gguf_file.name}" in load["detail"]
+    assert "export FAILED verification" in printed and "llamacpp_load: llama.cpp cannot load" in printed
+    assert gguf_file.read_bytes() == before  # the earlier, verified export is untouched
+    shutil.rmtree(out.parent / "export.failed")
+
+
+def _argv(model, out):
+    return [f"model_name_or_path={model}", "finetuning_type=full", "template=llama3", f"export_dir={out}",
+            "export_format=gguf", "export_gguf_type=q4_k_m", "export_overwrite=true"]
+
+
+
+# ------------------------------------------------------------------ infer_backend llamacpp (the export served)
+@pytest.fixture(scope="module")
+def llamacpp_engine(q4_export):
+    from backend.serving.engine import load_engines
+
+    out, _ = q4_export
+    spec = validate_spec({"model_name_or_path": str(out), "infer_backend": "llamacpp", "template": "llama3",
+                          "do_sample": False, "max_new_tokens": 8})
+    engines = load_engines(spec, log=lambda m: None)
+    return next(iter(engines.values()))
+
+
+@needs_llamacpp
+def test_llamacpp_backend_streams_the_greedy_answer_the_export_check_saw(q4_export, llamacpp_engine):
+    from backend.exporting.export import PROBE_CONVERSATIONS
+
+    _, report = q4_export
+    greedy = next(c for c in report["checks"] if c["name"] == "llamacpp_greedy")["greedy"]
+    engine = llamacpp_engine
+    assert type(engine).__name__ == "LlamaCppEngine"
+    reply = engine.chat(PROBE_CONVERSATIONS[0], max_new_tokens=12)
+    assert reply.token_ids[: len(greedy[0])] == greedy[0]  # the same ids as llama.cpp's check decoded
+    stream = engine.stream(PROBE_CONVERSATIONS[0], max_new_tokens=12)
+    assert "".join(stream) == reply.text and stream.reply.completion_tokens == reply.completion_tokens
+    assert reply.finish_reason in ("stop", "length")
+    if reply.text.strip():  # a stop string cuts the answer where it starts, and is never shown
+        word = reply.text.strip()[:2]
+        cut = engine.chat(PROBE_CONVERSATIONS[0], max_new_tokens=12, stop=[word])
+        assert word not in cut.text and reply.text.startswith(cut.text)
+    ids = engine.prompt_ids(PROBE_CONVERSATIONS[0])
+    scored = engine.score(ids, top=2)
+    assert len(scored) == len(ids) and scored[0].logprob is None
+    assert all(s.logprob <= 0 and len(s.top) == 2 and s.top[0][1] >= s.logprob - 1e-6 for s in scored[1:])
+
+
+@needs_llamacpp
+def test_llamacpp_backend_answers_the_openai_routes(llamacpp_engine):
+    from starlette.testclient import TestClient
+
+    from backend.serving.api import create_app
+
+    client = TestClient(create_app({"q4": llamacpp_engine}))
+    body = {"model": "q4", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["finish_reason"] in ("stop", "length") and whole["usage"]["completion_tokens"] <= 5
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert streamed == whole["choices"][0]["message"]["content"]
+
+
+def test_llamacpp_backend_refuses_a_transformers_folder(tiny_llama, tmp_path):
+    from backend.serving.engine import load_engines
+
+    if not llamacpp.available():
+        with pytest.raises(SpecError, match="make setup-gguf"):
+            validate_spec({"model_name_or_path": str(tiny_llama), "infer_backend": "llamacpp"}, check_files=False)
+        return
+    spec = validate_spec({"model_name_or_path": str(tiny_llama), "infer_backend": "llamacpp"})
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        load_engines(spec, log=lambda m: None)

@@ -1,6 +1,8 @@
-"""The benchmark's data set: 256 structured-extraction rows of very different lengths (1 to 4 items per
+"""The benchmark's data sets: 256 structured-extraction rows of very different lengths (1 to 4 items per
 text), written deterministically to bench/data/extraction_bench.json with its dataset_info.json (alpaca
-columns, so TuneBoard, TRL and LLaMA-Factory all read the same rows)."""
+columns, so TuneBoard, TRL and LLaMA-Factory all read the same rows); and for the preference recipes the same 256
+listings as pairs (extraction_pref: chosen = the right JSON, rejected = a plausible wrong one: an item dropped, or a
+price and stock flipped) and as KTO rows (extraction_kto: every other row's answer wrong, tagged false)."""
 from __future__ import annotations
 
 import json
@@ -42,12 +44,43 @@ def rows(n: int = 256, seed: int = 0) -> list[dict]:
     return out
 
 
+def wrong(output: str, rng: random.Random) -> str:
+    """A plausible wrong answer to a listing: one item dropped (when there are several), else one item's price
+    and stock changed."""
+    items = json.loads(output)
+    if len(items) > 1 and rng.random() < 0.5:
+        items.pop(rng.randrange(len(items)))
+    else:
+        i = rng.randrange(len(items))
+        items[i] = dict(items[i], price_usd=round(items[i]["price_usd"] * 1.1 + 1, 2), in_stock=not items[i]["in_stock"])
+    return json.dumps(items)
+
+
+def preference_rows(base: list[dict], seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"instruction": r["instruction"], "input": r["input"], "chosen": r["output"],
+             "rejected": wrong(r["output"], rng)} for r in base]
+
+
+def kto_rows(base: list[dict], seed: int = 2) -> list[dict]:
+    rng = random.Random(seed)
+    return [dict(r, output=r["output"] if i % 2 == 0 else wrong(r["output"], rng), label=i % 2 == 0)
+            for i, r in enumerate(base)]
+
+
 def main() -> Path:
     DATA.mkdir(exist_ok=True)
+    base = rows()
     path = DATA / "extraction_bench.json"
-    path.write_text(json.dumps(rows(), indent=1), encoding="utf-8")
-    info = {"extraction_bench": {"file_name": path.name,
-                                 "columns": {"prompt": "instruction", "query": "input", "response": "output"}}}
+    path.write_text(json.dumps(base, indent=1), encoding="utf-8")
+    (DATA / "extraction_pref.json").write_text(json.dumps(preference_rows(base), indent=1), encoding="utf-8")
+    (DATA / "extraction_kto.json").write_text(json.dumps(kto_rows(base), indent=1), encoding="utf-8")
+    alpaca = {"prompt": "instruction", "query": "input", "response": "output"}
+    info = {"extraction_bench": {"file_name": path.name, "columns": alpaca},
+            "extraction_pref": {"file_name": "extraction_pref.json", "ranking": True,
+                                "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
+                                            "rejected": "rejected"}},
+            "extraction_kto": {"file_name": "extraction_kto.json", "columns": dict(alpaca, kto_tag="label")}}
     (DATA / "dataset_info.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
     return path
 

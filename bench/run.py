@@ -4,7 +4,12 @@ alternately, for --rounds rounds; prints useful tokens/s, time to first step, pe
 and checks that the tools trained the same tokens (per-step losses side by side).
 
     python bench/run.py [--rounds 2] [--tools tuneboard,trl,lf] [--levers all|padded,plain-loss,...] [--steps N]
-                        [--isa native|avx2]
+                        [--isa native|avx2] [--recipe sft|dpo|kto]
+
+--recipe dpo / kto: the preference recipes (bench/recipe_dpo.yaml, bench/recipe_kto.yaml: the same LoRA, batch, cutoff
+and steps on the same 256 listings as pairs / tagged rows) in TuneBoard and LLaMA-Factory (plain TRL is the SFT
+recipe's only); a useful token is one that goes through the policy: a pair counts its chosen and rejected sequences
+(the prompt twice), a KTO row its prompt and answer.
 
 --isa avx2 runs every tool (and the matmul peak) on the AVX2 kernel path of torch and oneDNN
 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, their own switches), so an AVX-512 machine also measures what
@@ -37,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 RECIPE = BENCH / "recipe.yaml"
+RECIPES = {"sft": RECIPE, "dpo": BENCH / "recipe_dpo.yaml", "kto": BENCH / "recipe_kto.yaml"}
 LF_VENV = BENCH / ".venv-lf"
 PY = sys.executable
 # --isa: the environment that makes torch (ATen's kernels) and oneDNN (its matmuls) use that instruction set at most
@@ -68,22 +74,26 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def recipe_facts(model_dir: Path) -> dict:
-    """Mean useful tokens per row (TuneBoard's tokenization), parameter count, batch size, steps."""
+def recipe_facts(model_dir: Path, recipe_file: Path = RECIPE) -> dict:
+    """Mean useful tokens per row (TuneBoard's tokenization; a pair: both sequences), parameter count, batch size,
+    steps."""
     import yaml
 
     sys.path.insert(0, str(REPO))
     from backend.dataprep.data import load_examples
     from backend.training.models import load_tokenizer, resolve_model
+    from backend.dataprep.preference import build_kto_dataset, build_preference_dataset
     from backend.dataprep.preprocess import build_sft_dataset
     from backend.dataprep.resolve import pick_template
 
-    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe = yaml.safe_load(recipe_file.read_text())
     resolved = resolve_model(str(model_dir))
     tokenizer = load_tokenizer(resolved)
     template = pick_template(recipe["template"], resolved, tokenizer)
-    examples, _ = load_examples(recipe["dataset"], REPO / recipe["dataset_dir"])
-    rows, stats = build_sft_dataset(examples, template, tokenizer, recipe["cutoff_len"])
+    stage = recipe.get("stage", "sft")
+    examples, _ = load_examples(recipe["dataset"], REPO / recipe["dataset_dir"], stage=stage)
+    build = {"dpo": build_preference_dataset, "kto": build_kto_dataset}.get(stage, build_sft_dataset)
+    rows, stats = build(examples, template, tokenizer, recipe["cutoff_len"])
     config = json.loads((model_dir / "config.json").read_text())
     h, layers, inter, vocab = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
     kv = config.get("num_key_value_heads", config["num_attention_heads"]) * h // config["num_attention_heads"]
@@ -108,25 +118,58 @@ LEVERS = {
 }
 
 
-def tools(model_dir: Path, wanted: list[str], levers: list[str], steps: int | None) -> list[tuple[str, list[str], dict]]:
+def tools(model_dir: Path, wanted: list[str], levers: list[str], steps: int | None,
+          recipe: Path = RECIPE) -> list[tuple[str, list[str], dict]]:
     """(name, argv, extra env) per run kind, in the order they alternate."""
     more = [f"max_steps={steps}"] if steps else []
-    tb = [PY, "-m", "backend.cli", "train", str(RECIPE), f"model_name_or_path={model_dir}", *more]
+    tb = [PY, "-m", "backend.cli", "train", str(recipe), f"model_name_or_path={model_dir}", *more]
     out = []
     if "lf" in wanted:
         cli = LF_VENV / "bin" / "llamafactory-cli"
         if cli.is_file():
             shims = {"PYTHONPATH": str(BENCH / "lf_shims")}  # torchaudio stand-in: see lf_shims/torchaudio
-            out.append(("llamafactory", [str(cli), "train", str(RECIPE), f"model_name_or_path={model_dir}", *more], shims))
+            out.append(("llamafactory", [str(cli), "train", str(recipe), f"model_name_or_path={model_dir}", *more], shims))
         else:
             print(f"LLaMA-Factory skipped: {cli} is missing (bash bench/install_lf.sh installs it; see its log)")
-    if "trl" in wanted:
+    if "trl" in wanted and recipe != RECIPE:
+        print("plain TRL skipped: bench/trl_sft.py runs the SFT recipe only")
+    elif "trl" in wanted:
         out.append(("trl", [PY, str(BENCH / "trl_sft.py"), str(model_dir), str(steps or 12)], {}))
     if "tuneboard" in wanted:
         out.append(("tuneboard", tb, {}))
         for lever in levers:
             argv, env = LEVERS[lever]
             out.append((f"tuneboard {lever}", tb + argv, env))
+    return out
+
+
+# preference metrics compared per step: TuneBoard's trainer_log.jsonl and the Trainer's log_history name them as TRL
+# does; LLaMA-Factory's trainer_log.jsonl calls rewards/accuracies "accuracy"
+PREF_METRICS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+LF_NAMES = {"rewards/accuracies": "accuracy"}
+
+
+def metrics_of(out_dir: Path) -> dict[str, list[float]]:
+    """{metric: per-step values} of the preference metrics a run logged: from trainer_state.json's log_history when
+    the run saved one (both tools do at the end), else from trainer_log.jsonl."""
+    rows = []
+    state = out_dir / "trainer_state.json"
+    if state.exists():
+        try:
+            rows = [r for r in json.loads(state.read_text()).get("log_history", []) if "loss" in r]
+        except ValueError:
+            rows = []
+    if not rows and (out_dir / "trainer_log.jsonl").exists():
+        for line in (out_dir / "trainer_log.jsonl").read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    out = {}
+    for key in PREF_METRICS:
+        values = [r.get(key, r.get(LF_NAMES.get(key, key))) for r in rows]
+        if any(v is not None for v in values):
+            out[key] = [float(v) for v in values if v is not None]
     return out
 
 
@@ -178,6 +221,7 @@ def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict
         seen.setdefault(int(step), end)
     steps = sorted(seen)
     result = {"tool": name, "returncode": returncode, "losses": [loss for _, loss in losses_of(log)],
+              "metrics": metrics_of(out_dir),
               "peak_rss_mib": peak_kib / 1024, "wall_s": end - start}
     if returncode == 0 and len(steps) >= 2:
         result["first_step_s"] = seen[steps[0]] - start
@@ -196,6 +240,8 @@ def main() -> int:
                         + ", ".join(LEVERS))
     parser.add_argument("--steps", type=int, default=None, help="max_steps for every tool (default: the recipe's)")
     parser.add_argument("--out", default=str(BENCH / "results"))
+    parser.add_argument("--recipe", choices=tuple(RECIPES), default="sft",
+                        help="sft (bench/recipe.yaml), or the preference recipes dpo / kto")
     parser.add_argument("--isa", choices=tuple(ISA_ENV), default="native",
                         help="avx2: every tool and the matmul peak on torch's and oneDNN's AVX2 kernels")
     args = parser.parse_args()
@@ -213,7 +259,7 @@ def main() -> int:
 
     make_data.main()
     model_dir = materialize_gguf(default_model_file())
-    facts = recipe_facts(model_dir)
+    facts = recipe_facts(model_dir, RECIPES[args.recipe])
     if args.steps:
         facts["steps"] = args.steps
     import torch
@@ -226,10 +272,10 @@ def main() -> int:
     print(f"{when}  {machine}  load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"matmul peak 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s" + (f", bf16 {peaks['bf16']:.0f} GFLOP/s" if peaks["bf16"] else ""))
     sys.stdout.flush()
-    print(f"recipe: {facts['rows']} rows, mean {facts['mean_row_tokens']:.1f} useful tokens a row, batch {facts['batch']}, "
+    print(f"recipe {args.recipe}: {facts['rows']} rows, mean {facts['mean_row_tokens']:.1f} useful tokens a row, batch {facts['batch']}, "
           f"{facts['steps']} steps, {facts['params'] / 1e6:.0f}M matmul parameters", flush=True)
     levers = list(LEVERS) if args.levers == "all" else [x for x in args.levers.split(",") if x]
-    kinds = tools(model_dir, args.tools.split(","), levers, args.steps)
+    kinds = tools(model_dir, args.tools.split(","), levers, args.steps, RECIPES[args.recipe])
     results: list[dict] = []
     out_root = Path(args.out)
     for round_ in range(1, args.rounds + 1):
@@ -246,7 +292,7 @@ def main() -> int:
     out_root.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M")
     (out_root / f"bench-{stamp}.json").write_text(json.dumps(
-        {"when": when, "machine": machine, "isa": args.isa, "peaks_gflops": peaks, "facts": facts, "runs": results},
+        {"when": when, "machine": machine, "isa": args.isa, "recipe": args.recipe, "peaks_gflops": peaks, "facts": facts, "runs": results},
         indent=1))
     print(table)
     return 0
@@ -263,6 +309,7 @@ def summarize(results: list[dict], facts: dict, peaks: dict) -> str:
         if ok:
             med[tool] = {k: statistics.median(r[k] for r in ok) for k in ("tokens_per_s", "first_step_s", "peak_rss_mib")}
             med[tool]["losses"] = ok[0]["losses"]
+            med[tool]["metrics"] = ok[0].get("metrics", {})
     base = "llamafactory" if "llamafactory" in med else "trl" if "trl" in med else None
     lines = [f"| tool | useful tokens/s | vs {base} | first step (s) | peak RSS (MiB) | vs {base} | MFU fp32 |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -276,6 +323,11 @@ def summarize(results: list[dict], facts: dict, peaks: dict) -> str:
     lines.append("per-step losses (first round):")
     for tool, m in med.items():
         lines.append(f"  {tool:28s} " + " ".join(f"{x:.4f}" for x in m["losses"]))
+    for key in PREF_METRICS:
+        if any(key in m.get("metrics", {}) for m in med.values()):
+            lines.append(f"per-step {key} (first round):")
+            for tool, m in med.items():
+                lines.append(f"  {tool:28s} " + " ".join(f"{x:.4f}" for x in m.get("metrics", {}).get(key, [])))
     return "\n".join(lines)
 
 

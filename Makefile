@@ -55,8 +55,8 @@ $(VENV)/.installed: pyproject.toml
 	else $(PIP) install torch==$(TORCH_CPU_VERSION); fi
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
 	@# lm-eval (tuneboard eval tasks=...) comes in with the same torch pin: it adds no torch/transformers of its own;
-	@# trackers: report_to tensorboard / wandb / mlflow (wheels only: 1 min 46 s into an empty venv on 2 busy cores)
-	$(PIP) install -c $(VENV)/constraints.txt -e ".[test,distributed,lm-eval,trackers]"
+	@# trackers: report_to tensorboard / wandb / mlflow (wheels only: 1 min 46 s into an empty venv on 2 busy cores); lint: datasketch (tuneboard lint)
+	$(PIP) install -c $(VENV)/constraints.txt -e ".[test,distributed,lm-eval,trackers,lint]"
 	@# DeepSpeed's collectives op (shared-memory all-reduce) compiles on first use (about 1.5 min on 2 cores):
 	@# build it once here, into the torch extensions cache, so the first ZeRO run does not wait for it.
 	-@$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" >/dev/null 2>&1 \

@@ -41,6 +41,8 @@ from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.refusals import REFUSED, reward_gguf_refusal
+from backend.core.tokenized import cache_errors
+from backend.core.streaming import stream_errors
 from backend.core.rewards import is_model_name, split_names
 from backend.core.rundir import default_output_dir, is_reward_model_dir, model_slug, reward_model_folder
 from backend.core.trackers import tracker_names, tracker_problems
@@ -318,16 +320,16 @@ class RunSpec(BaseModel):
     mask_history: bool = _f(False, "Train only the last assistant turn of multi-turn rows.", "data")
     val_size: float = _f(0.0, "Held-out validation split: a fraction below 1, or a row count from 1.", "data", ge=0)
     max_samples: Optional[int] = _f(None, "Use at most this many rows per dataset.", "data", ge=1)
-    overwrite_cache: bool = _f(True, "Re-tokenize instead of using the cached dataset (always: TuneBoard keeps no tokenized cache).", "data", refused="TuneBoard keeps no tokenized-dataset cache: every run tokenizes its data afresh, so overwrite_cache is always true")
+    overwrite_cache: bool = _f(False, "Re-tokenize and replace the tokenized cache even where it matches the data and settings.", "data")
     preprocessing_num_workers: Optional[int] = _f(None, "Processes used to tokenize the dataset.", "data", ge=1)
-    streaming: bool = _f(False, "Stream the dataset instead of loading it (needs max_steps).", "data", refused="streaming datasets are not supported: datasets are read from local files into memory; use max_samples to train on part of a large file")
-    buffer_size: int = _f(16384, "Shuffle buffer size when streaming.", "data", ge=1, refused="it is the shuffle buffer of streaming, which is not supported (datasets are loaded into memory and shuffled whole)")
+    streaming: bool = _f(False, "Read the dataset lazily as training goes (memory independent of its size; sft and pt; needs max_steps; val_size as a row count).", "data")
+    buffer_size: int = _f(16384, "Streaming: rows in the shuffle buffer (seeded by seed).", "data", ge=1)
     mix_strategy: Literal["concat", "interleave_under", "interleave_over"] = _f("concat", "How several datasets are mixed.", "data")
     interleave_probs: Optional[str] = _f(None, "Sampling probabilities for interleaved datasets, comma-separated.", "data")
     tool_format: Optional[str] = _f(None, "Tool-call format of the template (default: the template's own).", "data", refused="the template decides how tools and tool calls are written (templates/<name>.yaml: tools, tool_call): pick the template of your model family instead")
     default_system: Optional[str] = _f(None, "System prompt used when a row has none (default: the template's).", "data")
     enable_thinking: Optional[bool] = _f(True, "For reasoning templates: allow thinking blocks.", "data")
-    tokenized_path: Optional[str] = _f(None, "Save/load the tokenized dataset here.", "data", refused="saving or loading a tokenized dataset is not supported: every run tokenizes dataset from dataset_info.json (preprocessing_num_workers makes it parallel)")
+    tokenized_path: Optional[str] = _f(None, "Folder for the tokenized dataset: saved there once, loaded while the data and settings match (default: a cache under the saves folder).", "data")
     identity_name: str = _f("TuneBoard Assistant", "Fills {{name}} in the identity dataset.", "data")
     identity_author: str = _f("the TuneBoard team", "Fills {{author}} in the identity dataset.", "data")
 
@@ -1085,6 +1087,8 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
     for problem in tracker_problems(spec.report_to):
         refuse("report_to", problem)
     errors.extend(_benchmark_errors(spec, check_files))
+    errors.extend(cache_errors(spec, check_files))
+    errors.extend(stream_errors(spec))
     return errors
 
 

@@ -37,15 +37,10 @@ def stream_errors(spec) -> list[tuple[str, str, frozenset]]:
     if spec.val_size and spec.val_size < 1:
         refuse("val_size", f"a share ({spec.val_size:g}) of a stream's rows is unknown before it is read whole: give "
                "val_size as a row count (the first rows of the stream are held out) or an eval_dataset")
-    for key in ("tokenized_path", "overwrite_cache"):
-        if getattr(spec, key):
-            refuse(key, "the tokenized cache saves a whole tokenized dataset, and a stream is tokenized as the "
-                   "trainer reads it: drop streaming to use the cache")
+    if spec.overwrite_cache:  # (tokenized_path with streaming: backend/core/tokenized.py says it)
+        refuse("overwrite_cache", "the tokenized cache saves a whole tokenized dataset, and a stream is tokenized as "
+               "the trainer reads it: drop overwrite_cache")
     if spec.preprocessing_num_workers and spec.preprocessing_num_workers > 1:
         refuse("preprocessing_num_workers", "a stream is tokenized row by row as the trainer reads it, in the "
                "training process: drop preprocessing_num_workers")
-    for key in ("eval_metric", "do_predict"):
-        if getattr(spec, key) and not spec.eval_dataset:
-            refuse(key, "it answers held-out conversations, and the rows held out of a stream (val_size) are kept "
-                   "only as tokens: give an eval_dataset (read into memory)", "eval_dataset")
     return errors

@@ -2,12 +2,13 @@
 (json/jsonl, csv, parquet, arrow, text) into a `datasets.IterableDataset`, so memory holds the shuffle buffer and
 the rows of the current batches, never the file: peak RSS does not grow with the dataset.
 
-The stream, per dataset (dataset_info.json entry): file rows -> the normalized example (data.convert_row: the
-same schema checks and row refusals as a loaded dataset) -> tokens (the same encoders as build_sft_dataset /
-build_pt_dataset: templating, label masks, cutoff). Then the datasets are mixed (mix_strategy: concat, or
-datasets.interleave_datasets with interleave_probs, seed and LLaMA-Factory's stopping strategies), the first
-val_size rows are held out (a row count: a share of a stream is unknown), the rest is shuffled with a buffer of
-buffer_size rows (seeded; datasets reseeds it each pass by the epoch) and, with packing, packed window by window.
+The stream: each dataset's file rows -> normalized examples (data.convert_row: the same schema checks and row
+refusals as a loaded dataset); the datasets mixed (mix_strategy: concat, or datasets.interleave_datasets with
+interleave_probs, seed and LLaMA-Factory's stopping strategies); the first val_size examples held out (a row count:
+a share of a stream is unknown); the rest shuffled in a buffer of buffer_size examples (seeded; datasets reseeds it
+each pass by the epoch: the buffer holds text, not token lists), then tokenized as the trainer reads it (the same
+encoders as build_sft_dataset / build_pt_dataset: templating, label masks, cutoff) and, with packing, packed window
+by window.
 
 Resuming: the stream is a pure function of the files and the seed, so the Trainer's own resume (it reads the
 batches of the steps already trained again and skips them: `skip_first_batches`) continues at the next unread row,
@@ -29,6 +30,7 @@ from backend.dataprep.preprocess import build_pt_dataset, build_sft_dataset, enc
 
 TOKEN_COLUMNS = ["input_ids", "labels", "attention_mask"]
 SOURCE = "_source"  # the dataset a streamed row came from (the collators read only the token columns)
+EXAMPLE = "example"  # a normalized example (data.py's format) in the stream before tokenizing
 PACK_WINDOW = 256  # rows bin-packed together (pack_rows) as the stream passes: the packing's look-ahead
 
 
@@ -69,42 +71,65 @@ def open_stream(name: str, entry: dict, dataset_dir: Path, info_path: Path,
     return raw, list(raw.column_names or first)
 
 
-class _Tokenize:
-    """A batch of file rows -> token rows (a batched map function): the rows the schema or the template refuses,
-    and those left with no trained token, are skipped; the first few are named through `warn`."""
+class _Examples:
+    """A batch of one dataset's file rows -> normalized examples (a batched map function, data.convert_row: the
+    same schema checks as a loaded dataset); the rows it refuses are skipped, the first few named through `warn`."""
 
-    def __init__(self, name: str, entry: dict, stage: str, encode, *, identity: tuple[str, str],
-                 default_system: str | None, warn):
-        self.name, self.spec, self.stage, self.encode = name, _entry_spec(name, entry), stage, encode
-        self.identity, self.default_system, self.warn = identity, default_system, warn
-        self.named: set[int] = set()  # rows already named (the stream is read again on resume and each pass)
-
-    def skip(self, row: int, reason: str) -> None:
-        if len(self.named) < MAX_REASONS and row not in self.named:
-            self.named.add(row)
-            self.warn(f"streaming: dataset {self.name} row {row} skipped: {reason}"
-                      + (" (further skipped rows are not listed)" if len(self.named) == MAX_REASONS else ""))
+    def __init__(self, name: str, entry: dict, stage: str, *, identity: tuple[str, str], default_system: str | None,
+                 skipped: "_Skipped"):
+        self.name, self.spec, self.stage = name, _entry_spec(name, entry), stage
+        self.identity, self.default_system, self.skipped = identity, default_system, skipped
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
-        out = {key: [] for key in TOKEN_COLUMNS + [SOURCE]}
+        out = {EXAMPLE: [], SOURCE: []}
         for number, values in zip(indices, zip(*batch.values())):
-            row = dict(zip(batch, values))
             try:
-                example = _fill_identity(convert_row(row, self.spec, self.stage), *self.identity)
-                example["_row"], example["_source"] = number, self.name
-                encoded = self.encode(add_default_system([example], self.default_system)[0])
-            except (RowError, ValueError) as exc:
-                self.skip(number, str(exc))
+                example = _fill_identity(convert_row(dict(zip(batch, values)), self.spec, self.stage), *self.identity)
+            except RowError as exc:
+                self.skipped(f"dataset {self.name} row {number}", str(exc))
                 continue
-            kept = [e for e in encoded if e.num_trained > 0]
+            example["_row"], example["_source"] = number, self.name
+            out[EXAMPLE].append(add_default_system([example], self.default_system)[0])
+            out[SOURCE].append(self.name)
+        return out
+
+
+class _Skipped:
+    """Names the first MAX_REASONS skipped rows in the run log, each once (a stream is read again on resume and
+    on each pass; it has no end to count them at)."""
+
+    def __init__(self, warn):
+        self.warn, self.named = warn, set()
+
+    def __call__(self, row: str, reason: str) -> None:
+        if len(self.named) < MAX_REASONS and row not in self.named:
+            self.named.add(row)
+            self.warn(f"streaming: {row} skipped: {reason}"
+                      + (" (further skipped rows are not listed)" if len(self.named) == MAX_REASONS else ""))
+
+
+def _tokens(encode, skipped: _Skipped):
+    """A batch of examples -> token rows (a batched map function): the encoders of build_sft_dataset /
+    build_pt_dataset; a row the template refuses, or left with no trained token, is skipped."""
+    def tokenize(batch: dict) -> dict:
+        out = {key: [] for key in TOKEN_COLUMNS + [SOURCE]}
+        for example, source in zip(batch[EXAMPLE], batch[SOURCE]):
+            where = f"dataset {source} row {example.get('_row')}"
+            try:
+                kept = [e for e in encode(example) if e.num_trained > 0]
+            except ValueError as exc:
+                skipped(where, str(exc))
+                continue
             if not kept:
-                self.skip(number, "no trained token left (empty text, or an answer cut by cutoff_len)")
+                skipped(where, "no trained token left (an empty text, or an answer cut away by cutoff_len)")
             for enc in kept:
                 out["input_ids"].append(enc.input_ids)
                 out["labels"].append(enc.labels)
                 out["attention_mask"].append([1] * len(enc.input_ids))
-                out[SOURCE].append(self.name)
+                out[SOURCE].append(source)
         return out
+
+    return tokenize
 
 
 def encoder(spec, stage: str, tokenizer, template):
@@ -117,22 +142,34 @@ def encoder(spec, stage: str, tokenizer, template):
                                            train_on_prompt=spec.train_on_prompt, mask_history=spec.mask_history)]
 
 
-def token_stream(spec, stage: str, tokenizer, template, warn=print) -> datasets.IterableDataset:
-    """The datasets of `spec.dataset`, each read lazily and tokenized as it is read, mixed by mix_strategy
-    (before the val_size head, the shuffle and the packing of training_stream)."""
+def example_stream(spec, stage: str, skipped: _Skipped) -> datasets.IterableDataset:
+    """The datasets of `spec.dataset` as normalized examples (column EXAMPLE, and SOURCE: the dataset's name),
+    each read lazily, mixed by mix_strategy."""
     dataset_dir = resolve_dataset_dir(spec.resolved_dataset_dir())
     info = read_dataset_info(dataset_dir)
-    encode = encoder(spec, stage, tokenizer, template)
     parts = []
     for name in _names(spec.dataset):
         entry = info.entry(name)
         raw, columns = open_stream(name, entry, dataset_dir, dataset_dir / "dataset_info.json", stage)
         if spec.max_samples:
             raw = raw.take(spec.max_samples)
-        tokenize = _Tokenize(name, entry, stage, encode, identity=(spec.identity_name, spec.identity_author),
-                             default_system=spec.default_system, warn=warn)
-        parts.append(raw.map(tokenize, batched=True, batch_size=64, with_indices=True, remove_columns=columns))
+        examples = _Examples(name, entry, stage, identity=(spec.identity_name, spec.identity_author),
+                             default_system=spec.default_system, skipped=skipped)
+        parts.append(raw.map(examples, batched=True, batch_size=64, with_indices=True, remove_columns=columns))
     return mix_streams(parts, spec.mix_strategy, spec.interleave_probs, spec.seed)
+
+
+def tokenize_stream(examples: datasets.IterableDataset, spec, stage: str, tokenizer, template,
+                    skipped: _Skipped) -> datasets.IterableDataset:
+    """Examples -> token rows (TOKEN_COLUMNS and SOURCE), tokenized as they are read."""
+    return examples.map(_tokens(encoder(spec, stage, tokenizer, template), skipped), batched=True, batch_size=64,
+                        remove_columns=[EXAMPLE, SOURCE])
+
+
+def token_stream(spec, stage: str, tokenizer, template, warn=print) -> datasets.IterableDataset:
+    """The mixed datasets' token rows in stream order (no head held out, no shuffle): what the mix produces."""
+    skipped = _Skipped(warn)
+    return tokenize_stream(example_stream(spec, stage, skipped), spec, stage, tokenizer, template, skipped)
 
 
 def mix_streams(parts: list, strategy: str = "concat", probs=None, seed: int = 42):
@@ -162,17 +199,17 @@ def pack_stream(rows: datasets.IterableDataset, cutoff_len: int) -> datasets.Ite
 
 def streamed_rows(spec, run_dir, stage: str, tokenizer, template=None):
     """(train stream, eval rows or None, held-out examples) for a streaming sft/pt run, the shape of the
-    stages' tokenized(): the train stream shuffled with a buffer; eval rows from eval_dataset (read into memory and
-    tokenized as a loaded dataset) or the first val_size rows of the stream."""
-    mixed = token_stream(spec, stage, tokenizer, template, warn=run_dir.warn)
-    first = next(iter(mixed), None)  # every row refused: say so now, not after max_steps of empty epochs
-    if first is None:
+    stages' tokenized(): the first val_size examples of the stream held out (or eval_dataset, read into memory) and
+    tokenized as a loaded dataset; the rest shuffled in a buffer of buffer_size examples (text: compact, so the
+    buffer's memory is that of the rows' text), then tokenized as the trainer reads it."""
+    skipped = _Skipped(run_dir.warn)
+    examples = example_stream(spec, stage, skipped)
+    if next(iter(examples), None) is None:  # every row refused: say so now, not after max_steps of empty passes
         raise DatasetError(f"streaming: no usable rows in dataset {spec.dataset} (see the skipped rows above)")
-    eval_rows, val_examples = None, []
     head = int(spec.val_size) if spec.val_size >= 1 else 0
+    val_examples = [r[EXAMPLE] for r in examples.take(head)] if head else []
     if head:
-        eval_rows = [{k: r[k] for k in TOKEN_COLUMNS} for r in mixed.take(head)]
-        mixed = mixed.skip(head)
+        examples = examples.skip(head)
     if spec.eval_dataset:
         val_examples, report = load_examples(
             spec.eval_dataset, spec.resolved_dataset_dir(), stage=stage, max_samples=spec.max_samples,
@@ -180,18 +217,18 @@ def streamed_rows(spec, run_dir, stage: str, tokenizer, template=None):
             default_system=spec.default_system, mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs)
         for line in report.summary_lines():
             run_dir.log(line)
-        if stage == "pt":
-            add_bos = tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id
-            eval_rows = build_pt_dataset(val_examples, tokenizer, spec.cutoff_len, add_bos=add_bos,
-                                         log=run_dir.warn)[0]
-        else:
-            eval_rows = build_sft_dataset(val_examples, template, tokenizer, spec.cutoff_len,
-                                          train_on_prompt=spec.train_on_prompt, mask_history=spec.mask_history,
-                                          log=run_dir.warn)[0]
-    train = mixed.shuffle(seed=spec.seed, buffer_size=spec.buffer_size)
+    eval_rows = None
+    if val_examples and stage == "pt":
+        add_bos = tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id
+        eval_rows = build_pt_dataset(val_examples, tokenizer, spec.cutoff_len, add_bos=add_bos, log=run_dir.warn)[0]
+    elif val_examples:
+        eval_rows = build_sft_dataset(val_examples, template, tokenizer, spec.cutoff_len,
+                                      train_on_prompt=spec.train_on_prompt, mask_history=spec.mask_history,
+                                      log=run_dir.warn)[0]
+    shuffled = examples.shuffle(seed=spec.seed, buffer_size=spec.buffer_size)
+    train = tokenize_stream(shuffled, spec, stage, tokenizer, template, skipped)
     run_dir.log(f"streaming: dataset {spec.dataset} read lazily ({spec.mix_strategy}"
                 + (f", probabilities {spec.interleave_probs}" if spec.interleave_probs else "")
-                + f"), shuffled in a buffer of {spec.buffer_size} rows (seed {spec.seed}), {spec.max_steps} steps"
-                + (f"; the first {head} rows held out for evaluation" if head else "")
-                + f"; first row: {len(first['input_ids'])} tokens")
+                + f"), shuffled in a buffer of {spec.buffer_size} rows (seed {spec.seed}), tokenized as read, "
+                f"{spec.max_steps} steps" + (f"; the first {head} rows held out for evaluation" if head else ""))
     return train, eval_rows, val_examples

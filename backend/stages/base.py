@@ -285,7 +285,9 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
         if run_dir.writer:
             trim_log_to(out, step)
-        run_dir.log(f"resuming from {checkpoint}")
+        run_dir.log(f"resuming from {checkpoint}" + (": the stream's batches of the steps trained are read again and "
+                    "skipped (same files, seed and buffer: the same order), so it continues at its next row"
+                    if getattr(spec, "streaming", False) and not args.ignore_data_skip else ""))
     result = trainer.train(resume_from_checkpoint=checkpoint)
     if early is not None and early.early_stopping_patience_counter >= spec.early_stopping_patience:
         best = trainer.state.best_metric
@@ -397,13 +399,19 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.training.models import padding_free_problem
 
-    if not rows:
+    if not spec.streaming and not rows:
         raise RunError("no training rows left after preprocessing (see the warnings above)")
     if spec.resolved_packing:
-        rows = pack_rows(rows, spec.cutoff_len)
+        if spec.streaming:  # a stream is packed window by window as it is read (backend/dataprep/stream.py)
+            from backend.dataprep.stream import PACK_WINDOW, pack_stream  # heavy: datasets
+
+            rows, packed = pack_stream(rows, spec.cutoff_len), f"each window of {PACK_WINDOW} streamed rows packed"
+        else:
+            rows = pack_rows(rows, spec.cutoff_len)
+            packed = f"packed into {len(rows)} sequences"
         # SDPA over a packed sequence computes every row against every other of it (masked): per row instead
         problem = "no model" if model is None else padding_free_problem(model) or _use_varlen(model)
-        run_dir.log(f"packed into {len(rows)} sequences of <= {spec.cutoff_len} tokens"
+        run_dir.log(f"{packed} of <= {spec.cutoff_len} tokens"
                     + (" (varlen SDPA: one causal attention per packed row)" if problem is None
                        else f" (attention over each whole sequence, masked: {problem})"))
         return rows, PackedCollator(flash_attn_kwargs=problem is None or _flash(model))

@@ -119,6 +119,10 @@ CONSUMED = {
     "val_size": "backend/test_data.py::test_split_train_val",
     "max_samples": "backend/test_data.py::test_several_names_and_max_samples",
     "preprocessing_num_workers": "backend/test_features.py::test_preprocessing_workers_give_identical_rows",
+    "tokenized_path": "backend/test_token_cache.py::test_tokenized_path_is_checked_against_the_data",
+    "overwrite_cache": "backend/test_token_cache.py::test_second_run_loads_the_cache_and_a_changed_cutoff_retokenizes",
+    "streaming": "backend/test_streaming.py::test_streaming_sft_trains_and_resumes_at_the_next_row",
+    "buffer_size": "backend/test_streaming.py::test_the_shuffle_buffer_orders_the_stream_by_its_size_and_seed",
     "mix_strategy": "backend/test_features.py::test_interleave_follows_datasets_semantics",
     "interleave_probs": "backend/test_features.py::test_interleave_follows_datasets_semantics",
     "default_system": "backend/test_features.py::test_default_system_is_in_training_and_eval_rows",
@@ -183,6 +187,8 @@ SAMPLES = {
     "gradient_checkpointing": (False, {}),  # unset = on (LLaMA-Factory's default)
     "mix_strategy": ("interleave_under", {"dataset": "a,b"}),
     "report_to": ("tensorboard", {}),
+    "streaming": (True, {"max_steps": 3}),  # a stream has no length: max_steps is required
+    "buffer_size": (64, {"streaming": True, "max_steps": 3}),
     "num_fewshot": (2, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),  # they shape tasks (refused alone)
     "limit": (5, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),
     # a shipped config: reaches the Trainer (deepspeed=...), or, for FSDP on a CPU-only machine, is refused
@@ -287,7 +293,7 @@ def test_refused_fields_are_marked_and_not_offered_in_the_form():
 
     form = rows_by_name()
     marked = [n for n in FIELDS if (RunSpec.model_fields[n].json_schema_extra or {}).get("refused")]
-    assert "use_llama_pro" in marked and "streaming" in marked
+    assert "use_llama_pro" in marked and "tool_format" in marked
     for name in marked:
         assert name not in form, f"{name} is always refused but the form offers it"
         message = _refused(name, _other_value(name))

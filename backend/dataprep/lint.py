@@ -8,7 +8,8 @@ preview shows them) and, where one exists, the safe fix that removes them:
 - eval rows present in train (the same or near the same as a row of `eval_dataset`, or of the `val_size`
   split): fix drop_leaks drops them from the training data;
 - answers cut by cutoff_len (rows, and the share of answer tokens lost) and rows that train no token at all,
-  with the run's template, tokenizer and masks (train_on_prompt, mask_history);
+  with the run's template, tokenizer and masks (train_on_prompt, mask_history): conversations of the sft kind
+  (ranking and KTO rows are not tokenized here; pt documents are split into blocks, never cut);
 - empty answers (rows the loader skips): fix drop_empty; other unusable rows, with the loader's reason;
 - a chat template on a model that has none (a base model: it has never seen the markers);
 - pre-training (pt): a tokenizer without an EOS token (documents would run together: TuneBoard ends every

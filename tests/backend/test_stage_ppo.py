@@ -84,6 +84,10 @@ def test_resume_continues_the_run_with_its_value_head_and_kl_coefficient(trained
     rows = log_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the log trimmed to the checkpoint, then continued
     assert rows[2]["kl_coef"] == pytest.approx(saved["kl_coef"], rel=1e-9)  # the coefficient came back
+    # the same run: step 3 again from checkpoint-2 (policy, value head, optimizer, sampling seed) gives step 3's figures
+    first = log_rows(trained)[2]
+    for key in ("loss", "reward", "kl", "value_loss", "policy_loss"):
+        assert rows[2][key] == pytest.approx(first[key], rel=1e-4, abs=1e-6), key
     log = (out / "running_log.txt").read_text()
     assert "resumed the policy, the value head and the KL coefficient" in log and "from checkpoint-2" in log
     before = load_file(str(trained / "value_head.safetensors"))["weight"]

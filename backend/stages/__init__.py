@@ -137,8 +137,9 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
           # (what kd_alpha mixes in; logged at any kd_alpha) and the share of steps on the student's own completions
           metrics=("kd_loss", "ce_loss", "on_policy"),
           plots=(("distillation", ("kd_loss", "ce_loss")), ("on-policy share", ("on_policy",)))),
-    # written here (TRL has no PPO trainer): backend/stages/ppo.py logs these (reward: the raw score's mean)
-    Stage("ppo", "PPO", "prompts", rules=(rules.ppo,),
+    # written here (TRL has no PPO trainer): backend/stages/ppo.py logs these (reward: the raw score's mean); it
+    # generates with transformers (rules.ppo refuses use_vllm)
+    Stage("ppo", "PPO", "prompts", rules=(rules.ppo,), generates=True,
           fields=("ref_model", "reward_model", "reward_model_type", "reward_funcs", "reward_weights", "reward_schema",
                   "reward_regex", "max_completion_length", "ppo_epochs", "ppo_buffer_size", "ppo_target",
                   "ppo_score_norm", "ppo_whiten_rewards", "init_kl_coef", "adap_kl_ctrl", "gamma", "lam", "cliprange",

@@ -307,6 +307,9 @@ def ppo(spec, stage, check_files: bool = True) -> Errors:
         field = "deepspeed" if spec.deepspeed else ("accelerate_config" if spec.accelerate_config else "nproc_per_node")
         err(field, f"{REFUSED}: stage ppo's rollout loop (generate, score, ppo_epochs updates) is written for one "
             "process: it neither shards the model nor gathers rollouts across ranks; run it on one device")
+    if spec.use_vllm:
+        err("use_vllm", f"{REFUSED}: stage ppo generates its responses with transformers (its rollout loop has no "
+            "vLLM engine); stage grpo or rloo can generate with vLLM")
     if spec.resolved_packing:
         err("packing", f"{REFUSED}: PPO generates responses for whole prompts: packing does not apply", "neat_packing")
     for name, why in (("train_on_prompt", "PPO's loss covers the generated responses only"),

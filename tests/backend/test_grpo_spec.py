@@ -37,6 +37,10 @@ def test_trl_ships_no_ppo_trainer_so_ppo_is_written_here():
     assert not hasattr(importlib.import_module("trl.experimental"), "PPOTrainer")
     assert errors(stage="ppo")["reward_model"].startswith("stage ppo needs a reward: reward_model")
     assert errors(stage="ppo", reward_funcs="json_valid", ppo_epochs=2, ppo_whiten_rewards=True) == {}
+    # it generates while it trains (the Train tab shows its completions table), with transformers only
+    assert get_stage("ppo").generates
+    assert errors(stage="ppo", reward_funcs="json_valid", use_vllm=True)["use_vllm"].startswith(
+        "not supported: stage ppo generates its responses with transformers")
 
 
 def test_grpo_keys_are_documented_for_the_online_rl_stages():

@@ -34,7 +34,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from backend.core.dataset_info import DatasetError, read_dataset_info, resolve_dataset_dir, write_entry
+from backend.core import dataset_versions
+from backend.core.dataset_info import DatasetError, read_dataset_info, resolve_dataset_dir
 from backend.dataprep import data
 from backend.dataprep.resolve import PLAIN_TEMPLATES
 from backend.stages import get_stage
@@ -400,32 +401,12 @@ def apply_fixes(spec, report: LintReport, fixes: list[str]) -> list[str]:
 
 
 def _new_version(dataset_dir: Path, name: str, rows: set[int]) -> str:
-    info = read_dataset_info(dataset_dir)
-    entry = info.entry(name)
-    files = data._data_files(name, entry, dataset_dir, info.path)
-    if len(files) != 1 or files[0].suffix.lower() not in (".json", ".jsonl"):
-        raise DatasetError(f"dataset '{name}': a fix writes JSON and JSONL files only, one file per dataset "
-                           f"(it has {', '.join(p.name for p in files)})")
-    path = files[0]
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".jsonl":
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        kept = [ln for i, ln in enumerate(lines) if i not in rows]
-        body = "\n".join(kept) + "\n"
-    else:
-        items = json.loads(text)
-        kept = [r for i, r in enumerate(items) if i not in rows]
-        body = json.dumps(kept, ensure_ascii=False, indent=2) + "\n"
-    n = 2
-    while (path.with_name(f"{path.stem}_v{n}{path.suffix}").exists() or f"{name}_v{n}" in info.raw):
-        n += 1
-    new_path = path.with_name(f"{path.stem}_v{n}{path.suffix}")
-    new_path.write_text(body, encoding="utf-8")
-    file_name = Path(entry["file_name"])
-    new_entry = dict(entry, file_name=str(file_name.with_name(new_path.name)))
-    write_entry(dataset_dir, f"{name}_v{n}", new_entry)
-    return (f"{name}_v{n}: {new_path} ({len(kept)} rows; {len(rows)} dropped from {path.name}, which is unchanged), "
-            f"registered in {info.path}")
+    """The dataset without `rows`, as a new registered version (backend.core.dataset_versions)."""
+    _, path = dataset_versions.local_file(dataset_dir, name)
+    kept = [r for i, r in enumerate(dataset_versions.read_rows(path, name)) if i not in rows]
+    version = dataset_versions.new_version(dataset_dir, name, kept)
+    return (f"{version.name}: {version.path} ({len(kept)} rows; {len(rows)} dropped from {path.name}, which is "
+            f"unchanged), registered in {dataset_dir / 'dataset_info.json'}")
 
 
 def main(args: list[str]) -> int:

@@ -14,6 +14,11 @@ identity with val_size 0.25 (30 training rows, 10 held out, 267 answer tokens), 
 teacher = tiny_llama after 80 SFT steps; students = tiny_llama after 20 steps of sft or of kd (kd_beta 0):
 base 0.3971, sft 0.3015, kd 0.2337 nats per token (kd 22% nearer than sft); the students' held-out CE 10.785
 (base), 9.574 (sft), 9.675 (kd).
+On the default model (SmolLM2-135M-Instruct, examples/sft_lora_identity.yaml with val_size 0.25, LoRA): teacher = the
+default model + an identity SFT adapter of 6 steps (lr 1e-3, batch 4); students = 4 steps of sft or of kd from it
+(teacher_model_name_or_path = the default model, teacher_adapter = that adapter): base 1.0282, sft 0.3913, kd 0.3572
+nats per token (kd 9% nearer); held-out CE 3.042, 2.321, 2.421. Peak RSS (/usr/bin/time) sft 1.77 GiB, kd 2.94 GiB.
+One seed, 10 held-out rows: a small margin, measured once on a loaded 2-core CPU.
 """
 from __future__ import annotations
 

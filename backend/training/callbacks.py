@@ -85,7 +85,10 @@ class RunDirCallback(TrainerCallback):
         # the first step is in progress from here (the phase the UI shows until the first loss is logged)
         self.run_dir.set_phase(PHASE_TRAINING, total_steps=state.max_steps, step=state.global_step)
         world = getattr(args, "world_size", 1)
-        self.run_dir.log(f"training: {state.max_steps} steps, {args.num_train_epochs:g} epochs max, world size {world}"
+        # a stream (streaming: true) has no length: the Trainer passes over it as often as max_steps needs
+        epochs = (f"{args.num_train_epochs:g} epochs max" if (state.num_train_epochs or 0) < 2 ** 31
+                  else "passes over the stream as max_steps needs")
+        self.run_dir.log(f"training: {state.max_steps} steps, {epochs}, world size {world}"
                          + (f" ({args.per_device_train_batch_size} rows per device x {world} processes x "
                             f"{args.gradient_accumulation_steps} accumulation = "
                             f"{args.per_device_train_batch_size * world * args.gradient_accumulation_steps} "

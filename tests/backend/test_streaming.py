@@ -129,6 +129,7 @@ def test_streaming_sft_trains_and_resumes_at_the_next_row(tiny_llama, tmp_path):
     log = (tmp_path / "whole" / RUNNING_LOG).read_text()
     assert len(whole) == 4 and "streaming: dataset s read lazily" in log, log
     assert "padding-free batches" in log or "padded batches" in log
+    assert "training: 4 steps, passes over the stream as max_steps needs" in log, log
 
     resumed_dir = tmp_path / "resumed"  # cut after step 2: a new run from the uninterrupted run's checkpoint-2
     resumed_dir.mkdir()

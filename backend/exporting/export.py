@@ -643,6 +643,11 @@ def export(spec) -> dict:
                 greedy=src["greedy"], stop_ids=stop_ids, chat_template=chat_template,
                 max_new_tokens=GREEDY_TOKENS, warn=warn)
             checks.extend(found)
+            said = next((c["greedy"] for c in found if c["name"] == "llamacpp_greedy"), None)
+            if said is not None:  # the probe answers side by side, as text, for the report's reader
+                llamacpp_row["answers"] = [{"prompt": c[-1]["content"], "source": tokenizer.decode(a, skip_special_tokens=True),
+                                            "llamacpp": tokenizer.decode(b, skip_special_tokens=True)}
+                                           for c, a, b in zip(PROBE_CONVERSATIONS, src["greedy"], said)]
         else:
             warn("not checked in llama.cpp (llama-cpp-python is not installed): " + llamacpp.HOW_TO_GET)
         if reference is not None:

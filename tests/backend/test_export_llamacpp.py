@@ -77,6 +77,7 @@ def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export):
     row = report["source"]["llamacpp"]
     assert row["type"] == "q4_k_m" and row["ppl"] > 1 and row["ppl_f16"] > 1 and row["tokens_per_s"] > 0
     assert abs(row["ppl_delta_pct"] - 100 * (row["ppl"] / row["ppl_f16"] - 1)) < 0.01
+    assert [a["prompt"] for a in row["answers"]][0] == "What is the capital of France?"
     assert sorted(p.name for p in out.iterdir()) == sorted(["Modelfile", gguf_file.name, "export_report.json"])
     assert (out / "Modelfile").read_text().startswith(f"FROM ./{gguf_file.name}\n")
 

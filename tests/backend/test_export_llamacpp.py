@@ -59,6 +59,7 @@ def q4_export(wide_llama, tmp_path_factory):
     return out, export(_spec(wide_llama, out, "q4_k_m"))
 
 
+@pytest.mark.slow
 @needs_llamacpp
 def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export):
     from backend.exporting.export import read_gguf_metadata
@@ -82,6 +83,7 @@ def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export):
     assert (out / "Modelfile").read_text().startswith(f"FROM ./{gguf_file.name}\n")
 
 
+@pytest.mark.slow
 @needs_llamacpp
 def test_truncated_file_fails_in_one_line_and_the_earlier_export_stays(q4_export, wide_llama, monkeypatch, capsys):
     out, report = q4_export
@@ -123,6 +125,7 @@ def llamacpp_engine(q4_export):
     return next(iter(engines.values()))
 
 
+@pytest.mark.slow
 @needs_llamacpp
 def test_llamacpp_backend_streams_the_greedy_answer_the_export_check_saw(q4_export, llamacpp_engine):
     from backend.exporting.export import PROBE_CONVERSATIONS
@@ -146,6 +149,7 @@ def test_llamacpp_backend_streams_the_greedy_answer_the_export_check_saw(q4_expo
     assert all(s.logprob <= 0 and len(s.top) == 2 and s.top[0][1] >= s.logprob - 1e-6 for s in scored[1:])
 
 
+@pytest.mark.slow
 @needs_llamacpp
 def test_llamacpp_backend_answers_the_openai_routes(llamacpp_engine):
     from starlette.testclient import TestClient

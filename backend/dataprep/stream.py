@@ -31,6 +31,7 @@ from backend.dataprep.preprocess import build_pt_dataset, build_sft_dataset, enc
 TOKEN_COLUMNS = ["input_ids", "labels", "attention_mask"]
 SOURCE = "_source"  # the dataset a streamed row came from (the collators read only the token columns)
 EXAMPLE = "example"  # a normalized example (data.py's format) in the stream before tokenizing
+JSON_CHUNK = 1 << 20  # bytes of a json/jsonl file read at a time
 PACK_WINDOW = 256  # rows bin-packed together (pack_rows) as the stream passes: the packing's look-ahead
 
 
@@ -49,6 +50,8 @@ def open_stream(name: str, entry: dict, dataset_dir: Path, info_path: Path,
         raise DatasetError(f"dataset '{name}': a streamed dataset's files must be of one type, got "
                            f"{', '.join(builders)}")
     kwargs = {}
+    if builders[0] == "json":  # read 1 MB of text at a time (datasets' default, 10 MB, is held as text and Arrow)
+        kwargs["chunksize"] = JSON_CHUNK
     if builders[0] == "csv":  # every cell as text, as data.read_rows does ("007" stays "007")
         with files[0].open(encoding="utf-8", newline="") as f:
             header = next(csv.reader(f), [])

@@ -796,6 +796,9 @@ class LlamaCppEngine:
         try:
             if s.seed is not None:
                 self.llm.set_seed(s.seed)
+            # the prompt is evaluated whole each time: llama-cpp-python's reuse of a matching prefix of the last
+            # request evaluates in other batch shapes, which flips near-tied greedy tokens of a quantized model
+            self.llm.reset()
             tokens = self.llm.generate(ids, reset=True, temp=0.0 if s.greedy else s.temperature,
                                        top_k=s.top_k if not s.greedy else 1, top_p=s.top_p if not s.greedy else 1.0,
                                        min_p=0.0, repeat_penalty=s.repetition_penalty)

@@ -147,6 +147,8 @@ def test_llamacpp_backend_streams_the_greedy_answer_the_export_check_saw(q4_expo
     scored = engine.score(ids, top=2)
     assert len(scored) == len(ids) and scored[0].logprob is None
     assert all(s.logprob <= 0 and len(s.top) == 2 and s.top[0][1] >= s.logprob - 1e-6 for s in scored[1:])
+    # after other work on the one llama.cpp context, the same greedy answer (the prompt is evaluated whole)
+    assert engine.chat(PROBE_CONVERSATIONS[0], max_new_tokens=12).token_ids == reply.token_ids
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from backend.core import rewards
-from backend.core.methods import field_applies
+from backend.core.methods import field_applies, is_adapter
 from backend.core.refusals import REFUSED
 
 Errors = list[tuple[str, str, frozenset]]
@@ -273,7 +273,7 @@ def ppo(spec, stage, check_files: bool = True) -> Errors:
         if not folder.is_dir():
             err("reward_model", f"{spec.reward_model} is not a folder (give a stage rm run's output_dir or a "
                 "sequence-classification model folder)")
-        elif adapter != (spec.reward_model_type == "lora"):
+        elif adapter != is_adapter(spec.reward_model_type):  # reward_model_type names the method of the rm run
             err("reward_model_type", f"{spec.reward_model} holds " + ("an adapter: set reward_model_type lora" if adapter
                 else "a full model (no adapter_config.json): set reward_model_type full"), "reward_model")
     for name in names:

@@ -202,6 +202,14 @@ def write_completions(run_dir, step: int, logs: dict, weights: list[float]) -> N
         total = sum(w * v for w, v in zip(weights, rewards.values()) if v is not None)
         records.append({"step": step, "prompt": prompts[i], "completion": completions[i], "reward": total,
                         "rewards": rewards})
+    log_completions(run_dir, records)
+
+
+def log_completions(run_dir, records: list[dict]) -> None:
+    """Completion records ({step, prompt, completion, reward, ...}) appended to completions.jsonl (the writing rank
+    only), and the best one into the run log: the online RL stages' (grpo, rloo, ppo) sample table."""
+    if not records:
+        return
     if getattr(run_dir, "writer", True):
         with open(run_dir.path / COMPLETIONS_FILE, "a", encoding="utf-8") as f:
             for record in records:

@@ -47,12 +47,11 @@ from transformers import Trainer, set_seed
 
 from backend.core.methods import method
 from backend.core.rewards import RewardError, build_reward_funcs, metric_name, split_names
-from backend.core.rundir import COMPLETIONS_FILE
 from backend.evaluation.reward_score import RewardModelReward
 from backend.serving.engine import stop_token_ids
 from backend.stages.base import RunError, StageResult, fit, load_rows, tokenizer_and_template, trainable_model
 from backend.stages.base import reference_model as loaded_reference
-from backend.stages.grpo import prompt_rows
+from backend.stages.grpo import log_completions, prompt_rows
 from backend.training import ppo_math
 from backend.training.models import load_model
 
@@ -394,13 +393,4 @@ def _ppo_trainer_class(spec, run_dir, prompt_ids: dict[str, list[int]], scorer, 
 
 def write_samples(run_dir, step: int, samples: list[dict]) -> None:
     """The latest rollout's responses -> completions.jsonl (as stage grpo's), and the best into the run log."""
-    records = [{"step": step, **s} for s in samples[-SAMPLES_PER_LOG:]]
-    if not records:
-        return
-    if getattr(run_dir, "writer", True):
-        with open(run_dir.path / COMPLETIONS_FILE, "a", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    best = max(records, key=lambda r: r["reward"])
-    shown = " ".join(best["completion"].split())
-    run_dir.log(f"completion (reward {best['reward']:.3g}): {shown[:200]}{'…' if len(shown) > 200 else ''}")
+    log_completions(run_dir, [{"step": step, **s} for s in samples[-SAMPLES_PER_LOG:]])

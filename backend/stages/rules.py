@@ -112,18 +112,10 @@ def preference(spec, stage, check_files: bool = True) -> Errors:
     return errors
 
 
-def grpo(spec, stage, check_files: bool = True) -> Errors:
-    """The online RL stages (grpo, rloo): reward functions that can be loaded, settings TRL's GRPOTrainer and
-    RLOOTrainer can run with, keys they ignore."""
-    errors: Errors = []
-
-    def err(field: str, message: str, *involved: str) -> None:
-        errors.append((field, message, frozenset((field, "stage") + involved)))
-
-    names = rewards.split_names(spec.reward_funcs)
-    if not names:
-        err("reward_funcs", f"stage {spec.stage} needs at least one reward function ({', '.join(rewards.BUILTINS)}, "
-            "module:function / path/to/file.py:function, or a reward model folder)")
+def _reward_function_errors(spec, names: list[str], err, check_files: bool) -> None:
+    """reward_funcs / reward_weights / reward_schema / reward_regex, as every stage with reward functions reads them
+    (grpo, rloo, ppo): each name loadable, one weight per function, the schema and regex read by a function that
+    takes them."""
     for name in names:
         problem = rewards.name_problem(name, check_files=check_files)
         if problem:
@@ -156,6 +148,36 @@ def grpo(spec, stage, check_files: bool = True) -> Errors:
                 re.compile(spec.reward_regex)
             except re.error as exc:
                 err("reward_regex", f"not a valid regular expression: {exc}")
+
+
+def _trains_on_its_own_outputs(spec, stage, err, outputs: str) -> None:
+    """Keys an online RL stage (grpo, rloo, ppo) would ignore: it trains on the `outputs` it generates, writes no
+    predictions, and its rewards are its live measure (no held-out evaluation while it trains)."""
+    for name, why in (("train_on_prompt", f"{stage.title}'s loss covers the generated {outputs} only"),
+                      ("mask_history", f"{stage.title} trains on its own {outputs}, not on the dataset's answers"),
+                      ("do_predict", f"stage {spec.stage} writes no predictions: run `tuneboard eval` (stage sft) "
+                       "with the trained adapter")):
+        if getattr(spec, name):
+            err(name, f"{REFUSED}: {why}")
+    if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
+        field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
+        err(field, f"{REFUSED}: stage {spec.stage} does not evaluate while it trains (its rewards are the live measure): "
+            "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
+
+
+def grpo(spec, stage, check_files: bool = True) -> Errors:
+    """The online RL stages (grpo, rloo): reward functions that can be loaded, settings TRL's GRPOTrainer and
+    RLOOTrainer can run with, keys they ignore."""
+    errors: Errors = []
+
+    def err(field: str, message: str, *involved: str) -> None:
+        errors.append((field, message, frozenset((field, "stage") + involved)))
+
+    names = rewards.split_names(spec.reward_funcs)
+    if not names:
+        err("reward_funcs", f"stage {spec.stage} needs at least one reward function ({', '.join(rewards.BUILTINS)}, "
+            "module:function / path/to/file.py:function, or a reward model folder)")
+    _reward_function_errors(spec, names, err, check_files)
     rows_per_step = spec.per_device_train_batch_size * spec.gradient_accumulation_steps
     if rows_per_step % spec.num_generations:
         err("num_generations", f"per_device_train_batch_size x gradient_accumulation_steps ({rows_per_step}) must be "
@@ -176,16 +198,7 @@ def grpo(spec, stage, check_files: bool = True) -> Errors:
     if spec.resolved_packing:
         err("packing", f"{REFUSED}: {stage.title} generates completions for whole prompts: packing does not apply",
             "neat_packing")
-    for name, why in (("train_on_prompt", f"{stage.title}'s loss covers the generated completions only"),
-                      ("mask_history", f"{stage.title} trains on its own completions, not on the dataset's answers"),
-                      ("do_predict", f"stage {spec.stage} writes no predictions: run `tuneboard eval` (stage sft) "
-                       "with the trained adapter")):
-        if getattr(spec, name):
-            err(name, f"{REFUSED}: {why}")
-    if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
-        field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
-        err(field, f"{REFUSED}: stage {spec.stage} does not evaluate while it trains (its rewards are the live measure): "
-            "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
+    _trains_on_its_own_outputs(spec, stage, err, "completions")
     return errors
 
 
@@ -276,24 +289,7 @@ def ppo(spec, stage, check_files: bool = True) -> Errors:
         elif adapter != is_adapter(spec.reward_model_type):  # reward_model_type names the method of the rm run
             err("reward_model_type", f"{spec.reward_model} holds " + ("an adapter: set reward_model_type lora" if adapter
                 else "a full model (no adapter_config.json): set reward_model_type full"), "reward_model")
-    for name in names:
-        problem = rewards.name_problem(name, check_files=check_files)
-        if problem:
-            err("reward_funcs", problem)
-    if spec.reward_weights:
-        try:
-            weights = [float(w) for w in _split(spec.reward_weights)]
-        except ValueError:
-            err("reward_weights", f"{spec.reward_weights!r}: expected numbers, comma-separated")
-        else:
-            if len(weights) != len(names):
-                err("reward_weights", f"{len(weights)} weights for {len(names)} reward functions: give one weight "
-                    "per function, in the order of reward_funcs", "reward_funcs")
-    if spec.reward_schema and "json_schema" not in names and not [n for n in names if n not in rewards.BUILTINS]:
-        err("reward_schema", f"{REFUSED}: only the json_schema reward (or your own function, as `schema`) reads it",
-            "reward_funcs")
-    if spec.reward_regex and "format_regex" not in names:
-        err("reward_regex", f"{REFUSED}: only the format_regex reward reads it", "reward_funcs")
+    _reward_function_errors(spec, names, err, check_files)
     if spec.ppo_target != type(spec).model_fields["ppo_target"].default and not spec.adap_kl_ctrl:
         err("ppo_target", f"{REFUSED}: the KL weight is fixed (adap_kl_ctrl false), so no target steers it: drop "
             "ppo_target or set adap_kl_ctrl true", "adap_kl_ctrl")
@@ -312,14 +308,5 @@ def ppo(spec, stage, check_files: bool = True) -> Errors:
             "vLLM engine); stage grpo or rloo can generate with vLLM")
     if spec.resolved_packing:
         err("packing", f"{REFUSED}: PPO generates responses for whole prompts: packing does not apply", "neat_packing")
-    for name, why in (("train_on_prompt", "PPO's loss covers the generated responses only"),
-                      ("mask_history", "PPO trains on its own responses, not on the dataset's answers"),
-                      ("do_predict", "stage ppo writes no predictions: run `tuneboard eval` (stage sft) with the "
-                       "trained adapter")):
-        if getattr(spec, name):
-            err(name, f"{REFUSED}: {why}")
-    if spec.eval_strategy != "no" or spec.val_size or spec.eval_dataset:
-        field = "eval_strategy" if spec.eval_strategy != "no" else ("val_size" if spec.val_size else "eval_dataset")
-        err(field, f"{REFUSED}: stage ppo does not evaluate while it trains (its rewards are the live measure): "
-            "compare adapters with `tuneboard eval` or the Evaluate tab", "val_size", "eval_dataset")
+    _trains_on_its_own_outputs(spec, stage, err, "responses")
     return errors

@@ -36,7 +36,7 @@ def _folder(dataset_dir) -> str | None:
     return (dataset_dir or "").strip() or None
 
 
-def load(st, dataset_dir, dataset, index, model, template, cutoff, lang="en"):
+def load_row(st, dataset_dir, dataset, index, model, template, cutoff, lang="en"):
     """The shown row (the preview's file row) as JSON into the editor. Inputs: state, then as show_row.
     Outputs: state, editor, message."""
     refused = D.dir_refusal(dataset_dir, lang, model=model)
@@ -62,7 +62,7 @@ def _row_file(text: str) -> Path:
     return Path(f.name)
 
 
-def render(st, text, model, template, cutoff, lang="en"):
+def render_edit(st, text, model, template, cutoff, lang="en"):
     """As the row is typed: the preview re-renders it (or says in one line why training would skip it).
     Inputs: state, editor, model, template, cutoff_len, language. Outputs: summary, rendered row."""
     if not (st or {}).get("dataset") or not (text or "").strip():
@@ -78,7 +78,7 @@ def render(st, text, model, template, cutoff, lang="en"):
     return D.row_summary(res, lang) + tr(lang, "data.edit_unsaved"), D.render_row(res, lang)
 
 
-def save(st, text, model, template, cutoff, lang="en"):
+def save_version(st, text, model, template, cutoff, lang="en"):
     """The edited row into a new registered version of the dataset, which the page then shows.
     Inputs: state, editor, model, template, cutoff_len, language. Outputs: state, message, dataset picker."""
     if not (st or {}).get("dataset"):
@@ -86,7 +86,7 @@ def save(st, text, model, template, cutoff, lang="en"):
     refused = D.dir_refusal(st["dataset_dir"], lang, write=True)
     if refused:
         return gr.skip(), refused, gr.skip()
-    summary, _ = render(st, text, model, template, cutoff, lang)  # training must be able to use the row
+    summary, _ = render_edit(st, text, model, template, cutoff, lang)  # training must be able to use the row
     if isinstance(summary, str) and summary.startswith("✖"):
         return gr.skip(), summary, gr.skip()
     try:
@@ -100,7 +100,7 @@ def save(st, text, model, template, cutoff, lang="en"):
     return st, message, gr.update(choices=[(n, n) for n in names], value=version.name)
 
 
-def undo(st, lang="en"):
+def undo_version(st, lang="en"):
     """Remove the last version saved here; the picker goes back to the dataset it came from.
     Inputs: state, language. Outputs: state, message, dataset picker."""
     versions = list((st or {}).get("versions") or [])
@@ -117,13 +117,14 @@ def undo(st, lang="en"):
 
 
 def wire(c: dict, ins: list, view: list) -> None:
-    """`ins`: show_row's inputs (folder, dataset, row, model, template, cutoff, language); `view`: summary and
+    """Handler names are the page's API names (Gradio names an endpoint after its function): unlike Chat's `load`.
+    `ins`: show_row's inputs (folder, dataset, row, model, template, cutoff, language); `view`: summary and
     rendered row."""
     model, template, cutoff, lang = ins[3], ins[4], ins[5], ins[6]
     st = c["edit_state"]
-    c["edit_load"].click(load, [st, *ins], [st, c["edit_row"], c["edit_message"]], **ONE_ROW_AT_A_TIME)
-    c["edit_row"].input(render, [st, c["edit_row"], model, template, cutoff, lang], view, trigger_mode="always_last",
+    c["edit_load"].click(load_row, [st, *ins], [st, c["edit_row"], c["edit_message"]], **ONE_ROW_AT_A_TIME)
+    c["edit_row"].input(render_edit, [st, c["edit_row"], model, template, cutoff, lang], view, trigger_mode="always_last",
                         **ONE_ROW_AT_A_TIME)
-    c["edit_save"].click(save, [st, c["edit_row"], model, template, cutoff, lang],
+    c["edit_save"].click(save_version, [st, c["edit_row"], model, template, cutoff, lang],
                          [st, c["edit_message"], c["dataset"]], **ONE_ROW_AT_A_TIME)
-    c["edit_undo"].click(undo, [st, lang], [st, c["edit_message"], c["dataset"]])
+    c["edit_undo"].click(undo_version, [st, lang], [st, c["edit_message"], c["dataset"]])

@@ -176,12 +176,12 @@ def test_logprobs_are_the_models_log_softmax(tiny_qwen2, api):
     assert err.value.body["param"] == "prompt" and "vocabulary" in err.value.body["message"]
 
 
-def test_bad_tasks_are_one_line_each(tiny_qwen2, tmp_path):
+def test_bad_tasks_are_one_line_each(tiny_qwen2, tmp_path, monkeypatch):
     from backend.evaluation.benchmarks import BenchmarkError, build_tasks
 
     with pytest.raises(BenchmarkError, match=r"tasks: hellaswagg: not an lm-eval task name \(did you mean .*hellaswag"):
         build_tasks(["hellaswagg"])
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # this test's only: later tests see the session's environment
     with pytest.raises(BenchmarkError, match="tasks: arc_easy: its dataset is on the Hugging Face hub, which cannot "
                                              "be reached here"):
         build_tasks(["arc_easy"])

@@ -111,6 +111,7 @@ def test_offline_a_hub_entry_is_one_line_at_validate_and_in_the_form(hub_dir, mo
     from webui import form
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)  # the line names the variable that made it offline
     line = ("dataset 'remote': tuneboard-tests/alpaca-mini is on the Hugging Face Hub and this machine is offline "
             "(HF_HUB_OFFLINE=1): where the hub is reachable, run with HF_HUB_OFFLINE=0 (datasets caches it), or "
             "download it (huggingface-cli download --repo-type dataset tuneboard-tests/alpaca-mini --local-dir DIR) and "

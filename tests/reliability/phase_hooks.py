@@ -6,7 +6,7 @@ during that phase without racing it with sleeps:
                                      there until the abort arrives (the StopSwitch says so: the STOP file or
                                      SIGTERM; for export, SIGTERM raises), then go on with the phase as it was
 
-phases: preprocess (tokenizing the training rows), load (loading the model), train (the end of step 2),
+phases: preprocess (tokenizing the training rows, or loading them from the tokenized cache), load (loading the model), train (the end of step 2),
 save (inside the save of checkpoint-N, after the weights are written), export (writing the exported files),
 predict (eval: the second row's generation).
 
@@ -51,7 +51,7 @@ def wrap(module, name: str, phase: str, when=lambda *a, **k: True) -> None:
 
 
 if PHASE:
-    from backend.dataprep import preprocess
+    from backend.dataprep import preprocess, token_cache
     from backend.training import callbacks, models
 
     install = callbacks.StopSwitch.install
@@ -62,6 +62,7 @@ if PHASE:
 
     callbacks.StopSwitch.install = install_and_remember
     wrap(preprocess, "build_sft_dataset", "preprocess")
+    wrap(token_cache, "load", "preprocess")  # the data step of a run whose tokens are cached: loading them
     wrap(models, "load_model", "load")
     wrap(callbacks.RunDirCallback, "on_step_end", "train", when=lambda self, a, state, c, **k: state.global_step == 2)
     if PHASE == "save":

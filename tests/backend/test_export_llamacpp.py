@@ -178,3 +178,26 @@ def test_llamacpp_backend_refuses_a_transformers_folder(tiny_llama, tmp_path):
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "infer_backend": "llamacpp"})
     with pytest.raises(ValueError, match="needs a .gguf file"):
         load_engines(spec, log=lambda m: None)
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_the_chat_tab_runs_the_gguf_export_with_llama_cpp(q4_export, monkeypatch):
+    """Chat's "Run with llama.cpp": the export folder served by `tuneboard api` with infer_backend llamacpp, answered
+    through the tab's own handlers; without the switch the same folder would load in transformers."""
+    from webui.tabs import chat
+
+    out, _ = q4_export
+    monkeypatch.setenv("TUNEBOARD_ALLOW_PATHS", str(out))
+    st = None
+    for st, status, _, _ in chat.load(str(out), "", "auto", False, "", chat.empty_state(), "en", True):
+        pass
+    try:
+        assert status.startswith("✓"), status
+        assert "infer_backend=llamacpp" in st["server"].cmd
+        answer = None
+        for answer, *_ in chat.respond("Hello there", "user", st, "", "", 6, 0.0, 0.9, 50, 1.0, None):
+            pass
+        assert [m["role"] for m in answer] == ["user", "assistant"] and answer[1]["content"]
+    finally:
+        chat.unload(st)

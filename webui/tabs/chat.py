@@ -196,6 +196,8 @@ def build(ctx) -> dict:
         ui["compare"] = reg.comp(gr.Checkbox, "chat-compare", value=False, scale=1, min_width=220)
         # its placeholder: locale key chat-compare_with.placeholder
         ui["compare_with"] = reg.comp(gr.Textbox, "chat-compare_with", value="", scale=3)
+        # a GGUF file or GGUF export folder run by llama.cpp (infer_backend llamacpp) instead of transformers
+        ui["llamacpp"] = reg.comp(gr.Checkbox, "chat-llamacpp", value=False, scale=1, min_width=200)
         with gr.Column(scale=1, min_width=160, elem_classes=["tb-button-stack"]):
             ui["load"] = reg.button("chat-load", variant="primary", size="sm")
             ui["unload"] = reg.button("chat-unload", size="sm")
@@ -302,10 +304,12 @@ def _messages(st_hist: list[dict], system: str) -> list[dict]:
         [{k: v for k, v in m.items() if k != "stopped"} for m in st_hist]
 
 
-def load(model, adapter, template, compare, compare_with, st, lang="en"):
+def load(model, adapter, template, compare, compare_with, st, lang="en", llamacpp=False):
     """Start the server for the top bar's model/adapter/template (+ the comparison model); each path must be
-    what backend.core.allowed lets the UI read (a model folder, or under the allowed roots).
-    Inputs: model, adapter, template, compare, compare_with, state, language. Outputs: state, status, chat_b."""
+    what backend.core.allowed lets the UI read (a model folder, or under the allowed roots). `llamacpp`: serve a
+    GGUF file or GGUF export folder with llama.cpp (the server's validate refuses anything else in one line).
+    Inputs: model, adapter, template, compare, compare_with, state, language, llama.cpp. Outputs: state, status,
+    chat_b."""
     st = st or empty_state()
     refused = allowed.spec_refusals({"model_name_or_path": model, "adapter_name_or_path": adapter})
     if compare and compare_with and compare_with.strip():
@@ -318,6 +322,8 @@ def load(model, adapter, template, compare, compare_with, st, lang="en"):
     spec_args = [f"model_name_or_path={model}", f"template={template or 'auto'}"]
     if adapter:
         spec_args.append(f"adapter_name_or_path={adapter}")
+    if llamacpp:
+        spec_args.append("infer_backend=llamacpp")
     extra = [compare_with.strip()] if compare and compare_with and compare_with.strip() else []
     server = ChatServer(spec_args, extra).start()
     st["server"] = server
@@ -547,7 +553,7 @@ def wire(ctx, ui: dict) -> None:
     top, st = ui["top"], ui["state"]
     load_evt = ui["load"].click(
         load, [top["model_name_or_path"], top["adapter_name_or_path"], top["template"], ui["compare"],
-               ui["compare_with"], st, top["lang"]], [st, ui["status"], ui["chat_b"], ui["chat_a"]])
+               ui["compare_with"], st, top["lang"], ui["llamacpp"]], [st, ui["status"], ui["chat_b"], ui["chat_a"]])
     ui["unload"].click(unload, [st, top["lang"]], [st, ui["status"]], cancels=[load_evt])
     sampling = [ui[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")]
     outputs = [ui["chat_a"], ui["chat_b"], ui["message"], ui["speed"], st]

@@ -233,7 +233,7 @@ class RunSpec(BaseModel):
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f("auto", "Weight dtype for inference and export.", "model")
 
     # ---------------------------------------------------------------- method (stage + finetuning type)
-    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), online RL with reward functions and reward models (GRPO, RLOO), or logit distillation from a local teacher (KD).", "method", choices=IMPLEMENTED)
+    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), online RL with reward functions and reward models (GRPO, RLOO, PPO), or logit distillation from a local teacher (KD).", "method", choices=IMPLEMENTED)
     do_train: bool = _f(True, "Run training.", "method", refused="`tuneboard train` always trains: to only evaluate or predict, run `tuneboard eval` with this spec (do_eval / do_predict pick the parts)")
     finetuning_type: Literal["lora", "oft", "freeze", "full"] = _f("lora", "What is trained: LoRA or OFT adapters, the last layers (freeze), or every weight (full).", "method")
     pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")

@@ -6,14 +6,13 @@ from __future__ import annotations
 import csv
 import html
 import json
-import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from backend.core import allowed, dataset_info, paths
-from backend.core.dataset_info import FORMATTINGS, DatasetError
+from backend.core.dataset_info import FORMATTINGS, NAME_RE, DatasetError
 from webui import jobs
 from webui.i18n import refusal, tr
 import yaml
@@ -21,7 +20,6 @@ import yaml
 FORMATS = FORMATTINGS  # the backend's list (backend.core.dataset_info)
 COLUMN_KEYS = ("prompt", "query", "response", "history", "system", "messages", "tools")
 SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class RegisterError(ValueError):

@@ -94,10 +94,9 @@ def save_version(st, text, model, template, cutoff, lang="en"):
     except (DatasetError, json.JSONDecodeError) as exc:
         return gr.skip(), f"✖ {exc}", gr.skip()
     st = dict(st, versions=[*st.get("versions", []), {"name": version.name, "from": st["dataset"]}])
-    names = choices.dataset_names(_folder(st["dataset_dir"]))
     message = tr(lang, "data.edit_saved", version=version.name, file=version.path.name, row=st["row"],
                  dataset=st["dataset"])
-    return st, message, gr.update(choices=[(n, n) for n in names], value=version.name)
+    return st, message, gr.update(choices=choices.dataset_names(_folder(st["dataset_dir"])), value=version.name)
 
 
 def undo_version(st, lang="en"):
@@ -111,9 +110,8 @@ def undo_version(st, lang="en"):
         dataset_versions.remove_version(_folder(st["dataset_dir"]), last["name"])
     except DatasetError as exc:
         return gr.skip(), f"✖ {exc}", gr.skip()
-    names = choices.dataset_names(_folder(st["dataset_dir"]))
     return (dict(st, versions=versions), tr(lang, "data.edit_undone", version=last["name"], dataset=last["from"]),
-            gr.update(choices=[(n, n) for n in names], value=last["from"]))
+            gr.update(choices=choices.dataset_names(_folder(st["dataset_dir"])), value=last["from"]))
 
 
 def wire(c: dict, ins: list, view: list) -> None:

@@ -12,15 +12,13 @@ write_rows: a temporary file and os.replace), so a crash leaves the old file or 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.core.dataset_info import (DatasetError, check_new_entry, entry_columns, entry_tags,
-                                       load_dataset_info, read_dataset_info, resolve_dataset_dir, write_entry)
-from backend.core.dataset_versions import SUFFIXES, read_rows, write_rows
+from backend.core.dataset_info import (NAME_RE, DatasetError, check_new_entry, entry_columns, entry_tags,
+                                       read_dataset_info, resolve_dataset_dir, write_entry)
+from backend.core.dataset_versions import local_file, read_rows, write_rows
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # a new dataset: OpenAI messages (its default tags), the system prompt as the first message, tools as a column
 NEW_ENTRY_COLUMNS = {"messages": "messages", "tools": "tools"}
 
@@ -114,24 +112,18 @@ def save_row(dataset_dir, name: str, messages: list[dict], tools: str = "") -> S
     folder = resolve_dataset_dir(dataset_dir)
     system, turns = _turns(messages)
     info = read_dataset_info(folder)
-    if name in info.problems:
-        raise DatasetError(f"dataset '{name}': " + "; ".join(info.problems[name]))
-    entry = load_dataset_info(folder).get(name)
-    created = entry is None
+    created = name not in info.entries and name not in info.problems
     if created:
         check_new_entry(folder, name)  # before the file is written: dataset_info.json must take the name
         entry = new_entry(f"{name}.jsonl")
-        if (folder / entry["file_name"]).exists():
-            raise DatasetError(f"{folder / entry['file_name']} exists but is not registered: register it in the Data "
-                               "tab or pick another name")
-    if not entry.get("file_name"):
-        raise DatasetError(f"dataset '{name}' is not a local file (a hub dataset): pick a local dataset or a new one")
+        path = folder / entry["file_name"]
+        if path.exists():
+            raise DatasetError(f"{path} exists but is not registered: register it in the Data tab or pick another name")
+    else:  # a registered dataset: one local .json / .jsonl file, or the line that says why not
+        entry, path = local_file(folder, name)
     if entry.get("ranking"):
         raise DatasetError(f"dataset '{name}' is a ranking dataset: a chat row has one answer, no rejected one; "
                            "pick another dataset or a new one")
-    path = folder / entry["file_name"]
-    if path.suffix not in SUFFIXES or path.is_dir():
-        raise DatasetError(f"dataset '{name}': rows can be added to a .json or .jsonl file, not {path.name}")
     build = _alpaca_row if entry.get("formatting", "alpaca") == "alpaca" else _conversation_row
     row = build(name, entry, system, turns, tools or "")
     rows = read_rows(path, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ ALPACA_ONLY_COLUMNS = ("query", "response", "history")
 CONVERSATION_ONLY_COLUMNS = ("messages",)
 TAG_KEYS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag",
             "system_tag")
+# a name a new dataset may be registered under (the Data tab's registration, Chat's "Save as a training row")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # LLaMA-Factory's defaults where an entry leaves them out: the tags of each conversation format, the columns of each
 DEFAULT_TAGS = {
     "sharegpt": {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",

@@ -29,7 +29,7 @@ def test_save_a_corrected_answer_into_a_new_dataset_and_preview_it(tmp_path, mon
     message, picker = chat.save_training_row(st, "chat_fixes", "I was made by the TuneBoard team.",
                                              "You are TuneBoard Assistant.", "", "en")
     assert message.startswith("✓ created `chat_fixes` (chat_fixes.jsonl, registered)"), message
-    assert "chat_fixes" in [v for _, v in picker["choices"]] and picker["value"] == "chat_fixes"
+    assert "chat_fixes" in picker["choices"] and picker["value"] == "chat_fixes"
     row = json.loads((tmp_path / "chat_fixes.jsonl").read_text())
     assert row["messages"][-1] == {"role": "assistant", "content": "I was made by the TuneBoard team."}
     assert st["hist_a"][-1]["content"] == "I was made by OpenAI."  # the chat itself is unchanged

@@ -544,9 +544,8 @@ def save_training_row(st, dataset, answer, system, tools_json, lang: str = "en")
     except DatasetError as exc:
         return f"✖ `{tr(lang, 'chat-save_dataset')}`: {exc}", gr.skip()
     key = "chat.saved_new" if saved.created else "chat.saved"
-    names = choices.dataset_names()
     return (tr(lang, key, dataset=dataset.strip(), row=saved.index, file=saved.path.name),
-            gr.update(choices=[(n, n) for n in names], value=dataset.strip()))
+            gr.update(choices=choices.dataset_names(), value=dataset.strip()))
 
 
 def wire(ctx, ui: dict) -> None:

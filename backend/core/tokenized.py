@@ -1,15 +1,20 @@
 """The rules of the tokenized-cache keys (`tokenized_path`, `overwrite_cache`; the cache itself is
 backend/dataprep/token_cache.py), beside the spec as eval_rules are: light (paths only), so validate and the
-web UI check them without the data stack. Each rule returns (field, message, the fields involved)."""
+web UI check them without the data stack. Each rule returns (field, message, the fields involved). Also what a
+key reads of a dataset's files (`data_files`, `file_state`): the tokenized cache's key and the Train tab's pre-flight
+data check (webui/data_check.py) use the same."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
+from backend.core.hub_data import hub_key, local_repo
 from backend.core.refusals import REFUSED
 
 CACHED_STAGES = ("sft", "pt")  # the stages whose tokenized rows are cached (the others tokenize every run)
 META = "meta.json"  # written last into a cache folder: a folder without it holds no complete cache
+HASH_LIMIT = 64 * 1024 * 1024  # files up to this size are hashed; larger ones by size + modification time
 
 
 def folder_problem(path: str | os.PathLike) -> str | None:
@@ -37,3 +42,31 @@ def cache_errors(spec, check_files: bool = True) -> list[tuple[str, str, frozens
         if problem:
             errors.append(("tokenized_path", problem, frozenset(("tokenized_path",))))
     return errors
+
+
+def file_state(path: Path) -> list:
+    """A data file's state in a cache key: [size, content hash] (by size + modification time above HASH_LIMIT)."""
+    st = path.stat()
+    if st.st_size > HASH_LIMIT:
+        return [st.st_size, st.st_mtime_ns]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return [st.st_size, h.hexdigest()[:16]]
+
+
+def data_files(entry: dict, dataset_dir: Path) -> list[Path] | None:
+    """The entry's local data files (a folder: every file in it; an hf_hub_url that is a hub-style local folder too);
+    None for an entry without a local file (a hub id: its data can change unseen)."""
+    name = entry.get("file_name")
+    if not isinstance(name, str) or not name.strip():
+        folder = local_repo(str(entry["hf_hub_url"]), dataset_dir) if hub_key(entry) == "hf_hub_url" else None
+        if folder is None:
+            return None
+        name = str(folder)
+    path = Path(name).expanduser()
+    path = path if path.is_absolute() else dataset_dir / path
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return [path] if path.is_file() else []

@@ -21,7 +21,8 @@ preview shows them) and, where one exists, the safe fix that removes them:
 A fix never edits a data file: it writes <stem>_vN<suffix> next to it without the rows and registers it in
 dataset_info.json as <name>_vN (the same entry, the new file), for JSON and JSONL files.
 
-The whole dataset is linted (max_samples is ignored: the file is what a fix rewrites).
+The whole dataset is linted (max_samples is ignored: the file is what a fix rewrites), or its first rows with
+--max-rows (the Train tab's pre-flight does, so a big set never holds up Start; fixes need the whole set).
 """
 from __future__ import annotations
 
@@ -94,8 +95,9 @@ class _Data:
     bad: list[tuple[int, str]]                # rows the loader refuses, with its reason
 
 
-def _load(name: str, dataset_dir: Path, stage: str, spec) -> _Data:
-    """Every row of one dataset, as the loader converts it; refused rows kept with their reason."""
+def _load(name: str, dataset_dir: Path, stage: str, spec, max_rows: int | None = None) -> _Data:
+    """Every row of one dataset (or its first max_rows), as the loader converts it; refused rows kept with their
+    reason."""
     info = read_dataset_info(dataset_dir)
     entry = info.entry(name)
     espec = data._entry_spec(name, entry)
@@ -104,6 +106,8 @@ def _load(name: str, dataset_dir: Path, stage: str, spec) -> _Data:
     examples, bad = [], []
     for path in files:
         for i, row in enumerate(data.read_rows(path, entry.get("split", "train"))):
+            if max_rows is not None and len(examples) + len(bad) >= max_rows:
+                break
             try:
                 example = data.convert_row(row, espec, stage)
             except data.RowError as exc:
@@ -334,17 +338,18 @@ def _languages(d: _Data) -> list[Finding]:
 
 
 # ------------------------------------------------------------------------------------------- the lint
-def lint(spec) -> LintReport:
+def lint(spec, max_rows: int | None = None) -> LintReport:
     """Every check on the spec's `dataset` (and its `eval_dataset` / `val_size` split), with its model's
-    tokenizer and template. Raises DatasetError (one line) for data that cannot be read at all."""
+    tokenizer and template; on the first `max_rows` rows of each dataset when given. Raises DatasetError (one
+    line) for data that cannot be read at all."""
     from backend.training.models import load_tokenizer, resolve_model  # heavy: transformers
 
     dataset_dir = resolve_dataset_dir(spec.resolved_dataset_dir())
     stage = spec.stage
     kind = get_stage(stage).data
     report = LintReport()
-    loaded = {n: _load(n, dataset_dir, stage, spec) for n in spec.dataset_names}
-    evals = {n: _load(n, dataset_dir, stage, spec) for n in spec.eval_dataset_names}
+    loaded = {n: _load(n, dataset_dir, stage, spec, max_rows) for n in spec.dataset_names}
+    evals = {n: _load(n, dataset_dir, stage, spec, max_rows) for n in spec.eval_dataset_names}
     for d in list(loaded.values()) + list(evals.values()):
         report.datasets[d.name] = len(d.examples) + len(d.bad)
 
@@ -419,19 +424,25 @@ def main(args: list[str]) -> int:
                    "cutoff_len, ...)")
     p.add_argument("--fix", default="", help=f"comma-separated safe fixes: {', '.join(FIXES)}")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--max-rows", type=int, default=None, help="lint only the first N rows of each dataset (fast on "
+                   "a big set; --fix needs the whole set)")
     opts = p.parse_args(args)
+    if opts.max_rows is not None and (opts.max_rows < 1 or opts.fix):
+        return _fail(opts, "--max-rows: " + ("a fix rewrites the whole dataset: drop --max-rows to fix" if opts.fix
+                                             else f"{opts.max_rows} is not a positive number of rows"))
     spec = load_or_report(opts.spec)
     if spec is None:
         return 1
     try:
-        report = lint(spec)
+        report = lint(spec, opts.max_rows)
         fixed = apply_fixes(spec, report, [f.strip() for f in opts.fix.split(",") if f.strip()]) if opts.fix else []
     except ImportError as exc:
         return _fail(opts, f"the lint needs the datasketch package ({exc}): pip install -e '.[lint]'")
     except (DatasetError, ValueError, OSError) as exc:
         return _fail(opts, str(exc))
     if opts.json:
-        print(json.dumps(dict(report.to_dict(), fixed=fixed), ensure_ascii=False))
+        capped = {"max_rows": opts.max_rows} if opts.max_rows else {}
+        print(json.dumps(dict(report.to_dict(), fixed=fixed, **capped), ensure_ascii=False))
     else:
         print("\n".join(report.lines() + fixed))
     return 1 if any(f.severity == "error" for f in report.findings) else 0

@@ -6,7 +6,7 @@ Where: `tokenized_path` when the spec sets it (one cache, replaced when its key 
 (when there are held-out rows) and meta.json (written last: a folder without it is no cache).
 
 The key is everything preprocessing reads: the stage; the dataset names, dataset_dir, each entry of
-dataset_info.json and its files (size, modification time, and a content hash up to HASH_LIMIT bytes); the row
+dataset_info.json and its files (size, modification time, and a content hash up to tokenized.HASH_LIMIT bytes); the row
 choices (max_samples, val_size, seed, mix_strategy, interleave_probs, identity_name/author, default_system);
 the template (its name, its file or the tokenizer's chat template, and a probe conversation rendered with it);
 the tokenizer (its whole vocabulary and special tokens, as the fast tokenizer serializes them); cutoff_len,
@@ -30,12 +30,10 @@ from typing import Any, Callable
 
 from backend.core import paths
 from backend.core.dataset_info import read_dataset_info, resolve_dataset_dir
-from backend.core.hub_data import hub_key, local_repo
-from backend.core.tokenized import META, folder_problem
+from backend.core.tokenized import META, data_files, file_state, folder_problem
 
 CACHE_VERSION = 1
 KEEP = 8  # default caches kept under <saves>/.cache/tokenized (the newest)
-HASH_LIMIT = 64 * 1024 * 1024  # files up to this size are hashed; larger ones by size + modification time
 PROBE = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
          {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
 
@@ -48,33 +46,6 @@ def default_root() -> Path:
 def _digest(data: Any) -> str:
     text = data if isinstance(data, (str, bytes)) else json.dumps(data, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()[:16]
-
-
-def _file_state(path: Path) -> list:
-    st = path.stat()
-    if st.st_size > HASH_LIMIT:
-        return [st.st_size, st.st_mtime_ns]
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return [st.st_size, h.hexdigest()[:16]]
-
-
-def _files(entry: dict, dataset_dir: Path) -> list[Path] | None:
-    """The entry's local data files (a folder: every file in it; an hf_hub_url that is a hub-style local folder too);
-    None for an entry without a local file (a hub id: its data can change unseen)."""
-    name = entry.get("file_name")
-    if not isinstance(name, str) or not name.strip():
-        folder = local_repo(str(entry["hf_hub_url"]), dataset_dir) if hub_key(entry) == "hf_hub_url" else None
-        if folder is None:
-            return None
-        name = str(folder)
-    path = Path(name).expanduser()
-    path = path if path.is_absolute() else dataset_dir / path
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    return [path] if path.is_file() else []
 
 
 def _template_state(template, tokenizer) -> dict:
@@ -121,12 +92,12 @@ def cache_key(spec, stage: str, tokenizer, template=None) -> tuple[dict, str | N
     for name in dict.fromkeys(n.strip() for n in names):
         entry = info.raw.get(name)
         parts[f"dataset {name} entry"] = entry
-        files = _files(entry or {}, dataset_dir)
+        files = data_files(entry or {}, dataset_dir)
         if files is None:
             no_default = no_default or f"dataset {name} has no local file (its data can change unseen)"
             continue
         for path in files:
-            parts[f"file {path}"] = _file_state(path)
+            parts[f"file {path}"] = file_state(path)
     return parts, no_default
 
 

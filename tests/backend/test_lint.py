@@ -110,3 +110,19 @@ def test_pretraining_documents_and_the_eos_token(tiny_llama, tmp_path):
                                                                    "columns": {"prompt": "text"}}}))
     found = lint(_spec(folder, tiny_llama, dataset="docs", stage="pt")).findings
     assert [(f.check, f.severity, f.rows) for f in found] == [("pt_eos", "info", [2])], [f.line() for f in found]
+
+
+def test_max_rows_lints_the_first_rows_only(tiny_llama, tmp_path, capsys):
+    """The Train tab's pre-flight lints the first rows of a big set (webui/data_check.py): row 8 repeats row 0, row 9
+    is a near copy of row 1; with --max-rows 9 only the first is among the rows read."""
+    folder = _data(tmp_path)
+    args = [f"model_name_or_path={tiny_llama}", f"dataset_dir={folder}", "template=default", "cutoff_len=128",
+            "dataset=planted"]
+    main(args + ["--json", "--max-rows", "9"])
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["datasets"] == {"planted": 9} and out["max_rows"] == 9, out
+    assert {f["check"]: f["rows"] for f in out["findings"]} == {"duplicates": [8]}, out
+    assert main(args + ["--max-rows", "0"]) == 1 and main(args + ["--max-rows", "5", "--fix", "drop_empty"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: --max-rows: 0 is not a positive number of rows",
+                   "error: --max-rows: a fix rewrites the whole dataset: drop --max-rows to fix"], err

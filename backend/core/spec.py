@@ -36,7 +36,8 @@ from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file
 from backend.core.dataset_info import DatasetError, read_dataset_info
 from backend.core.hub_data import hub_problem, is_hub_id
 from backend.core.launch import distributed_errors
-from backend.core.methods import METHODS, adapter_methods, method, method_errors, quantizable_methods
+from backend.core.methods import (DEFAULT as DEFAULT_METHOD, METHOD_KEYS, METHODS, adapter_methods, method,
+                                  method_errors, quantizable_methods)
 from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/evaluation/task_metric.py scores them)
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID
@@ -45,9 +46,10 @@ from backend.core.tokenized import cache_errors
 from backend.core.streaming import stream_errors
 from backend.core.rewards import is_model_name, split_names
 from backend.core.rundir import default_output_dir, is_reward_model_dir, model_slug, reward_model_folder
+from backend.core.spec_keys import Keys, key_order, spec_key as _f
 from backend.core.trackers import tracker_names, tracker_problems
-from backend.stages import (IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, get_stage, stages_using_field, stages_where,
-                            stages_with_data)
+from backend.stages import (DEFAULT_STAGE, IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, STAGE_KEYS, get_stage,
+                            stages_using_field, stages_where, stages_with_data)
 
 HF_TRAINING_ARGS_JSON = Path(__file__).with_name("hf_training_args.json")
 
@@ -65,22 +67,6 @@ PASSTHROUGH_TITLE = "TrainingArguments passthrough"
 _COMMA_FIELDS = ("adapter_name_or_path", "lora_target", "additional_target", "freeze_trainable_modules",
                  "freeze_extra_modules", "galore_target", "dataset", "eval_dataset", "interleave_probs",
                  "reward_funcs", "reward_weights", "tasks", "checkpoints")
-
-
-def _f(default: Any, description: str, group: str, *, methods: list[str] | None = None,
-       choices: tuple | None = None, refused: str | None = None, **constraints: Any) -> Any:
-    """A field with its one-line description and the UI metadata (group, methods, the choices offered
-    when they are fewer than the type allows). Which stages a field applies to is declared by the stages
-    themselves (backend/stages). `refused`: a LLaMA-Factory key TuneBoard does not do; any value but the
-    default is refused at validate with this reason (the form does not offer it)."""
-    extra: dict[str, Any] = {"group": group}
-    if refused is not None:
-        extra["refused"] = refused
-    if choices is not None:
-        extra["choices"] = list(choices)
-    if methods is not None:
-        extra["methods"] = methods
-    return Field(default, description=description, json_schema_extra=extra, **constraints)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,12 +195,7 @@ def _bool_to_choice(value: bool, choices: list) -> Any:
 # The model
 
 
-class RunSpec(BaseModel):
-    """Everything a run needs. Field order is the YAML order; `json_schema_extra` carries UI metadata:
-    group, stages (where the field matters; absent = all) and methods (finetuning types; absent = all)."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=False)
-
+class _ModelKeys(Keys):
     # ---------------------------------------------------------------- model
     model_name_or_path: str = _f(DEFAULT_MODEL_ID, "Model to tune: a hub id, a local HF folder or a .gguf file.", "model")
     adapter_name_or_path: Optional[str] = _f(None, "Adapter folder(s) to load on top of the model, comma-separated.", "model", methods=list(adapter_methods()))
@@ -228,80 +209,24 @@ class RunSpec(BaseModel):
     rope_scaling: Optional[Literal["linear", "dynamic", "yarn", "llama3"]] = _f(None, "RoPE scaling strategy for longer contexts.", "model")
     flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3"] = _f("auto", "Attention kernel: auto, eager (disabled), SDPA, FlashAttention-2/3 (falls back to SDPA if missing).", "model")
     enable_liger_kernel: bool = _f(False, "Use Liger fused kernels (GPU only; ignored with a warning on CPU).", "model")
-    use_unsloth: bool = _f(False, "Use Unsloth's optimized LoRA kernels (GPU only).", "model", methods=["lora"], refused="Unsloth is not integrated (its kernels need a GPU and the package is not installed): drop use_unsloth; flash_attn and enable_liger_kernel are the supported speed-ups")
     low_cpu_mem_usage: bool = _f(True, "Load the model with low CPU memory usage.", "model", refused="the installed transformers has no low_cpu_mem_usage switch to set: its loader always reads the weights without a second copy in memory; drop the key")
     infer_dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f("auto", "Weight dtype for inference and export.", "model")
 
+
+class _MethodKeys(Keys):
     # ---------------------------------------------------------------- method (stage + finetuning type)
-    stage: Literal[STAGE_IDS] = _f("sft", "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), online RL with reward functions and reward models (GRPO, RLOO, PPO), or logit distillation from a local teacher (KD).", "method", choices=IMPLEMENTED)
+    stage: Literal[STAGE_IDS] = _f(DEFAULT_STAGE, "Training stage: pre-training, SFT, reward model, a preference method (DPO, ORPO, SimPO, KTO), online RL with reward functions and reward models (GRPO, RLOO, PPO), or logit distillation from a local teacher (KD).", "method", choices=IMPLEMENTED)
     do_train: bool = _f(True, "Run training.", "method", refused="`tuneboard train` always trains: to only evaluate or predict, run `tuneboard eval` with this spec (do_eval / do_predict pick the parts)")
-    finetuning_type: Literal["lora", "oft", "freeze", "full"] = _f("lora", "What is trained: LoRA or OFT adapters, the last layers (freeze), or every weight (full).", "method")
-    pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")
-    pref_beta: float = _f(0.1, "Beta of the preference loss (strength of the reference-model constraint).", "method", ge=0)
-    pref_ftx: float = _f(0.0, "Weight of the SFT loss added to the preference loss.", "method", ge=0)
-    simpo_gamma: float = _f(0.5, "Target reward margin of the SimPO loss.", "method")
-    dpo_label_smoothing: float = _f(0.0, "Robust DPO label smoothing, between 0 and 0.5.", "method", ge=0, le=0.5)
-    kto_chosen_weight: float = _f(1.0, "KTO loss weight of desirable examples.", "method", ge=0)
-    kto_rejected_weight: float = _f(1.0, "KTO loss weight of undesirable examples.", "method", ge=0)
-    ref_model: Optional[str] = _f(None, "Reference model for DPO/KTO/PPO (default: the model itself).", "method")
-    reward_model: Optional[str] = _f(None, "PPO: the reward model scoring each response: a stage rm run folder, or a sequence-classification model folder.", "method")
-    reward_model_type: Literal["lora", "full", "api"] = _f("lora", "PPO: how the reward model is stored: lora (an rm run's adapter with its score head) or full (a sequence-classification folder).", "method")
-    ppo_epochs: int = _f(4, "PPO optimisation epochs per batch.", "method", ge=1)
-    ppo_buffer_size: int = _f(1, "Mini-batches in the PPO experience buffer.", "method", ge=1)
-    ppo_target: float = _f(6.0, "Target KL for adaptive KL control in PPO.", "method", gt=0)
-    ppo_score_norm: bool = _f(False, "Normalise PPO rewards.", "method")
-    ppo_whiten_rewards: bool = _f(False, "Whiten PPO rewards before computing advantages.", "method")
-    init_kl_coef: float = _f(0.2, "PPO: the starting weight of the per-token KL penalty to the reference model.", "method", ge=0)
-    adap_kl_ctrl: bool = _f(True, "PPO: adapt the KL weight towards ppo_target (false: keep init_kl_coef fixed).", "method")
-    gamma: float = _f(1.0, "PPO: discount of later token rewards in the advantages (GAE).", "method", ge=0, le=1)
-    lam: float = _f(0.95, "PPO: GAE lambda, between bias (0) and variance (1) of the advantages.", "method", ge=0, le=1)
-    cliprange: float = _f(0.2, "PPO: clipping range of the policy ratio.", "method", gt=0)
-    cliprange_value: float = _f(0.2, "PPO: clipping range of the value head's change per update.", "method", gt=0)
-    vf_coef: float = _f(0.1, "PPO: weight of the value loss beside the policy loss.", "method", ge=0)
-    reward_funcs: Optional[str] = _f(None, "GRPO / RLOO reward functions, comma-separated: json_valid, json_schema, field_f1, exact_match, length_penalty, format_regex, your own module:function / path/to/file.py:function, or a reward model folder (a stage rm run's output_dir).", "method")
-    reward_weights: Optional[str] = _f(None, "GRPO: one weight per reward function, comma-separated (default: 1 each).", "method")
-    reward_schema: Optional[str] = _f(None, "GRPO json_schema reward: a JSON Schema file (.json) or inline JSON (default: each row's own, inferred from its reference answer).", "method")
-    reward_regex: Optional[str] = _f(None, "GRPO format_regex reward: the regular expression a whole completion must match (default: one JSON object).", "method")
-    num_generations: int = _f(4, "GRPO: completions sampled per prompt (each is scored against the others of its group).", "method", ge=2)
-    max_completion_length: int = _f(128, "GRPO: most tokens generated per completion.", "method", ge=1)
-    grpo_beta: float = _f(0.04, "GRPO: KL penalty against the starting model; 0 = no reference model (and no kl curve).", "method", ge=0)
-    grpo_epsilon: float = _f(0.2, "GRPO: clipping range of the policy ratio, as in PPO.", "method", gt=0)
-    use_vllm: bool = _f(False, "GRPO: generate the completions with vLLM (needs the vllm package and a GPU).", "method")
-    teacher_model_name_or_path: Optional[str] = _f(None, "KD: the teacher model whose next-token distributions the student learns (a local folder, .gguf file or cached hub id; same tokenizer as the student).", "method")
-    teacher_adapter: Optional[str] = _f(None, "KD: an adapter folder loaded on the teacher model (e.g. an SFT run of it).", "method")
-    teacher_quantization_bit: Optional[Literal[4, 8]] = _f(None, "KD: load the teacher in 4 or 8 bits (bitsandbytes) to save memory.", "method")
-    kd_beta: float = _f(0.0, "KD: the divergence, a generalized JSD: 0 = forward KL(teacher||student), 1 = reverse KL, 0.5 = JSD.", "method", ge=0, le=1)
-    kd_lmbda: float = _f(0.0, "KD: share of steps trained on the student's own completions (on-policy, generated) instead of the dataset's answers.", "method", ge=0, le=1)
-    kd_temperature: float = _f(1.0, "KD: softmax temperature of both distributions in the loss (and of the on-policy sampling).", "method", gt=0)
-    kd_alpha: float = _f(0.0, "KD: weight of the cross-entropy on the dataset's answers mixed into the loss: (1 - alpha) x divergence + alpha x CE.", "method", ge=0, le=1)
+    finetuning_type: Literal[tuple(METHODS)] = _f(DEFAULT_METHOD, "What is trained: LoRA or OFT adapters, the last layers (freeze), or every weight (full).", "method")
 
-    # ---------------------------------------------------------------- lora
-    lora_target: str = _f("all", "Modules that get LoRA adapters: 'all' (every linear layer but the head) or names, comma-separated.", "lora", methods=["lora"])
-    lora_rank: int = _f(8, "LoRA rank r (adapter size).", "lora", methods=["lora"], ge=1)
-    lora_alpha: Optional[int] = _f(None, "LoRA scale numerator alpha (scale = alpha / rank); empty = 2 x rank.", "lora", methods=["lora"], ge=1)
-    lora_dropout: float = _f(0.0, "Dropout on the LoRA input, 0 to 1.", "lora", methods=["lora"], ge=0, le=1)
-    additional_target: Optional[str] = _f(None, "Extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head).", "lora", methods=list(adapter_methods()))
-    use_dora: bool = _f(False, "Use DoRA (weight-decomposed LoRA).", "lora", methods=["lora"])
-    use_rslora: bool = _f(False, "Use rank-stabilised LoRA scaling (alpha / sqrt(rank)).", "lora", methods=["lora"])
-    pissa_init: bool = _f(False, "Initialise LoRA with PiSSA (principal singular vectors).", "lora", methods=["lora"])
-    pissa_iter: int = _f(16, "Fast-SVD iterations for PiSSA; -1 = exact SVD.", "lora", methods=["lora"], ge=-1)
-    loraplus_lr_ratio: Optional[float] = _f(None, "LoRA+ learning-rate ratio lr_B / lr_A (empty = off).", "lora", methods=["lora"], gt=0)
-    create_new_adapter: bool = _f(False, "Train a new adapter on top of adapter_name_or_path instead of continuing it.", "lora", methods=list(adapter_methods()))
-    oft_target: str = _f("all", "Modules that get OFT rotations: 'all' (every linear layer but the head) or names, comma-separated.", "oft", methods=["oft"])
-    oft_block_size: int = _f(32, "OFT block size (each block rotates this many output features); 0 = set oft_rank instead.", "oft", methods=["oft"], ge=0)
-    oft_rank: int = _f(0, "OFT rank: the number of blocks per layer; 0 = set oft_block_size instead.", "oft", methods=["oft"], ge=0)
-    module_dropout: float = _f(0.0, "OFT multiplicative dropout: the share of blocks replaced by the identity in a step, 0 to 1.", "oft", methods=["oft"], ge=0, le=1)
 
-    # ---------------------------------------------------------------- freeze (and GaLore, which trains full weights)
-    freeze_trainable_layers: int = _f(2, "Layers to train: positive = the last N, negative = the first N.", "freeze", methods=["freeze"])
-    freeze_trainable_modules: str = _f("all", "Modules trained inside those layers: 'all' or names, comma-separated.", "freeze", methods=["freeze"])
-    freeze_extra_modules: Optional[str] = _f(None, "Modules outside the layers to train as well (e.g. embed_tokens), comma-separated.", "freeze", methods=["freeze"])
-    use_llama_pro: bool = _f(False, "LLaMA Pro: train only the expanded (new) blocks.", "freeze", methods=["freeze"], refused="LLaMA Pro (a model expanded with new blocks) is not implemented: use finetuning_type freeze with freeze_trainable_layers, or LoRA")
-    use_galore: bool = _f(False, "Use GaLore gradient low-rank projection (full or freeze).", "freeze", methods=["full", "freeze"])
-    galore_rank: int = _f(16, "GaLore projection rank.", "freeze", methods=["full", "freeze"], ge=1)
-    galore_target: str = _f("all", "Modules GaLore applies to: 'all' or names, comma-separated.", "freeze", methods=["full", "freeze"])
-    galore_update_interval: int = _f(200, "Steps between GaLore projection updates.", "freeze", methods=["full", "freeze"], ge=1)
-    galore_scale: float = _f(2.0, "GaLore gradient scale.", "freeze", methods=["full", "freeze"], gt=0)
+class RunSpec(*key_order(GROUPS, _ModelKeys, _MethodKeys, *STAGE_KEYS, *METHOD_KEYS)):
+    """Everything a run needs. Field order is the YAML order: the keys above, the stages' own keys (backend/stages
+    STAGE_KEYS) and the methods' own keys (backend/core/methods.py METHOD_KEYS), each among its group's, then the rest.
+    `json_schema_extra` carries UI metadata: group, stages (where the field matters; absent = all) and methods
+    (finetuning types; absent = all)."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=False)
 
     # ---------------------------------------------------------------- quantization
     quantization_bit: Optional[Literal[4, 8]] = _f(None, "Load the base model in 4 or 8 bits for QLoRA (bitsandbytes).", "quantization", methods=list(quantizable_methods()))
@@ -493,14 +418,6 @@ class RunSpec(BaseModel):
             raise ValueError(f"stage {value!r}: {why} (available: {', '.join(IMPLEMENTED)})")
         return value
 
-    @field_validator("pref_loss")
-    @classmethod
-    def _available_pref_loss(cls, value: str) -> str:
-        if value == "kto_pair":
-            raise ValueError("kto_pair is not available (TRL dropped it from its DPO trainer): use stage: kto "
-                             "with a dataset that has a kto_tag column")
-        return value
-
     @field_validator("nproc_per_node", mode="before")
     @classmethod
     def _process_count(cls, value: Any) -> Any:
@@ -510,13 +427,6 @@ class RunSpec(BaseModel):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"must be auto or a number of processes, 1 or more (got {_show(value)})")
-        return value
-
-    @field_validator("freeze_trainable_layers")
-    @classmethod
-    def _nonzero_layers(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("must not be 0 (positive = last N layers, negative = first N layers)")
         return value
 
     @field_validator("optim")
@@ -538,11 +448,6 @@ class RunSpec(BaseModel):
         return self
 
     # ------------------------------------------------------------------ resolved values
-    @property
-    def resolved_lora_alpha(self) -> int:
-        """lora_alpha, or 2 x lora_rank when unset (LLaMA-Factory's default)."""
-        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
-
     @property
     def resolved_gradient_checkpointing(self) -> bool:
         """LLaMA-Factory's default: on for training unless gradient_checkpointing: false or

@@ -3,7 +3,8 @@
 Each stage is declared once here, in a light module (no torch) that the web UI imports too:
 - `data`: the dataset kind it takes: "text" (pt), "plain" (conversations: sft), "ranking"
   (prompt + chosen + rejected), "kto" (conversations tagged desirable / undesirable), "prompts".
-- `fields`: the stage-specific spec fields that apply to it (the form shows them for this stage only).
+- `fields`: the stage-specific spec fields that apply to it (the form shows them for this stage only); the fields
+  themselves are declared below in the stage family's keys class (`STAGE_KEYS`, which RunSpec inherits).
 - `metrics`: the keys it logs besides loss / eval_loss (also logged with an `eval_` prefix when it
   evaluates); they land in trainer_log.jsonl and feed the plots named in `plots`.
 - `implemented`: False = validate refuses the stage (with `reason`, when there is one) and the form does not
@@ -25,14 +26,18 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
 
 The heavy part (tokenizer -> rows -> model -> trainer) is `backend/stages/<module>.py` with
 `run(spec, run_dir, stop) -> StageResult`; `backend.training.train` imports it through `stage_module()`.
-Adding a stage = its module, its declaration below, and its locale key `train-stage.<id>`.
+Adding a stage = its module, its declaration below (with a keys class in `STAGE_KEYS` for keys of its own), and its
+locale key `train-stage.<id>`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal, Optional
+
+from pydantic import field_validator
 
 from backend.core.metrics import TASK_METRICS, task_log_key
+from backend.core.spec_keys import Keys, spec_key as _f
 from backend.stages import rules
 import importlib
 
@@ -94,6 +99,75 @@ _NO_REFERENCE = {
     "kto": "its rows are answers tagged desirable or undesirable, not reference answers",
     "prompts": "its rows are prompts without reference answers (its rewards are the live measure)",
 }
+
+
+DEFAULT_STAGE = "sft"
+
+
+# ---------------------------------------------------------------- the stages' own spec keys (RunSpec inherits them)
+class PreferenceKeys(Keys):
+    """dpo (and its aliases orpo, simpo) and kto; ref_model serves ppo too."""
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = _f("sigmoid", "Preference loss for DPO-style stages.", "method")
+    pref_beta: float = _f(0.1, "Beta of the preference loss (strength of the reference-model constraint).", "method", ge=0)
+    pref_ftx: float = _f(0.0, "Weight of the SFT loss added to the preference loss.", "method", ge=0)
+    simpo_gamma: float = _f(0.5, "Target reward margin of the SimPO loss.", "method")
+    dpo_label_smoothing: float = _f(0.0, "Robust DPO label smoothing, between 0 and 0.5.", "method", ge=0, le=0.5)
+    kto_chosen_weight: float = _f(1.0, "KTO loss weight of desirable examples.", "method", ge=0)
+    kto_rejected_weight: float = _f(1.0, "KTO loss weight of undesirable examples.", "method", ge=0)
+    ref_model: Optional[str] = _f(None, "Reference model for DPO/KTO/PPO (default: the model itself).", "method")
+
+    @field_validator("pref_loss")
+    @classmethod
+    def _available_pref_loss(cls, value: str) -> str:
+        if value == "kto_pair":
+            raise ValueError("kto_pair is not available (TRL dropped it from its DPO trainer): use stage: kto "
+                             "with a dataset that has a kto_tag column")
+        return value
+
+
+class PpoKeys(Keys):
+    reward_model: Optional[str] = _f(None, "PPO: the reward model scoring each response: a stage rm run folder, or a sequence-classification model folder.", "method")
+    reward_model_type: Literal["lora", "full", "api"] = _f("lora", "PPO: how the reward model is stored: lora (an rm run's adapter with its score head) or full (a sequence-classification folder).", "method")
+    ppo_epochs: int = _f(4, "PPO optimisation epochs per batch.", "method", ge=1)
+    ppo_buffer_size: int = _f(1, "Mini-batches in the PPO experience buffer.", "method", ge=1)
+    ppo_target: float = _f(6.0, "Target KL for adaptive KL control in PPO.", "method", gt=0)
+    ppo_score_norm: bool = _f(False, "Normalise PPO rewards.", "method")
+    ppo_whiten_rewards: bool = _f(False, "Whiten PPO rewards before computing advantages.", "method")
+    init_kl_coef: float = _f(0.2, "PPO: the starting weight of the per-token KL penalty to the reference model.", "method", ge=0)
+    adap_kl_ctrl: bool = _f(True, "PPO: adapt the KL weight towards ppo_target (false: keep init_kl_coef fixed).", "method")
+    gamma: float = _f(1.0, "PPO: discount of later token rewards in the advantages (GAE).", "method", ge=0, le=1)
+    lam: float = _f(0.95, "PPO: GAE lambda, between bias (0) and variance (1) of the advantages.", "method", ge=0, le=1)
+    cliprange: float = _f(0.2, "PPO: clipping range of the policy ratio.", "method", gt=0)
+    cliprange_value: float = _f(0.2, "PPO: clipping range of the value head's change per update.", "method", gt=0)
+    vf_coef: float = _f(0.1, "PPO: weight of the value loss beside the policy loss.", "method", ge=0)
+
+
+class OnlineKeys(Keys):
+    """grpo and rloo; ppo takes the reward keys, ppo and kd max_completion_length."""
+    reward_funcs: Optional[str] = _f(None, "GRPO / RLOO reward functions, comma-separated: json_valid, json_schema, field_f1, exact_match, length_penalty, format_regex, your own module:function / path/to/file.py:function, or a reward model folder (a stage rm run's output_dir).", "method")
+    reward_weights: Optional[str] = _f(None, "GRPO: one weight per reward function, comma-separated (default: 1 each).", "method")
+    reward_schema: Optional[str] = _f(None, "GRPO json_schema reward: a JSON Schema file (.json) or inline JSON (default: each row's own, inferred from its reference answer).", "method")
+    reward_regex: Optional[str] = _f(None, "GRPO format_regex reward: the regular expression a whole completion must match (default: one JSON object).", "method")
+    num_generations: int = _f(4, "GRPO: completions sampled per prompt (each is scored against the others of its group).", "method", ge=2)
+    max_completion_length: int = _f(128, "GRPO: most tokens generated per completion.", "method", ge=1)
+    grpo_beta: float = _f(0.04, "GRPO: KL penalty against the starting model; 0 = no reference model (and no kl curve).", "method", ge=0)
+    grpo_epsilon: float = _f(0.2, "GRPO: clipping range of the policy ratio, as in PPO.", "method", gt=0)
+    use_vllm: bool = _f(False, "GRPO: generate the completions with vLLM (needs the vllm package and a GPU).", "method")
+
+
+class KdKeys(Keys):
+    teacher_model_name_or_path: Optional[str] = _f(None, "KD: the teacher model whose next-token distributions the student learns (a local folder, .gguf file or cached hub id; same tokenizer as the student).", "method")
+    teacher_adapter: Optional[str] = _f(None, "KD: an adapter folder loaded on the teacher model (e.g. an SFT run of it).", "method")
+    teacher_quantization_bit: Optional[Literal[4, 8]] = _f(None, "KD: load the teacher in 4 or 8 bits (bitsandbytes) to save memory.", "method")
+    kd_beta: float = _f(0.0, "KD: the divergence, a generalized JSD: 0 = forward KL(teacher||student), 1 = reverse KL, 0.5 = JSD.", "method", ge=0, le=1)
+    kd_lmbda: float = _f(0.0, "KD: share of steps trained on the student's own completions (on-policy, generated) instead of the dataset's answers.", "method", ge=0, le=1)
+    kd_temperature: float = _f(1.0, "KD: softmax temperature of both distributions in the loss (and of the on-policy sampling).", "method", gt=0)
+    kd_alpha: float = _f(0.0, "KD: weight of the cross-entropy on the dataset's answers mixed into the loss: (1 - alpha) x divergence + alpha x CE.", "method", ge=0, le=1)
+
+
+# The stage families' keys, in their order within a group (RunSpec puts each class among its group's keys: one group
+# per class); which stages a key applies to is each Stage's `fields` below.
+STAGE_KEYS: tuple[type[Keys], ...] = (PreferenceKeys, PpoKeys, OnlineKeys, KdKeys)
 
 
 _DPO_FIELDS = ("pref_loss", "pref_beta", "pref_ftx", "dpo_label_smoothing", "simpo_gamma", "ref_model")
@@ -225,7 +299,7 @@ def pairwise(stage_id: str | None) -> bool:
     twice its rows' tokens). False for an unknown stage (validate names that one). The memory estimate and the
     checkpointing choice use it."""
     try:
-        return get_stage(stage_id or "sft").data == "ranking"
+        return get_stage(stage_id or DEFAULT_STAGE).data == "ranking"
     except KeyError:
         return False
 

@@ -71,3 +71,21 @@ def test_oft_keys_reach_peft(tiny_llama):
     assert wrapped == {"peft.tuners.oft.layer"}
     assert not any(n.endswith(("k_proj", "v_proj")) for n, m in model.named_modules()
                    if type(m).__module__.startswith("peft.tuners.oft"))
+
+
+def test_method_and_stage_keys_are_declared_beside_them():
+    """A method's keys live in backend/core/methods.py (METHOD_KEYS), a stage's beside its declaration
+    (backend/stages STAGE_KEYS), and RunSpec inherits them: spec.py names no method and no stage."""
+    from backend.stages import STAGE_IDS, STAGE_KEYS, STAGES
+
+    ids = set(methods.METHODS) | set(STAGE_IDS)
+    tree = ast.parse((ROOT / "backend" / "core" / "spec.py").read_text(encoding="utf-8"))
+    named = [f"spec.py:{n.lineno}: {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in ids]
+    assert not named, named
+    method_keys = {k for section in methods.METHOD_KEYS for k in section.model_fields}
+    in_method_groups = {k for k, f in RunSpec.model_fields.items()
+                        if f.json_schema_extra["group"] in {m.form_group for m in methods.METHODS.values()}}
+    assert in_method_groups and in_method_groups <= method_keys
+    stage_keys = {k for section in STAGE_KEYS for k in section.model_fields}
+    assert {k for s in STAGES.values() for k in s.fields} == stage_keys
+    assert (method_keys | stage_keys) <= set(RunSpec.model_fields)

@@ -16,7 +16,7 @@ from backend.core import allowed, paths
 from backend.core.rundir import PHASE_SAVING, PLOT_FILE, unique_dir
 from backend.core.spec import SpecError, load_spec, read_spec_file
 from backend.stages import STAGES
-from webui import choices, jobs, live, preflight
+from webui import choices, data_check, jobs, live, preflight
 from webui import datasets as D
 from webui import fields as F
 from webui.form import (SPEC_SUFFIXES, check, collect, dataset_for_stage, error_updates, errors_md, looks_like_spec,
@@ -368,7 +368,7 @@ def reattach_active(st: dict) -> dict:
     """`st` (changed in place: a timer tick never writes the state back) attached to the newest run still
     training, or to none (the idle card); what the page remembered of the previous run is dropped, the
     start-anyway confirmation is kept."""
-    kept = {k: st[k] for k in ("pf_warned",) if k in st}
+    kept = {k: st[k] for k in ("pf_warned", "lint_shown") if k in st}
     st.clear()
     st.update(attach(jobs.find_active_run()), **kept)
     return st
@@ -390,8 +390,9 @@ def attached_form(run_dir: str, lang: str = "en") -> tuple[str, list | None]:
 def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devices, values: list) -> tuple:
     """The Start button. `names`, `top_names`: the form's and the top bar's field names (collect's order);
     then the inputs: state, log-scale, language, picked GPUs (the run's CUDA_VISIBLE_DEVICES), the form values.
-    Validates first; launches (or queues) `tuneboard train` with run_spec.yaml written into the new run dir.
-    Outputs: errors, per-field errors, message, live view."""
+    Validates first; says once what the pre-flight found (memory too close to call, the data check's findings:
+    webui/data_check.py), then launches (or queues) `tuneboard train` with run_spec.yaml written into the new run
+    dir. Outputs: errors, per-field errors, message, live view."""
     all_names = top_names + names
     flat, pre = collect(names, top_names, list(values))
     spec, errors = check(flat, pre, lang)
@@ -407,6 +408,11 @@ def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devic
     if doubt and (st or {}).get("pf_warned") != key:
         return (gr.update(value="", visible=False), *error_updates([], all_names, lang), dict(st or {}, pf_warned=key),
                 *([gr.skip()] * (N_VIEW - 1)), preflight.unsure_md(doubt, lang), gr.skip())
+    data_key, linted = data_check.before_start(spec)  # the lint's summary of this data: shown once, if it finds any
+    note = data_check.summary_md(linted, lang)
+    if note and (st or {}).get("lint_shown") != key + data_key:
+        return (gr.update(value="", visible=False), *error_updates([], all_names, lang),
+                dict(st or {}, lint_shown=key + data_key), *([gr.skip()] * (N_VIEW - 1)), note, gr.skip())
     if not spec.output_dir:  # the default folder is named by the second: two Starts in one get -2, -3
         spec = spec.model_copy(update={"output_dir": str(unique_run_dir(Path(spec.with_output_dir().output_dir)))})
     run_dir = Path(spec.output_dir)
@@ -417,6 +423,7 @@ def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devic
     msg = tr(lang, "msg.started" if how == "started" else "msg.queued", name=_run_name(run_dir))
     if spec.adapter_name_or_path:
         msg += tr(lang, "msg.continues", adapter=spec.adapter_name_or_path)
+    msg += data_check.pending_md(linted, lang)
     st = attach(run_dir)
     view = view_updates(st, log_scale, force_plot=True, lang=lang)
     return (gr.update(value="", visible=False), *error_updates([], all_names, lang), *view[:-2], msg,

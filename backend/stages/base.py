@@ -277,6 +277,8 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
         data_collator=collator, processing_class=tokenizer, callbacks=callbacks, **trainer_kwargs,
     )
     trainer.remove_callback(PrinterCallback)  # our callback logs each step as one readable line
+    for line in getattr(trainer, "run_log_lines", ()):  # what a stage's trainer chose as it was built (dpo, kto)
+        run_dir.log(line)
     install_optimizer(trainer, spec)  # LoRA+ / GaLore build their own optimizer (backend.training.models)
     save_checkpoints_atomically(trainer)
     if run_dir.writer:

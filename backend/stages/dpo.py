@@ -27,6 +27,7 @@ from backend.dataprep.preference import build_preference_dataset
 from backend.stages import REFERENCE_FREE_LOSSES, get_stage
 from backend.stages.base import (RunError, StageResult, fit, reference_model, tokenizer_and_template, train_and_eval_rows,
                                  trainable_model)
+from backend.training.logprobs import install_on_trainer
 import torch
 
 REFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")  # DPOTrainer, with a reference model; orpo / simpo need none
@@ -136,6 +137,9 @@ class _TokenizedDPOTrainer(DPOTrainer):
         for name, param in self.model.named_parameters():
             if name in dtypes and param.dtype != dtypes[name]:
                 param.data = param.data.to(dtypes[name])
+        # TRL's fused LM head -> ours: the same log-probabilities and logged metrics, answer tokens only, small tiles
+        outputs = ("log_probs", "entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
+        self.run_log_lines = [install_on_trainer(self, outputs)]
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         # TRL's version extracts a prompt from text and tokenizes it with the tokenizer's chat template;

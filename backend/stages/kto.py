@@ -21,6 +21,7 @@ from datasets import Dataset
 from trl import KTOConfig, KTOTrainer
 
 from backend.training.adapters import _upcast_trainable
+from backend.training.logprobs import install_on_trainer
 from backend.dataprep.preference import build_kto_dataset
 from backend.stages.base import (StageResult, adapter_is_identity, fit, predict_held_out, reference_model,
                                  tokenizer_and_template, train_and_eval_rows, trainable_model)
@@ -67,6 +68,8 @@ def _kto_trainer_class(spec):
             # TRL casts a quantized model's trainable weights to bf16 (the QLoRA paper's choice); we keep them
             # in fp32 as every stage does (backend.training.models: trained weights not in bf16 unless pure_bf16).
             _upcast_trainable(self.model, spec)
+            # TRL's fused LM head -> ours (backend.training.logprobs): same numbers, answer tokens only, small tiles
+            self.run_log_lines = [install_on_trainer(self, ("log_probs", "entropy", "mean_logits"))]
             # TRL copies a PeftModel's adapter as the reference ("ref"). A fresh LoRA adapter (B = 0) changes
             # nothing yet, so disabling it gives the same reference without the copy.
             model = self.accelerator.unwrap_model(self.model)

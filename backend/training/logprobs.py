@@ -1,0 +1,125 @@
+"""Per-token log-probabilities for TRL's DPO and KTO trainers in small tiles: never more than one tile of logits.
+
+TRL 1.16's preference trainers get log-probabilities from `model(..., labels=..., fused_lm_head=True)`
+(trl.trainer.utils.add_fused_lm_head, kernel trl.kernels.ChunkedLogProbFunction). On a CPU (no Triton) that head
+scores EVERY position, prompt and padding too, in tiles of 4,096 tokens x 32,768 vocabulary entries (512 MB in
+fp32), and its torch fold makes several tile-sized temporaries in the forward and again in the backward: for the
+bench recipe (8 sequences of up to 512 tokens, vocabulary 49,152) ~2-3 GB at once, as much as full logits.
+
+`install_lean_logprobs` replaces that head's forward with one that runs the same TRL kernel (same log-probabilities,
+entropy, mean logits, top-1 flags; its backward recomputes each tile) on the labelled positions only, TILE_TOKENS
+tokens at a time with TILE_VOCAB vocabulary entries a tile (16 MB). Anything else (no fused_lm_head: generation,
+the plain loss; MoE router logits) goes to TRL's forward. A probe on the model compares both heads first.
+TUNEBOARD_CHUNKED_LOSS=0 keeps TRL's head (bench/run.py's plain-loss lever).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import types
+
+import torch
+from trl.kernels import ChunkedLogProbFunction
+from trl.trainer.utils import FusedCausalLMOutput
+
+TILE_TOKENS = 1024
+TILE_VOCAB = 4096  # 1024 x 4096 fp32 logits = 16 MB a tile
+# configs whose logits are scaled before the softmax: TRL's head handles them, this one keeps out
+SCALED = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    outputs: tuple[str, ...], softcap: float | None = None) -> tuple:
+    """TRL's ChunkedLogProbFunction (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1) of hidden [N, H]
+    -> logits [N, V], TILE_TOKENS rows at a time (each its own autograd node, recomputed in the backward)."""
+    pieces = [ChunkedLogProbFunction.apply(hidden[start:start + TILE_TOKENS], weight, bias,
+                                           targets[start:start + TILE_TOKENS], 1.0, TILE_VOCAB, softcap, 1.0, outputs)
+              for start in range(0, max(hidden.shape[0], 1), TILE_TOKENS)]
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*pieces))
+
+
+def install_lean_logprobs(model, outputs: tuple[str, ...] = ("log_probs",)) -> str | None:
+    """Swap TRL's fused LM head of `model` (a trainer's model or reference model, peft-wrapped or not) for the lean
+    one computing `outputs`. None when installed, else why not (TRL's head stays)."""
+    if os.environ.get("TUNEBOARD_CHUNKED_LOSS", "1") == "0":
+        return "TUNEBOARD_CHUNKED_LOSS=0"
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "forward" not in vars(lm):
+        return f"{type(lm).__name__} has no fused LM head from TRL"
+    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if getattr(text, "output_router_logits", False):
+        return "a mixture-of-experts model (router logits)"
+    if any(getattr(text, name, None) is not None for name in SCALED):
+        return "its logits are scaled before the softmax"
+    softcap = getattr(text, "final_logit_softcapping", None) or None
+    trl_forward = lm.forward
+
+    @functools.wraps(type(lm).forward)  # the original signature: generate() checks its kwargs against it
+    def lean_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                     **kwargs):
+        if not fused_lm_head or kwargs.get("output_router_logits"):
+            return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                               num_items_in_batch=num_items_in_batch, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, shift_labels = hidden[:, :-1], labels[:, 1:]
+        head = self.get_output_embeddings()
+        shift_labels = shift_labels.to(head.weight.device)
+        mask = shift_labels != -100
+        fields = token_log_probs(hidden.to(head.weight.device)[mask], head.weight, head.bias, shift_labels[mask],
+                                 outputs, softcap)
+        # masked_scatter keeps an all-prompt batch connected to the graph (a zero with a gradient), as TRL's does
+        log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = (
+            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in fields)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                                   log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,
+                                   label_mask=mask)
+
+    lm.forward = types.MethodType(lean_forward, lm)
+    problem = _probe(model, trl_forward, outputs)
+    if problem:
+        lm.forward = trl_forward
+    return problem
+
+
+def _probe(model, trl_forward, outputs: tuple[str, ...]) -> str | None:
+    """None when the lean head gives TRL's head's numbers on a few random tokens of this model."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    device = lm.get_output_embeddings().weight.device
+    ids = torch.randint(0, min(int(config.vocab_size), 4096), (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    labels = ids.masked_fill(torch.arange(9, device=device) < 3, -100)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            lean = model(input_ids=ids, labels=labels, fused_lm_head=True)
+            trl = trl_forward(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False)
+    except Exception as exc:  # a family whose backbone or head this forward cannot call the same way
+        return f"the lean log-probability probe failed ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    half = lm.get_output_embeddings().weight.dtype != torch.float32
+    tolerance = 2e-2 if half else 1e-4
+    for name in outputs:
+        ours, theirs = getattr(lean, name).float(), getattr(trl, name).float()
+        if not (ours - theirs).abs().max().item() <= tolerance * max(1.0, theirs.abs().max().item()):
+            return f"its {name} differ from TRL's fused head"
+    return None
+
+
+def install_on_trainer(trainer, outputs: tuple[str, ...]) -> str:
+    """The lean head on a TRL preference trainer's policy (computing `outputs`, what the trainer logs) and on its
+    separate reference model, if any; returns the run log's line saying which head computes the log-probabilities."""
+    problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.model), outputs)
+    if problem:
+        return f"log-probabilities: TRL's fused head over every position ({problem})"
+    line = (f"log-probabilities: answer tokens only, in tiles of {TILE_TOKENS} tokens x {TILE_VOCAB} vocabulary "
+            "entries (no full logits)")
+    if getattr(trainer, "ref_model", None) is not None:
+        problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.ref_model))
+        line += f"; the reference model: TRL's fused head ({problem})" if problem else ", the reference model too"
+    return line

@@ -1,0 +1,93 @@
+"""backend.training.logprobs: DPO and KTO with the lean log-probability head (answer tokens only, small tiles) train
+exactly as with TRL's fused head over every position (TUNEBOARD_CHUNKED_LOSS=0): same per-step losses, rewards,
+logged metrics and gradient norms, on a tiny Llama, with tiles small enough that every batch spans several."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backend.core.spec import validate_spec
+
+TOPICS = ["the sea", "a cat", "music", "trees", "the moon", "bread", "rain", "a bicycle"]
+
+
+class _QuietRunDir:
+    def log(self, message):
+        pass
+
+    warn = log
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_llama, tmp_path_factory):
+    """8 pairs of different lengths, tokenized as stage dpo does (llama3 template)."""
+    from backend.dataprep.data import load_examples
+    from backend.dataprep.preference import build_preference_dataset
+    from backend.dataprep.templates import get_template
+    from backend.training.models import load_tokenizer, resolve_model
+
+    folder = tmp_path_factory.mktemp("lean_pairs")
+    rows = [{"instruction": f"Tell me something about {t}." + " Please." * i, "input": "",
+             "chosen": f"Gladly! {t.capitalize()} is wonderful." + " Really." * (3 - i % 4), "rejected": "No."}
+            for i, t in enumerate(TOPICS)]
+    (folder / "pairs.json").write_text(json.dumps(rows), encoding="utf-8")
+    (folder / "dataset_info.json").write_text(json.dumps({"pairs": {
+        "file_name": "pairs.json", "ranking": True,
+        "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}}}))
+    tokenizer = load_tokenizer(resolve_model(str(tiny_llama)))
+    examples, _ = load_examples("pairs", folder, stage="dpo")
+    return build_preference_dataset(examples, get_template("llama3", tokenizer), tokenizer, 128)[0]
+
+
+def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch) -> tuple[list[dict], list[str]]:
+    """2 steps of the stage's own trainer on `rows`: (log_history, the trainer's run-log lines)."""
+    from datasets import Dataset
+    from transformers import set_seed
+    from trl import KTOConfig
+
+    from backend.stages import dpo, kto
+    from backend.stages.base import trainable_model, training_arguments
+    from backend.training.models import load_tokenizer, resolve_model
+
+    monkeypatch.setenv("TUNEBOARD_CHUNKED_LOSS", "1" if lean else "0")
+    spec = validate_spec({"model_name_or_path": str(tiny_llama), "stage": stage, "dataset": "unused",
+                          "template": "llama3", "cutoff_len": 128, "lora_rank": 4, "per_device_train_batch_size": 4,
+                          "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2, "lr_scheduler_type": "constant",
+                          "save_strategy": "no", "report_to": "none"}, check_files=False)
+    set_seed(0)  # the same LoRA initialisation for both heads
+    resolved = resolve_model(spec.model_name_or_path)
+    model = trainable_model(spec, _QuietRunDir(), resolved)
+    if stage == "dpo":
+        trainer_class, args_class, config = dpo.trainer_for(spec, "sigmoid")
+    else:
+        trainer_class, args_class = kto._kto_trainer_class(spec), KTOConfig
+        config = {"beta": spec.pref_beta, "max_length": spec.cutoff_len}
+    args = training_arguments(spec, tmp_path / f"{stage}-{lean}", has_eval=False, args_class=args_class, extra=config)
+    trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=load_tokenizer(resolved))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], trainer.run_log_lines
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_lean_head_trains_as_trls_head(stage, tiny_llama, pairs, tmp_path, monkeypatch):
+    from backend.training import logprobs
+
+    monkeypatch.setattr(logprobs, "TILE_TOKENS", 16)  # several tiles a batch, and tiles narrower than the vocabulary
+    monkeypatch.setattr(logprobs, "TILE_VOCAB", 96)
+    rows = pairs if stage == "dpo" else [
+        {"prompt_ids": r["prompt_ids"], "completion_ids": r[answer], "label": answer == "chosen_ids"}
+        for r in pairs for answer in ("chosen_ids", "rejected_ids")]
+    lean, lean_lines = _train(stage, tiny_llama, rows, tmp_path, True, monkeypatch)
+    plain, plain_lines = _train(stage, tiny_llama, rows, tmp_path, False, monkeypatch)
+    assert "answer tokens only" in lean_lines[0] and "TRL's fused head" in plain_lines[0]
+    assert len(lean) == len(plain) == 2
+    assert abs(plain[1]["loss"] - plain[0]["loss"]) > 1e-3  # the first step moved the policy: step 2 tells heads apart
+    for ours, theirs in zip(lean, plain):
+        keys = [k for k in theirs if k.split("/")[0] in ("loss", "grad_norm", "rewards", "logps", "logits", "kl",
+                                                           "entropy", "mean_token_accuracy")]
+        assert "rewards/chosen" in keys or "rewards/chosen_sum" in keys
+        for key in keys:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), key

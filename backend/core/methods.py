@@ -77,6 +77,8 @@ class LoraModelKeys(Keys):  # LoRA's key among the model keys (where LLaMA-Facto
 
 
 class LoraKeys(Keys):
+    comma_keys = ("lora_target", "additional_target")
+
     lora_target: str = _f("all", "Modules that get LoRA adapters: 'all' (every linear layer but the head) or names, comma-separated.", "lora", methods=["lora"])
     lora_rank: int = _f(8, "LoRA rank r (adapter size).", "lora", methods=["lora"], ge=1)
     lora_alpha: Optional[int] = _f(None, "LoRA scale numerator alpha (scale = alpha / rank); empty = 2 x rank.", "lora", methods=["lora"], ge=1)
@@ -96,6 +98,8 @@ class LoraKeys(Keys):
 
 
 class OftKeys(Keys):
+    comma_keys = ("oft_target",)
+
     oft_target: str = _f("all", "Modules that get OFT rotations: 'all' (every linear layer but the head) or names, comma-separated.", "oft", methods=["oft"])
     oft_block_size: int = _f(32, "OFT block size (each block rotates this many output features); 0 = set oft_rank instead.", "oft", methods=["oft"], ge=0)
     oft_rank: int = _f(0, "OFT rank: the number of blocks per layer; 0 = set oft_block_size instead.", "oft", methods=["oft"], ge=0)
@@ -103,6 +107,8 @@ class OftKeys(Keys):
 
 
 class FreezeKeys(Keys):  # and GaLore, which trains full weights
+    comma_keys = ("freeze_trainable_modules", "freeze_extra_modules", "galore_target")
+
     freeze_trainable_layers: int = _f(2, "Layers to train: positive = the last N, negative = the first N.", "freeze", methods=["freeze"])
     freeze_trainable_modules: str = _f("all", "Modules trained inside those layers: 'all' or names, comma-separated.", "freeze", methods=["freeze"])
     freeze_extra_modules: Optional[str] = _f(None, "Modules outside the layers to train as well (e.g. embed_tokens), comma-separated.", "freeze", methods=["freeze"])

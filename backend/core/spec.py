@@ -63,10 +63,9 @@ GROUP_TITLES = {"model": "Model", "method": "Method", **{m.form_group: m.title f
                 "eval": "Eval", "export": "Export", "generation": "Generation", "advanced": "Advanced"}
 PASSTHROUGH_TITLE = "TrainingArguments passthrough"
 
-# Fields that hold a comma-separated list; a YAML list is accepted and joined.
-_COMMA_FIELDS = ("adapter_name_or_path", "lora_target", "additional_target", "freeze_trainable_modules",
-                 "freeze_extra_modules", "galore_target", "dataset", "eval_dataset", "interleave_probs",
-                 "reward_funcs", "reward_weights", "tasks", "checkpoints")
+# Fields that hold a comma-separated list; a YAML list is accepted and joined (a method's or stage's: its `comma_keys`).
+_COMMA_FIELDS = ("adapter_name_or_path", "dataset", "eval_dataset", "interleave_probs", "tasks", "checkpoints",
+                 *(key for section in (*STAGE_KEYS, *METHOD_KEYS) for key in section.comma_keys))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,13 +7,16 @@ its own sections, each method's keys (backend/core/methods.py `METHOD_KEYS`) and
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
 
 class Keys(BaseModel):
-    """A section of RunSpec's keys; RunSpec inherits it (its fields, validators and properties)."""
+    """A section of RunSpec's keys; RunSpec inherits it (its fields, validators and properties). `comma_keys`: its
+    keys that hold a comma-separated list (a YAML list is accepted and joined)."""
+
+    comma_keys: ClassVar[tuple[str, ...]] = ()
 
 
 def spec_key(default: Any, description: str, group: str, *, methods: list[str] | None = None,

@@ -144,6 +144,8 @@ class PpoKeys(Keys):
 
 class OnlineKeys(Keys):
     """grpo and rloo; ppo takes the reward keys, ppo and kd max_completion_length."""
+
+    comma_keys = ("reward_funcs", "reward_weights")
     reward_funcs: Optional[str] = _f(None, "GRPO / RLOO reward functions, comma-separated: json_valid, json_schema, field_f1, exact_match, length_penalty, format_regex, your own module:function / path/to/file.py:function, or a reward model folder (a stage rm run's output_dir).", "method")
     reward_weights: Optional[str] = _f(None, "GRPO: one weight per reward function, comma-separated (default: 1 each).", "method")
     reward_schema: Optional[str] = _f(None, "GRPO json_schema reward: a JSON Schema file (.json) or inline JSON (default: each row's own, inferred from its reference answer).", "method")

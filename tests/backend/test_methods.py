@@ -89,3 +89,10 @@ def test_method_and_stage_keys_are_declared_beside_them():
     stage_keys = {k for section in STAGE_KEYS for k in section.model_fields}
     assert {k for s in STAGES.values() for k in s.fields} == stage_keys
     assert (method_keys | stage_keys) <= set(RunSpec.model_fields)
+
+
+def test_a_methods_comma_key_takes_a_yaml_list():
+    """comma_keys of a method's keys class: a YAML list is joined, as for lora_target."""
+    spec = RunSpec.model_validate({"finetuning_type": "oft", "oft_target": ["q_proj", "o_proj"]},
+                                  context={"check_files": False})
+    assert spec.oft_target == "q_proj,o_proj"

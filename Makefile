@@ -90,11 +90,14 @@ test-fast: setup
 # Side by side (not a test): the same LoRA SFT recipe by tuneboard, a plain TRL script and LLaMA-Factory
 # (its own venv, bench/.venv-lf; skipped with the reason if it cannot install). BENCH_ARGS="--levers all" adds
 # TuneBoard with each speed lever off. Results: bench/results/, table in bench/README.md. Then the cost of
-# eval_metric: the recipe with and without a task metric scored at each save (bench/scoring.py).
+# eval_metric: the recipe with and without a task metric scored at each save (bench/scoring.py). Then preprocessing
+# at scale: 1,000,000 generated alpaca rows tokenized by both tools (bench/preprocess.py; PREPROCESS_ARGS="--rows 200000"
+# for a smaller run).
 bench: setup
 	bash bench/install_lf.sh > bench/install_lf.log 2>&1 || echo "LLaMA-Factory did not install: see bench/install_lf.log (the benchmark runs without it)"
 	$(PY) bench/run.py --rounds 2 $(BENCH_ARGS)
 	$(PY) bench/scoring.py --rounds 1
+	$(PY) bench/preprocess.py $(PREPROCESS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

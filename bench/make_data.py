@@ -68,6 +68,35 @@ def kto_rows(base: list[dict], seed: int = 2) -> list[dict]:
             for i, r in enumerate(base)]
 
 
+QUESTIONS = [("What does the product below cost?", lambda d: f"It costs ${d['price_usd']}."),
+             ("Is the product below in stock?", lambda d: "Yes, it is in stock." if d["in_stock"] else "No, it is out of stock."),
+             ("Which colors does the product below come in?", lambda d: ", ".join(d["colors"]).capitalize() + "."),
+             ("Give the SKU of the product below.", lambda d: d["sku"]),
+             ("Extract the product below as a JSON object.", lambda d: json.dumps(d))]
+
+
+def alpaca_rows(n: int, seed: int = 3):
+    """n short alpaca rows (instruction, input, output) about one product listing each, for the preprocessing
+    benchmark (bench/preprocess.py): a question, the listing, the answer (a few words to a JSON object)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        text, fields = item(rng)
+        question, answer = rng.choice(QUESTIONS)
+        yield {"instruction": question, "input": text, "output": answer(fields)}
+
+
+def write_alpaca(folder: Path, n: int, name: str = "alpaca_bench") -> Path:
+    """alpaca_rows(n) as JSON lines in folder/<name>.jsonl, registered in folder/dataset_info.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.jsonl"
+    with path.open("w", encoding="utf-8") as f:
+        for row in alpaca_rows(n):
+            f.write(json.dumps(row) + "\n")
+    info = {name: {"file_name": path.name, "columns": {"prompt": "instruction", "query": "input", "response": "output"}}}
+    (folder / "dataset_info.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
+    return path
+
+
 def main() -> Path:
     DATA.mkdir(exist_ok=True)
     base = rows()

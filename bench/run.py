@@ -188,6 +188,42 @@ def losses_of(log: Path) -> list[tuple[float, float]]:
     return rows
 
 
+def tree_rss_kib(pid: int) -> int:
+    """RSS of a process and all its descendants now, summed (KiB; pages shared after a fork count once per
+    process, as top shows them)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total // 1024
+
+
+def spawn_measured(argv: list[str], env: dict, stdout: Path, tick=None) -> tuple[int, int, int]:
+    """Run argv to its end, its output into `stdout`; tick(now) every 0.25 s. (exit code, peak RSS of the process
+    = its ru_maxrss from wait4 in KiB, peak RSS of its whole process tree sampled every 0.25 s in KiB)."""
+    tree_peak = 0
+    with stdout.open("w") as sink:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        while True:  # wait4 (not Popen.poll, which would reap the child and lose its rusage)
+            tree_peak = max(tree_peak, tree_rss_kib(proc.pid))
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if tick is not None:
+                tick(time.perf_counter())
+            if pid:
+                break
+            time.sleep(0.25)
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss, max(tree_peak, usage.ru_maxrss)
+
+
 def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict:
     """One run: spawn, watch its trainer_log.jsonl for step lines, wait4 for its peak RSS."""
     if out_dir.exists():
@@ -202,20 +238,14 @@ def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict
         if switch not in env_extra:
             env.pop(switch, None)
     log = out_dir / "trainer_log.jsonl"
-    with (out_dir / "bench_stdout.txt").open("w") as sink:
-        start = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        seen: dict[int, float] = {}
-        while True:  # wait4 (not Popen.poll, which would reap the child and lose its rusage)
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            now = time.perf_counter()
-            for step, _ in losses_of(log):
-                seen.setdefault(int(step), now)
-            if pid:
-                break
-            time.sleep(0.25)
-    returncode = os.waitstatus_to_exitcode(status)
-    peak_kib = usage.ru_maxrss
+    seen: dict[int, float] = {}
+
+    def watch(now: float) -> None:
+        for step, _ in losses_of(log):
+            seen.setdefault(int(step), now)
+
+    start = time.perf_counter()
+    returncode, peak_kib, _ = spawn_measured(argv, env, out_dir / "bench_stdout.txt", watch)
     end = time.perf_counter()
     for step, _ in losses_of(log):
         seen.setdefault(int(step), end)

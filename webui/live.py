@@ -11,7 +11,7 @@ import pandas as pd
 
 from backend.core.curves import smooth
 from backend.core.paths import DEFAULT_MODEL_ID
-from backend.core.rundir import PHASE_SAVING, PHASE_TRAINING
+from backend.core.rundir import PHASE_LOADING, PHASE_SAVING, PHASE_TRAINING
 from backend.stages import STAGES, get_stage, matches
 from webui.i18n import has, tr
 import json
@@ -237,6 +237,26 @@ _DATASET = re.compile(r"^dataset \S+ .*?(\d+) kept")
 _TOTAL = re.compile(r"^datasets total: (\d+) examples kept")
 
 
+def tokenizing_share(status: dict | None) -> float | None:
+    """The share of rows tokenized so far while a run tokenizes (status.json "tokenizing", written by
+    backend.core.rundir.RunDir.tokenizing_progress), else None (not tokenizing, or done)."""
+    prep = (status or {}).get("tokenizing")
+    if (status or {}).get("phase") not in (None, PHASE_LOADING) or not isinstance(prep, dict):
+        return None
+    done, total = _num(prep.get("done")), _num(prep.get("total"))
+    if done is None or not total or done >= total:
+        return None
+    return done / total
+
+
+def _tokenizing_text(status: dict, lang: str) -> str:
+    prep = status["tokenizing"]
+    done, total, eta = int(_num(prep.get("done")) or 0), int(_num(prep.get("total")) or 0), _num(prep.get("eta_s"))
+    if eta is None:
+        return tr(lang, "phase.tokenizing_rows", done=f"{done:,}", total=f"{total:,}")
+    return tr(lang, "phase.tokenizing_eta", done=f"{done:,}", total=f"{total:,}", eta=fmt_duration(eta))
+
+
 def phase(log_lines: list[str], total: int | None = None, model: str = "", lang: str = "en",
           status: dict | None = None) -> str:
     """What a training process is doing, for the progress card. The trainer writes its phase into status.json
@@ -245,8 +265,11 @@ def phase(log_lines: list[str], total: int | None = None, model: str = "", lang:
     phases) the log lines the backend writes at each loading step tell which (backend/training/train.py, backend/stages):
     starting, loading the tokenizer (a GGUF model is converted once), tokenizing N rows, loading the model,
     adding the adapter, the reference model, then preparing the trainer (TRL tokenizes or packs there too) until
-    the first step begins."""
+    the first step begins. While the rows are tokenized, the rows done of all and the time left (status.json
+    "tokenizing")."""
     status = status or {}
+    if tokenizing_share(status) is not None:
+        return _tokenizing_text(status, lang)
     if status.get("phase") == PHASE_SAVING:
         return tr(lang, "phase.saving")
     if status.get("phase") == PHASE_TRAINING:
@@ -305,13 +328,18 @@ STATE_CLASS = {"running": "running", "starting": "running", "pending": "running"
                "aborted": "warn", "queued": "queued"}
 
 
-def progress_html(p: dict, state: str, run_name: str = "", phase_text: str = "", lang: str = "en") -> str:
+def progress_html(p: dict, state: str, run_name: str = "", phase_text: str = "", lang: str = "en",
+                  phase_share: float | None = None) -> str:
     """The progress bar and its numbers, as one small HTML block (one component update per tick).
-    `phase_text`: what the run does before its first step (see phase())."""
+    `phase_text`: what the run does before its first step (see phase()); `phase_share`: how far that is, drawn as
+    a second bar under it (the rows tokenized: tokenizing_share())."""
     pct = round(100 * p["fraction"], 1)
     total = p["total"] if p["total"] else "?"
     doing = (f'<div class="tb-phase" data-phase="{html.escape(phase_text)}">{html.escape(phase_text)}…</div>'
              if phase_text else "")
+    if phase_text and phase_share is not None:
+        doing += (f'<div class="tb-bar tb-phase-bar" data-share="{phase_share:.3f}">'
+                  f'<div class="tb-bar-fill" style="width:{100 * phase_share:.1f}%"></div></div>')
 
     def w(key: str) -> str:
         return html.escape(tr(lang, key))

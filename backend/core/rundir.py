@@ -65,6 +65,7 @@ FINAL_STATES = ("completed", "aborted", "failed")
 # step (final save, plot). "phase_started" keeps when each began (RunDir.set_phase); the final status keeps the
 # phase the run ended in. A distill run folder writes its own step names ("generate", "train", "score").
 PHASE_LOADING, PHASE_TRAINING, PHASE_SAVING = "loading", "training", "saving"
+TOKENIZING_EVERY = 0.5  # seconds between two writes of status.json's "tokenizing" progress (RunDir.tokenizing_progress)
 # an eval process's phases after LOADING (status "step" counts the phase's rows): PREDICTING the tuned answers
 # with their scores, ANSWERING for the judge ("answering": whose answers, base or tuned), JUDGING the pairs
 PHASE_PREDICTING, PHASE_ANSWERING, PHASE_JUDGING = "predicting", "answering", "judging"
@@ -317,6 +318,7 @@ class RunDir:
         self.status: dict[str, Any] = read_status(self.path) or {}
         self._log = open(self.path / RUNNING_LOG, "a", encoding="utf-8") if writer else None
         self._started = time.time()
+        self._tokenizing_since, self._tokenizing_written = 0.0, 0.0
 
     # -- status.json -------------------------------------------------------------------------
     def update_status(self, **fields: Any) -> None:
@@ -330,6 +332,7 @@ class RunDir:
     def start(self) -> None:
         self.clear_stale_stop()
         self.status.pop("ended_by", None)  # a status the watcher wrote for an earlier process
+        self.status.pop("tokenizing", None)  # an earlier process's tokenizing progress
         # pid: the process the UI launched and stops (its group), the supervising parent when there is one;
         # train_pid: this process, which trains
         self.update_status(
@@ -343,6 +346,21 @@ class RunDir:
         """The process entered `phase` (PHASE_*): status.json says so, and keeps when each phase began."""
         started = dict(self.status.get("phase_started") or {}, **{phase: now_iso()})
         self.update_status(phase=phase, phase_started=started, **fields)
+
+    def tokenizing_progress(self, done: int, total: int) -> None:
+        """Rows tokenized so far (backend.dataprep.preprocess.tokenizing reports them): status.json "tokenizing" =
+        {done, total, rows_per_s, eta_s}, for the Train tab's tokenizing bar. Written at the start, at the end and
+        at most every TOKENIZING_EVERY seconds between; rows_per_s and eta_s from the rows done since the start."""
+        now = time.time()
+        if done == 0 or not self._tokenizing_since:
+            self._tokenizing_since, self._tokenizing_written = now, 0.0
+        if 0 < done < total and now - self._tokenizing_written < TOKENIZING_EVERY:
+            return
+        self._tokenizing_written = now
+        elapsed = now - self._tokenizing_since
+        rate = done / elapsed if done and elapsed > 0 else None
+        self.update_status(tokenizing={"done": done, "total": total, "rows_per_s": rate,
+                                       "eta_s": (total - done) / rate if rate else None})
 
     def clear_stale_stop(self) -> None:
         """Remove a STOP file left by an earlier abort, so a resumed run does not stop again at once. A STOP

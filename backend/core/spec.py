@@ -246,6 +246,7 @@ class RunSpec(*key_order(GROUPS, _ModelKeys, _MethodKeys, *STAGE_KEYS, *METHOD_K
     max_samples: Optional[int] = _f(None, "Use at most this many rows per dataset.", "data", ge=1)
     overwrite_cache: bool = _f(False, "Re-tokenize and replace the tokenized cache even where it matches the data and settings.", "data")
     preprocessing_num_workers: Optional[int] = _f(None, "Processes used to tokenize the dataset.", "data", ge=1)
+    preprocessing_batch_size: int = _f(1000, "Rows a tokenizing process takes at a time; the progress shown while tokenizing moves by this many rows.", "data", ge=1)
     streaming: bool = _f(False, "Read the dataset lazily as training goes (memory independent of its size; sft and pt; needs max_steps; val_size as a row count).", "data")
     buffer_size: int = _f(16384, "Streaming: rows in the shuffle buffer (seeded by seed).", "data", ge=1)
     mix_strategy: Literal["concat", "interleave_under", "interleave_over"] = _f("concat", "How several datasets are mixed.", "data")

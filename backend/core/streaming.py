@@ -43,4 +43,7 @@ def stream_errors(spec) -> list[tuple[str, str, frozenset]]:
     if spec.preprocessing_num_workers and spec.preprocessing_num_workers > 1:
         refuse("preprocessing_num_workers", "a stream is tokenized row by row as the trainer reads it, in the "
                "training process: drop preprocessing_num_workers")
+    if spec.preprocessing_batch_size != 1000:  # the field's default
+        refuse("preprocessing_batch_size", "a stream is tokenized row by row as the trainer reads it, never in "
+               "batches of rows: drop preprocessing_batch_size")
     return errors

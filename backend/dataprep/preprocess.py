@@ -51,8 +51,11 @@ to each other (measured: logit error ~0.17 on a tiny Llama). The Trainer sets ``
 from __future__ import annotations
 
 import bisect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
 
 from backend.core.supervise import die_with_parent
 import signal
@@ -98,23 +101,28 @@ class _Tokenized:
 def _tokenize_with_offsets(segments: Sequence[Any], tokenizer) -> _Tokenized:
     """Tokenize the joined text once and label tokens by char offsets (fast tokenizers)."""
     text = "".join(s.text for s in segments)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    offsets = enc["offset_mapping"]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        enc = backend.encode(text, add_special_tokens=False)  # what tokenizer(text) runs, without its per-call wrapping
+        ids, offsets = enc.ids, enc.offsets
+    else:  # a tokenizer.json with truncation/padding of its own: transformers turns them off for the call
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     starts: list[int] = []
     pos = 0
     for seg in segments:
         starts.append(pos)
         pos += len(seg.text)
     last = len(segments) - 1
-    trained: list[bool] = []
-    segment_of: list[int] = []
-    for begin, end in offsets:
-        first_seg = min(max(bisect.bisect_right(starts, begin) - 1, 0), last)
-        last_seg = min(max(bisect.bisect_right(starts, end - 1) - 1, first_seg), last)
-        segment_of.append(first_seg)
-        trained.append(any(segments[k].trained for k in range(first_seg, last_seg + 1)))
-    return _Tokenized(ids, trained, segment_of)
+    # per token, in numpy (a Python loop over the tokens was most of the preprocessing time): the segment its first
+    # and its last character lie in, and whether any segment from the first to the last is trained (a prefix sum)
+    bounds = np.asarray(starts)
+    spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    first_seg = np.clip(np.searchsorted(bounds, spans[:, 0], side="right") - 1, 0, last)
+    last_seg = np.minimum(np.maximum(np.searchsorted(bounds, spans[:, 1] - 1, side="right") - 1, first_seg), last)
+    trained_so_far = np.concatenate(([0], np.cumsum([bool(s.trained) for s in segments])))
+    trained = trained_so_far[last_seg + 1] - trained_so_far[first_seg] > 0
+    return _Tokenized(ids, trained.tolist(), first_seg.tolist())
 
 
 def _tokenize_per_segment(segments: Sequence[Any], tokenizer) -> _Tokenized:
@@ -422,7 +430,33 @@ def _pt_rows(examples: list[dict], tokenizer, cutoff_len: int | None, *, add_bos
 # preprocessing_num_workers
 # --------------------------------------------------------------------------------------------------
 
-_FORKED: tuple | None = None  # (build, chunks, kwargs), inherited by the forked workers (nothing is pickled in)
+_FORKED: tuple | None = None  # (build, examples, batch size, kwargs), inherited by the forked workers (nothing is pickled in)
+DEFAULT_BATCH_SIZE = 1000  # preprocessing_batch_size's default (LLaMA-Factory's too)
+
+
+@dataclass
+class _Tokenizing:
+    batch_size: int = DEFAULT_BATCH_SIZE
+    report: Callable[[int, int], Any] | None = None
+
+
+_SETTINGS = _Tokenizing()
+
+
+@contextmanager
+def tokenizing(batch_size: int | None = None, report: Callable[[int, int], Any] | None = None):
+    """Inside this block every in_workers call (every stage's build_*_dataset) hands out its rows `batch_size` at a
+    time (preprocessing_batch_size) and calls report(rows done, rows in all) at its start and after each batch, in
+    the order the batches finish (a training run: RunDir.tokenizing_progress, the Train tab's tokenizing bar).
+    The stages' build functions take no such arguments: a run sets them once, around its stage."""
+    global _SETTINGS
+
+    before = _SETTINGS
+    _SETTINGS = _Tokenizing(int(batch_size or DEFAULT_BATCH_SIZE), report)
+    try:
+        yield
+    finally:
+        _SETTINGS = before
 
 
 def _tokenizer_process_init() -> None:
@@ -442,44 +476,61 @@ def _tokenizer_process_init() -> None:
     die_with_parent()
 
 
-def _run_chunk(k: int) -> tuple[list[dict], Stats]:
-    build, chunks, kwargs = _FORKED
-    return build(chunks[k], **kwargs)
+def _run_batch(k: int) -> tuple[list[dict], Stats]:
+    build, examples, size, kwargs = _FORKED
+    return build(examples[k * size:(k + 1) * size], **kwargs)
 
 
 def in_workers(build: Callable[..., tuple[list[dict], Stats]], examples: list[dict], num_workers: int | None,
                **kwargs) -> tuple[list[dict], Stats]:
-    """build(examples, **kwargs) -> (rows, stats), run on num_workers contiguous slices of the examples in
-    forked processes (preprocessing_num_workers), the results joined in order: the rows are exactly those
-    of one process. Fork means the tokenizer and template are inherited, not pickled. At most one worker
-    per CPU and per example; with one, or where fork does not exist, it runs here. Stats.workers says how
-    many processes tokenized."""
+    """build(examples, **kwargs) -> (rows, stats), run on consecutive batches of the examples (the tokenizing
+    block's batch size, see tokenizing()) in num_workers forked processes (preprocessing_num_workers), the results
+    joined in order: the rows are exactly those of one process. Fork means the tokenizer and template are
+    inherited, not pickled; each batch's rows come back as soon as it is done, so no process ever holds more than
+    its batch besides the rows joined here. At most one worker per CPU and per example (batches are smaller when
+    there are fewer rows than workers x batch size, so each worker gets some); with one, or where fork does not
+    exist, the batches run here. Stats.workers says how many processes tokenized."""
     global _FORKED
 
     workers = min(int(num_workers or 1), os.cpu_count() or 1, max(len(examples), 1))
+    size = max(1, min(_SETTINGS.batch_size, -(-len(examples) // workers)))  # a few rows: still one batch per worker
+    batches = -(-len(examples) // size)
+    report = _SETTINGS.report or (lambda done, total: None)
+    rows: list[dict] = []
+    stats: Stats | None = None
+
+    def take(part: tuple[list[dict], Stats]) -> None:
+        nonlocal stats
+        rows.extend(part[0])
+        if stats is None:
+            stats = part[1]
+        else:
+            stats.merge(part[1])
+        report(stats.rows_in, len(examples))
+
+    report(0, len(examples))
     if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        rows, stats = build(examples, **kwargs)
-        return rows, stats
-    size = -(-len(examples) // workers)
-    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
-    _FORKED = (build, chunks, kwargs)
-    try:
-        pool = multiprocessing.get_context("fork").Pool(len(chunks), initializer=_tokenizer_process_init)
+        for k in range(batches):
+            take(build(examples[k * size:(k + 1) * size], **kwargs))
+        workers = 1
+    else:
+        _FORKED = (build, examples, size, kwargs)
         try:
-            parts = pool.map(_run_chunk, range(len(chunks)))
-            pool.close()  # each worker reads its end-of-work sentinel and exits: no SIGTERM (terminate) to race
-        except BaseException:
-            pool.terminate()
-            raise
+            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_tokenizer_process_init)
+            try:
+                for part in pool.imap(_run_batch, range(batches)):
+                    take(part)
+                pool.close()  # each worker reads its end-of-work sentinel and exits: no SIGTERM (terminate) to race
+            except BaseException:
+                pool.terminate()
+                raise
+            finally:
+                pool.join()
         finally:
-            pool.join()
-    finally:
-        _FORKED = None
-    rows = [row for part_rows, _ in parts for row in part_rows]
-    stats = parts[0][1]
-    for _, more in parts[1:]:
-        stats.merge(more)
-    stats.workers = len(chunks)
+            _FORKED = None
+    if stats is None:
+        return build([], **kwargs)
+    stats.workers = workers
     return rows, stats
 
 

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 from backend.core.rundir import DEBUG_LOG, LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
+from backend.dataprep.preprocess import tokenizing
 from backend.stages import stage_module
 from backend.stages.base import CheckpointSaveError, RunError
 import ctypes
@@ -227,7 +228,9 @@ def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = Fal
             mmap = f", mmap threshold {threshold >> 10} KiB" if threshold else ""
             run_dir.log(f"memory allocator: {allocator.describe()}{mmap}")
         seed_everything(spec)
-        result = stage.run(spec, run_dir, stop)
+        # preprocessing_batch_size, and the rows tokenized so far in status.json (the Train tab's tokenizing bar)
+        with tokenizing(spec.preprocessing_batch_size, run_dir.tokenizing_progress):
+            result = stage.run(spec, run_dir, stop)
     except Exception as exc:  # the run ends here; the status says why
         message = failure_message(exc, out)
         if rank:

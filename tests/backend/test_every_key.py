@@ -119,6 +119,7 @@ CONSUMED = {
     "val_size": "backend/test_data.py::test_split_train_val",
     "max_samples": "backend/test_data.py::test_several_names_and_max_samples",
     "preprocessing_num_workers": "backend/test_features.py::test_preprocessing_workers_give_identical_rows",
+    "preprocessing_batch_size": "backend/test_tokenizing_progress.py::test_each_batch_moves_the_status_progress",
     "tokenized_path": "backend/test_token_cache.py::test_tokenized_path_is_checked_against_the_data",
     "overwrite_cache": "backend/test_token_cache.py::test_second_run_loads_the_cache_and_a_changed_cutoff_retokenizes",
     "streaming": "backend/test_streaming.py::test_streaming_sft_trains_and_resumes_at_the_next_row",

@@ -272,7 +272,7 @@ def view_updates(st: dict, log_scale: bool, force_plot: bool = False, lang: str 
         # what the process is in: from the phase it writes to status.json, the log lines before that
         doing = live.phase(list(tail.log_tail), p["total"], st["spec"].get("model_name_or_path", ""), lang,
                            status=status or rs.status)
-    prog = live.progress_html(p, state, name, doing, lang)
+    prog = live.progress_html(p, state, name, doing, lang, phase_share=live.tokenizing_share(status or rs.status))
     # a run attached a moment ago is drawn once even with no record yet (the plots still hold the last run's)
     changed = force_plot or len(tail.records) != before or st.get("plotted") != run_dir
     st["plotted"] = run_dir

@@ -46,14 +46,35 @@ def generation_kwargs(spec, tokenizer, template, stop=None, greedy: bool = False
     return kwargs
 
 
-def generate(model, tokenizer, template, prompts: list[str], kwargs: dict) -> list[str]:
+class _Settled(StoppingCriteria):
+    """Stops each row of a batch once `settled(its answer so far)` says no later token can change its score (the
+    other rows go on); the answers decoded as generate()'s caller decodes them."""
+
+    def __init__(self, tokenizer, width: int, settled):
+        self.tokenizer, self.width, self.settled, self.done = tokenizer, width, settled, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.done is None:
+            self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        rows = [i for i in range(input_ids.shape[0]) if not self.done[i]]
+        texts = self.tokenizer.batch_decode(input_ids[rows, self.width:], skip_special_tokens=True)
+        for i, text in zip(rows, texts):
+            self.done[i] = bool(self.settled(text))
+        return self.done.clone()
+
+
+def generate(model, tokenizer, template, prompts: list[str], kwargs: dict, settled=None) -> list[str]:
     """One batch: the prompts left-padded into one generate() call (with the KV cache), each answer cut at the
-    template's stop words."""
+    template's stop words. `settled(answer so far)` -> True once a row's answer can no longer change what it
+    scores: that row stops there (backend.evaluation.task_metric.answer_settled)."""
     encoded = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     width = max(len(ids) for ids in encoded)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=model.device)
+    if settled is not None:
+        kwargs = dict(kwargs, stopping_criteria=StoppingCriteriaList(
+            [*kwargs.get("stopping_criteria", []), _Settled(tokenizer, width, settled)]))
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
     texts = []

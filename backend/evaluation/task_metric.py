@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -70,6 +71,52 @@ def check_rows(metric: str, examples: list[dict]) -> None:
                               "bleu, rouge_l or eval_loss for answers in plain text")
 
 
+JSON_STARTS = '{["-0123456789tfnNI`'  # how json.loads (or a ```json fence, metrics.parse_json) can begin
+
+
+def json_end(text: str) -> int | None:
+    """The index just past the top-level object or list that `text` opens with (brackets inside strings not
+    counted), or None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def answer_settled(text: str, stop_words: list[str], json_answer: bool) -> bool:
+    """True once no later token can change what the answer so far scores, so its generation may stop there:
+    - a template stop word is in it: the answer is cut there (backend.evaluation.predict.generate), the rest dropped;
+    - json_answer (the JSON metrics, which score json.loads of the whole stripped answer, metrics.parse_json): it
+      begins with a character no JSON value (nor a ```json fence) begins with, or the object / list it opens has
+      closed and a non-blank character follows that cannot begin a stop word. Either way it is not JSON whatever
+      comes next, and scores as not JSON.
+    A trailing U+FFFD may be half a character still being written: it settles nothing."""
+    if any(word and word in text for word in stop_words):
+        return True
+    body = text.lstrip()
+    if not json_answer or not body or body[0] == "\ufffd":
+        return False
+    if body[0] not in "{[":
+        return body[0] not in JSON_STARTS
+    end = json_end(body)
+    if end is None:
+        return False
+    first = end + len(body[end:]) - len(body[end:].lstrip())  # the first non-blank character after it
+    if first == len(body) or body[first] == "\ufffd":
+        return False
+    # a stop word starting in the blanks after the close would cut the answer back to valid JSON
+    return not any(word.startswith(body[i:]) for i in range(end, first + 1) for word in stop_words if word)
+
+
 def generation_batch(spec, row_tokens: int, rows: int) -> int:
     """Rows per generate() call: as many as fit the training micro-batch's token budget x GENERATION_BUDGET
     (generation keeps only the KV cache, no activations for a backward pass nor gradients), at least
@@ -98,8 +145,10 @@ class TaskMetricCallback(TrainerCallback):
         # an answer more than twice as long as the longest reference cannot score well: generation stops there
         longest = max(len(tokenizer(r, add_special_tokens=False).input_ids) for r in self.references)
         self.max_new_tokens = min(spec.max_new_tokens, 2 * longest + ANSWER_SLACK)
-        self.batch_rows = generation_batch(spec, max(len(tokenizer(p, add_special_tokens=False).input_ids)
-                                                     for p in self.prompts) + self.max_new_tokens, len(self.prompts))
+        lengths = [len(tokenizer(p, add_special_tokens=False).input_ids) for p in self.prompts]
+        self.batch_rows = generation_batch(spec, max(lengths) + self.max_new_tokens, len(self.prompts))
+        # generated longest prompt first: rows of like length share a generate() call (less left padding)
+        self.order = sorted(range(len(self.prompts)), key=lambda i: -lengths[i])
         self.record = {"metric": self.metric, "greater_is_better": greater_is_better(self.metric),
                        "samples": len(self.examples), "scores": [], "best": None}
         self.best_checkpoint: str | None = None  # the path, on every rank
@@ -128,10 +177,15 @@ class TaskMetricCallback(TrainerCallback):
             stop = (lambda: self.stop.reason) if self.stop is not None else None
             kwargs = generation_kwargs(self.spec, self.tokenizer, self.template, stop=stop, greedy=True)
             kwargs["max_new_tokens"] = self.max_new_tokens
-            predictions = []
-            for start in range(0, len(self.prompts), self.batch_rows):
-                predictions += generate(model, self.tokenizer, self.template,
-                                        self.prompts[start:start + self.batch_rows], kwargs)
+            settled = partial(answer_settled, stop_words=list(self.template.stop_words or []),
+                              json_answer=self.metric in JSON_METRICS)
+            predictions = [""] * len(self.prompts)
+            for start in range(0, len(self.order), self.batch_rows):
+                rows = self.order[start:start + self.batch_rows]
+                answers = generate(model, self.tokenizer, self.template, [self.prompts[i] for i in rows], kwargs,
+                                   settled=settled)
+                for i, answer in zip(rows, answers):
+                    predictions[i] = answer
             if self.metric == "judge":  # the answers' win rate against the references, asked in both orders
                 settings = JudgeSettings.from_spec(self.spec, cache_dir=self.run_dir.path / JUDGE_CACHE_DIRNAME)
                 return 100 * judge_win_rate(self.conversations, predictions, self.references, settings,

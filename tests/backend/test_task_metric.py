@@ -253,3 +253,99 @@ def test_two_processes_score_on_rank_zero_and_load_the_same_best(tiny_llama, tmp
     assert sum(1 for r in lines if "eval_seconds" in r) == 3
     adapter = "adapter_model.safetensors"
     assert same(weights(out, adapter), weights(out / record["best"]["checkpoint"], adapter))
+
+
+def _settles_the_same(answer: str, stop_words: list[str]) -> None:
+    """Wherever answer_settled stops a prefix of `answer`, the prefix (cut and stripped as generate() does) scores
+    what the whole answer scores, by every JSON metric."""
+    from backend.core.metrics import field_counts
+    from backend.evaluation.task_metric import answer_settled, score
+
+    def final(text):
+        for word in stop_words:
+            text = text.split(word)[0]
+        return text.strip()
+
+    ref = '{"name": "Ada", "tags": ["a}", "b"]}'
+    whole = final(answer)
+    stops = [n for n in range(len(answer) + 1) if answer_settled(answer[:n], stop_words, json_answer=True)]
+    for n in stops:  # the first is where generation stops; every later prefix too
+        cut = final(answer[:n])
+        assert field_counts(cut, ref) == field_counts(whole, ref), (answer, n)
+        assert all(score(m, [cut], [ref]) == score(m, [whole], [ref]) for m in ("json_valid", "schema_valid"))
+    return stops[0] if stops else None
+
+
+def test_an_answer_settles_once_no_later_token_changes_its_score():
+    """answer_settled: a JSON answer stops at the first non-blank character after its top-level value closes (it can
+    no longer parse), never inside a string, never on the blank or a stop word's first characters after the close;
+    an answer that cannot begin JSON stops at once; a stop word settles any answer; and the score of the prefix it
+    stops at is the whole answer's."""
+    from backend.evaluation.task_metric import answer_settled
+
+    words = ["<|eot_id|>", "\n\nUser:"]
+    valid = '{"name": "Ada", "tags": ["a}", "b"]}'
+    assert _settles_the_same(valid + "\n\n", words) is None  # blank after the close: still valid, generation goes on
+    assert _settles_the_same(valid + " <|eot_id|> junk", words) == len(valid) + len(" <|eot_id|>")
+    assert _settles_the_same(valid + "\n\nUser: more", words) == len(valid) + len("\n\nUser:")
+    assert _settles_the_same(valid + "\n\nUsed {", words) == len(valid) + len("\n\nUsed")  # not the stop word
+    assert _settles_the_same(valid + ' {"name": "Bob"}', words) == len(valid) + 2  # a second value: not JSON
+    assert _settles_the_same("Sure: " + valid, words) == 1
+    assert _settles_the_same("  " + valid[:-1] + "x" * 20, words) is None  # never closed: runs to the cap
+    for start in ("```json\n" + valid + "\n```", '"just a string"', "42", "true", "null"):
+        assert _settles_the_same(start + " x", words) != 1  # JSON (or a fence) may begin this way
+    assert not answer_settled('{"a": "x} y', words, json_answer=True)  # the brace is inside a string
+    assert not answer_settled(valid + "\ufffd", words, json_answer=True)  # half a character: may be a blank
+    assert answer_settled("plain text <|eot_id|>", words, json_answer=False)
+    assert not answer_settled(valid + " more", words, json_answer=False)  # other metrics: only a stop word settles
+
+
+def test_a_json_answer_stops_where_it_settles_and_scores_the_same(tiny_llama):
+    """generate(settled=...) with a tiny model made to write set answers (greedy, one batch): the row that closes
+    its JSON and ends is whole; the rows whose answers cannot be JSON any more stop there, shorter than without
+    the stop, while the other rows go on; every JSON metric scores both runs the same."""
+    import torch
+    from functools import partial
+    from transformers import LogitsProcessor, LogitsProcessorList
+    from backend.training.models import load_model, load_tokenizer, resolve_model
+    from backend.evaluation.predict import generate, generation_kwargs
+    from backend.evaluation.task_metric import JSON_METRICS, answer_settled, score
+    from backend.dataprep.resolve import pick_template
+
+    spec = validate_spec({"model_name_or_path": str(tiny_llama), "max_new_tokens": 40, "template": "llama3"},
+                         check_files=False)
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer)
+    model = load_model(spec, resolved, for_training=False).eval()
+    ref = '{"name": "Ada", "age": 3}'
+    filler = tokenizer(" x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x x",
+                       add_special_tokens=False).input_ids
+    scripts = [tokenizer(ref, add_special_tokens=False).input_ids + [tokenizer.eos_token_id],
+               tokenizer(ref + ' {"name": "Bob"}', add_special_tokens=False).input_ids + filler,
+               tokenizer("Sure: " + ref, add_special_tokens=False).input_ids + filler]
+
+    class Script(LogitsProcessor):  # the model writes each row's script, token by token
+        width = None
+
+        def __call__(self, input_ids, scores):
+            self.width = self.width or input_ids.shape[1]
+            step = input_ids.shape[1] - self.width
+            forced = torch.full_like(scores, -float("inf"))
+            for row, script in enumerate(scripts):
+                forced[row, script[min(step, len(script) - 1)]] = 0.0
+            return forced
+
+    prompts = [template.render_text([{"role": "user", "content": f"Extract {i}"}], None, add_generation_prompt=True)
+               for i in range(3)]
+    kwargs = generation_kwargs(spec, tokenizer, template, greedy=True)
+    settled = partial(answer_settled, stop_words=list(template.stop_words), json_answer=True)
+    full = generate(model, tokenizer, template, prompts, dict(kwargs, logits_processor=LogitsProcessorList([Script()])))
+    cut = generate(model, tokenizer, template, prompts, dict(kwargs, logits_processor=LogitsProcessorList([Script()])),
+                   settled=settled)
+    assert full[0] == cut[0] == ref
+    assert cut[1].startswith(ref) and len(cut[1]) < len(ref) + 6 < len(full[1])
+    assert len(cut[2]) < 8 < len(full[2])
+    for metric in JSON_METRICS:
+        assert score(metric, cut, [ref] * 3) == score(metric, full, [ref] * 3), metric
+    assert score("json_valid", cut, [ref] * 3) == pytest.approx(100 / 3)

@@ -43,6 +43,7 @@ def build(ctx) -> dict:
         c["next"] = reg.button("data-next", size="sm")
         c["stats"] = reg.button("data-stats", size="sm")
         c["check"] = reg.button("data-check", size="sm")
+        c["fix"] = reg.button("data-fix", size="sm")
     c["info_warning"] = gr.Markdown("", elem_id="data-info_warning")
     c["summary"] = gr.Markdown("", elem_id="data-summary")
     c["legend"] = reg.html("data-legend", legend_html)
@@ -50,6 +51,7 @@ def build(ctx) -> dict:
     c["stats_md"] = gr.Markdown("", elem_id="data-stats_md")
     c["lint_md"] = gr.Markdown("", elem_id="data-lint_md")
     c["lint_rows"] = reg.comp(gr.Dropdown, "data-lint_rows", choices=[], value=None, visible=False)
+    c["fix_md"] = gr.Markdown("", elem_id="data-fix_md")
     row_editor.build(reg, c)  # the shown row's JSON, edited and saved as a new version (webui/row_editor.py)
     c["hist"] = reg.comp(gr.BarPlot, "data-hist", value=pd.DataFrame({"tokens": [], "rows": []}), x="tokens",
                          y="rows", height=220, visible=False)
@@ -146,29 +148,56 @@ def check(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: flo
     return md, gr.update(choices=rows, value=None, visible=bool(rows))
 
 
-def _check(dataset_dir, dataset, model, template, cutoff, lang, timeout) -> tuple[str, list[dict]]:
+SAFE_FIXES = ("drop_duplicates", "drop_leaks", "drop_empty")  # backend/dataprep/lint.py FIXES
+
+
+def fix(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: float = 600):
+    """The Fix button: the lint's safe fixes (drop exact and near duplicates, eval leaks, empty answers) through
+    `tuneboard lint --fix`, which writes the dataset without those rows as a new registered version (the file and
+    its entry are never edited); the picker then shows the new version. Inputs: as check. Outputs: the fix's
+    message, dataset picker."""
+    res = _lint(dataset_dir, dataset, model, template, cutoff, lang, timeout, ["--fix", ",".join(SAFE_FIXES)])
+    if isinstance(res, str):
+        return res, gr.skip()
+    made = [line for line in res.get("fixed") or [] if not line.startswith("nothing to fix")]
+    if not made:
+        return tr(lang, "data.fix_none"), gr.skip()
+    version = made[0].split(":", 1)[0]
+    return (tr(lang, "data.fixed", line=html.escape(made[0])),
+            gr.update(choices=choices.dataset_names((dataset_dir or "").strip() or None), value=version))
+
+
+def _lint(dataset_dir, dataset, model, template, cutoff, lang, timeout, extra=()) -> dict | str:
+    """`tuneboard lint --json` of the dataset: its JSON, or the line to show instead."""
     if not dataset:
-        return tr(lang, "data.pick"), []
-    refused = dir_refusal(dataset_dir, lang, model=model)
+        return tr(lang, "data.pick")
+    refused = dir_refusal(dataset_dir, lang, model=model, write=bool(extra))
     if refused:
-        return refused, []
+        return refused
     args = [f"dataset={dataset}", f"model_name_or_path={model or paths.DEFAULT_MODEL_ID}",
             f"template={template or 'auto'}", f"cutoff_len={int(cutoff or 1024)}",
             f"stage={lint_stage(dataset_dir, dataset)}"]
     if (dataset_dir or "").strip():
         args.append(f"dataset_dir={dataset_dir.strip()}")
     try:
-        proc = subprocess.run(jobs.tuneboard_argv() + ["lint", *args, "--json"], capture_output=True, text=True,
-                              timeout=timeout, cwd=str(paths.REPO_ROOT))
+        proc = subprocess.run(jobs.tuneboard_argv() + ["lint", *args, "--json", *extra], capture_output=True,
+                              text=True, timeout=timeout, cwd=str(paths.REPO_ROOT))
     except subprocess.TimeoutExpired:
-        return f"✖ lint took longer than {timeout:.0f} s", []
+        return f"✖ lint took longer than {timeout:.0f} s"
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     try:
         res = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         res = {"error": "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or f"exit {proc.returncode}"}
     if "error" in res:
-        return "✖ " + html.escape(res["error"]), []
+        return "✖ " + html.escape(res["error"])
+    return res
+
+
+def _check(dataset_dir, dataset, model, template, cutoff, lang, timeout) -> tuple[str, list[dict]]:
+    res = _lint(dataset_dir, dataset, model, template, cutoff, lang, timeout)
+    if isinstance(res, str):
+        return res, []
     findings = res.get("findings") or []
     if not findings:
         return tr(lang, "data.lint_none"), []
@@ -234,6 +263,8 @@ def wire(ctx, c: dict) -> None:
                         [c["lint_md"], c["lint_rows"]], show_progress="hidden")  # not the last dataset's findings
     c["check"].click(check, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff,
                              top["lang"]], [c["lint_md"], c["lint_rows"]])
+    c["fix"].click(fix, [c["dir"], c["dataset"], top["model_name_or_path"], top["template"], cutoff, top["lang"]],
+                   [c["fix_md"], c["dataset"]])
     # a finding's row picked: the preview shows it
     c["lint_rows"].input(lambda r: int(r) if r not in (None, "") else gr.skip(), [c["lint_rows"]], [c["index"]]).then(
         show_row, ins, [c["summary"], c["rendered"]], **ONE_ROW_AT_A_TIME)

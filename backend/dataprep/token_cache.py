@@ -254,6 +254,7 @@ def tokenized_rows(spec, run_dir, stage: str, tokenizer, template,
     recorder = _Recorder(run_dir)
     train_examples, held_out = load_examples(recorder)
     train, eval_rows, stats = tokenize(train_examples, held_out, recorder.warn)
+    del train_examples  # tokenized: the examples need not stay in memory while the rows are saved and trained on
     run_dir.log(stats)
     if folder is not None and run_dir.writer:  # rank 0 alone writes (the other ranks' RunDir is no writer)
         meta = {"version": CACHE_VERSION, "key": key, "parts": parts, "created": time.time(), "stats": stats,

@@ -52,6 +52,9 @@ def test_each_batch_moves_the_status_progress(tokenizer_and_template, tmp_path, 
     assert all(w["rows_per_s"] > 0 and w["eta_s"] >= 0 for w in written[1:])
     assert written[-1]["eta_s"] == 0 and written[0]["rows_per_s"] is None
     assert stats.workers == workers and len(rows) == ROWS
+    # rows from a tokenizing process weigh what rows made here do: labels share the input_ids' ints
+    assert all(label is i or label == -100 for row in rows for i, label in zip(row["input_ids"], row["labels"]))
+    assert len({id(label) for row in rows for label in row["labels"] if label == -100}) == 1
     # the same rows as one process with the default batch size and no progress
     assert rows == build_sft_dataset(examples, template, tokenizer, 64)[0]
 

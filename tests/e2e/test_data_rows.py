@@ -109,3 +109,44 @@ def test_chat_saves_a_training_row_that_the_data_tab_previews(app_page, data_dir
     expect(preview.locator(".tb-trained").filter(has_text="Blue, on a clear day.")).to_have_count(1)
     expect(preview.locator(".tb-masked").filter(has_text="What colour is the sky at noon?")).to_have_count(1)
     shot("chat-row-in-data-tab")
+
+
+def test_start_shows_the_data_check_once_then_starts(app_page, tiny_llama, monkeypatch, shot):
+    """Issue 21 item 5: the Train tab's pre-flight summary of the lint (identity's answers cut by a tiny cutoff_len);
+    Start shows it once and starts on the next press (click_start presses again, as a user would)."""
+    import sys
+
+    from ui_actions import click_start
+    from waiting import wait_for
+    from webui import data_check, jobs
+
+    launched, real_launch = [], jobs.launch
+
+    def launch(run_dir, argv, env=None):  # a harmless process instead of `tuneboard train`
+        launched.append(run_dir)
+        return real_launch(run_dir, [sys.executable, "-c", "pass"], env=env)
+
+    monkeypatch.setattr(jobs, "launch", launch)
+    monkeypatch.setattr(data_check, "WAIT_S", 300.0)  # the summary is waited for: no race with a loaded machine
+    page = app_page
+    set_dropdown(page, "top-model_name_or_path", tiny_llama)
+    set_dropdown(page, "top-template", "default")
+    dataset = page.locator("#train-dataset textarea, #train-dataset input").first
+    dataset.fill("identity")
+    dataset.press("Tab")
+    set_number(page, "train-cutoff_len", 16)
+    page.locator("#train-start").click()
+    note = page.locator("#train-data-check")
+    expect(note).to_contain_text("Data check (tuneboard lint) of identity", timeout=120_000)
+    expect(note).to_contain_text("cut_answers")
+    expect(note).to_contain_text("Press Start again")
+    shot("train-data-check")
+    assert launched == []
+    page.locator("#train-start").click()
+    expect(page.locator("#train-message")).to_contain_text("Started", timeout=60_000)
+    assert len(launched) == 1
+    wait_for(lambda: not jobs.run_state(launched[0]).active, timeout=60, what="the stand-in run to end")
+    set_number(page, "train-cutoff_len", 17)  # another spec: told once again, and click_start presses twice
+    click_start(page, "Started", shot, "train-data-check-start-failed")
+    assert len(launched) == 2
+    wait_for(lambda: not jobs.run_state(launched[1]).active, timeout=60, what="the stand-in run to end")

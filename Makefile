@@ -89,13 +89,18 @@ test-fast: setup
 
 # Side by side (not a test): the same LoRA SFT recipe by tuneboard, a plain TRL script and LLaMA-Factory
 # (its own venv, bench/.venv-lf; skipped with the reason if it cannot install). BENCH_ARGS="--levers all" adds
-# TuneBoard with each speed lever off. Results: bench/results/, table in bench/README.md. Then the cost of
+# TuneBoard with each speed lever off. Results: bench/results/, table in bench/README.md. Then the online RL
+# recipes (bench/rl.py): TuneBoard's GRPO against a plain TRL script, its PPO (LoRA, and full) against LLaMA-Factory's
+# PPO from its own venv with the TRL 0.9.6 that PPO needs (bench/install_lf_ppo.sh). Then the cost of
 # eval_metric: the recipe with and without a task metric scored at each save (bench/scoring.py). Then preprocessing
 # at scale: 1,000,000 generated alpaca rows tokenized by both tools (bench/preprocess.py; PREPROCESS_ARGS="--rows 200000"
 # for a smaller run).
 bench: setup
 	bash bench/install_lf.sh > bench/install_lf.log 2>&1 || echo "LLaMA-Factory did not install: see bench/install_lf.log (the benchmark runs without it)"
 	$(PY) bench/run.py --rounds 2 $(BENCH_ARGS)
+	bash bench/install_lf_ppo.sh > bench/install_lf_ppo.log 2>&1 || echo "LLaMA-Factory's PPO venv did not install: see bench/install_lf_ppo.log (the PPO benchmark runs without it)"
+	$(PY) bench/run.py --rounds 1 --recipe grpo
+	$(PY) bench/run.py --rounds 1 --recipe ppo --levers full
 	$(PY) bench/scoring.py --rounds 1
 	$(PY) bench/preprocess.py $(PREPROCESS_ARGS)
 

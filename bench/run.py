@@ -4,12 +4,17 @@ alternately, for --rounds rounds; prints useful tokens/s, time to first step, pe
 and checks that the tools trained the same tokens (per-step losses side by side).
 
     python bench/run.py [--rounds 2] [--tools tuneboard,trl,lf] [--levers all|padded,plain-loss,...] [--steps N]
-                        [--isa native|avx2] [--recipe sft|dpo|kto]
+                        [--isa native|avx2] [--recipe sft|dpo|kto|grpo|ppo]
 
 --recipe dpo / kto: the preference recipes (bench/recipe_dpo.yaml, bench/recipe_kto.yaml: the same LoRA, batch, cutoff
 and steps on the same 256 listings as pairs / tagged rows) in TuneBoard and LLaMA-Factory (plain TRL is the SFT
 recipe's only); a useful token is one that goes through the policy: a pair counts its chosen and rejected sequences
 (the prompt twice), a KTO row its prompt and answer.
+
+--recipe grpo / ppo: the online RL recipes (bench/rl.py): TuneBoard's GRPO against a plain TRL GRPOTrainer script
+(bench/trl_grpo.py), TuneBoard's PPO against LLaMA-Factory's (its own venv bench/.venv-lf-ppo with the TRL 0.9.6 its
+PPO needs), in steps per minute (a step: one rollout batch), peak RSS and the load average; --levers full adds
+TuneBoard fully fine-tuned (a frozen reference copy beside the policy: the LoRA runs keep one base model).
 
 --isa avx2 runs every tool (and the matmul peak) on the AVX2 kernel path of torch and oneDNN
 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, their own switches), so an AVX-512 machine also measures what
@@ -39,10 +44,13 @@ import sys
 import time
 from pathlib import Path
 
+import rl  # bench/rl.py, the online RL recipes (this script's folder is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 RECIPE = BENCH / "recipe.yaml"
-RECIPES = {"sft": RECIPE, "dpo": BENCH / "recipe_dpo.yaml", "kto": BENCH / "recipe_kto.yaml"}
+RECIPES = {"sft": RECIPE, "dpo": BENCH / "recipe_dpo.yaml", "kto": BENCH / "recipe_kto.yaml",
+           "grpo": BENCH / "recipe_grpo.yaml", "ppo": BENCH / "recipe_ppo.yaml"}  # grpo, ppo: bench/rl.py
 LF_VENV = BENCH / ".venv-lf"
 PY = sys.executable
 # --isa: the environment that makes torch (ATen's kernels) and oneDNN (its matmuls) use that instruction set at most
@@ -166,7 +174,7 @@ def metrics_of(out_dir: Path) -> dict[str, list[float]]:
             except ValueError:
                 continue
     out = {}
-    for key in PREF_METRICS:
+    for key in PREF_METRICS + rl.METRICS:
         values = [r.get(key, r.get(LF_NAMES.get(key, key))) for r in rows]
         if any(v is not None for v in values):
             out[key] = [float(v) for v in values if v is not None]
@@ -231,7 +239,7 @@ def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict
 
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    argv = argv[:3] + [str(out_dir)] + argv[3:] if argv[1].endswith("trl_sft.py") else argv + [f"output_dir={out_dir}"]
+    argv = argv[:3] + [str(out_dir)] + argv[3:] if argv[1].endswith(("trl_sft.py", "trl_grpo.py")) else argv + [f"output_dir={out_dir}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env_extra)
     for switch in ("TUNEBOARD_PADDING_FREE", "TUNEBOARD_CHUNKED_LOSS", "TUNEBOARD_VARLEN", "TUNEBOARD_MMAP_THRESHOLD",
                    "TUNEBOARD_ALLOCATOR", "LD_PRELOAD", "TUNEBOARD_SELECTIVE_CHECKPOINT"):
@@ -271,10 +279,23 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="max_steps for every tool (default: the recipe's)")
     parser.add_argument("--out", default=str(BENCH / "results"))
     parser.add_argument("--recipe", choices=tuple(RECIPES), default="sft",
-                        help="sft (bench/recipe.yaml), or the preference recipes dpo / kto")
+                        help="sft (bench/recipe.yaml), the preference recipes dpo / kto, or the online RL recipes "
+                        "grpo / ppo (bench/rl.py)")
     parser.add_argument("--isa", choices=tuple(ISA_ENV), default="native",
                         help="avx2: every tool and the matmul peak on torch's and oneDNN's AVX2 kernels")
     args = parser.parse_args()
+    online = args.recipe in rl.RECIPES
+    levers = (list(rl.LEVERS if online else LEVERS) if args.levers == "all"
+              else [x for x in args.levers.split(",") if x])
+    unknown = [x for x in levers if x not in (rl.LEVERS if online else LEVERS)]
+    if unknown:
+        parser.error(f"--levers: no lever {', '.join(unknown)} for --recipe {args.recipe} (known: "
+                     f"{', '.join(rl.LEVERS if online else LEVERS)})")
+    unknown = [x for x in args.tools.split(",") if x not in ("tuneboard", "trl", "lf")]
+    if unknown:
+        parser.error(f"--tools: no tool {', '.join(unknown)} (known: tuneboard, trl, lf)")
+    if args.steps is not None and args.steps < 2:
+        parser.error("--steps: at least 2 (the speed is taken over steps 2..N)")
     # before torch is imported here (the matmul peak) and inherited by every tool's process (run_once copies os.environ)
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
         os.environ.pop(name, None)
@@ -289,7 +310,11 @@ def main() -> int:
 
     make_data.main()
     model_dir = materialize_gguf(default_model_file())
-    facts = recipe_facts(model_dir, RECIPES[args.recipe])
+    if online:
+        import make_prompts  # the short prompts of the RL recipes
+
+        make_prompts.main()
+    facts = rl.facts(args.recipe, args.steps) if online else recipe_facts(model_dir, RECIPES[args.recipe])
     if args.steps:
         facts["steps"] = args.steps
     import torch
@@ -302,23 +327,33 @@ def main() -> int:
     print(f"{when}  {machine}  load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"matmul peak 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s" + (f", bf16 {peaks['bf16']:.0f} GFLOP/s" if peaks["bf16"] else ""))
     sys.stdout.flush()
-    print(f"recipe {args.recipe}: {facts['rows']} rows, mean {facts['mean_row_tokens']:.1f} useful tokens a row, batch {facts['batch']}, "
-          f"{facts['steps']} steps, {facts['params'] / 1e6:.0f}M matmul parameters", flush=True)
-    levers = list(LEVERS) if args.levers == "all" else [x for x in args.levers.split(",") if x]
-    kinds = tools(model_dir, args.tools.split(","), levers, args.steps, RECIPES[args.recipe])
-    results: list[dict] = []
+    if online:
+        print(f"recipe {args.recipe}: {facts}", flush=True)
+    else:
+        print(f"recipe {args.recipe}: {facts['rows']} rows, mean {facts['mean_row_tokens']:.1f} useful tokens a row, batch {facts['batch']}, "
+              f"{facts['steps']} steps, {facts['params'] / 1e6:.0f}M matmul parameters", flush=True)
     out_root = Path(args.out)
+    if online:
+        kinds = rl.tools(args.recipe, model_dir, args.tools.split(","), levers, args.steps, out_root, PY)
+    else:
+        kinds = tools(model_dir, args.tools.split(","), levers, args.steps, RECIPES[args.recipe])
+    results: list[dict] = []
     for round_ in range(1, args.rounds + 1):
         for name, argv, env in kinds:
             print(f"round {round_}: {name} ...", flush=True)
             r = run_once(name, argv, env, out_root / "runs" / name.replace(" ", "_"))
             r["round"] = round_
-            if "steady_s" in r:
+            r["load"] = os.getloadavg()  # the machine may be shared: the load when the run ended (uptime's figures)
+            if "steady_s" in r and online:
+                r["steps_per_min"] = 60 * r["steady_steps"] / r["steady_s"]
+                print(f"  {r['steps_per_min']:.2f} steps/min, first step after {r['first_step_s']:.0f} s, peak RSS "
+                      f"{r['peak_rss_mib']:.0f} MiB, load {' '.join(f'{x:.1f}' for x in r['load'])}", flush=True)
+            elif "steady_s" in r:
                 r["tokens_per_s"] = r["steady_steps"] * facts["batch"] * facts["mean_row_tokens"] / r["steady_s"]
                 print(f"  {r['tokens_per_s']:.1f} useful tokens/s, first step after {r['first_step_s']:.0f} s, "
                       f"peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
             results.append(r)
-    table = summarize(results, facts, peaks)
+    table = rl.summarize(results, facts) if online else summarize(results, facts, peaks)
     out_root.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M")
     (out_root / f"bench-{stamp}.json").write_text(json.dumps(

@@ -87,10 +87,11 @@ def test_chat_saves_a_training_row_that_the_data_tab_previews(app_page, data_dir
         expect(page.locator("#chat-status")).to_contain_text("loaded", timeout=120_000)
         page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
         set_number(page, "chat-max_new_tokens", 8)
+        expect(page.locator("#chat-max_new_tokens input[type=number]").first).to_have_value("8")
         page.locator("#chat-message textarea").fill("What colour is the sky at noon?")
         page.locator("#chat-send").click()
+        # the question is in the conversation once the answer has begun; the saved row's answer is the one typed
         expect(page.locator("#chat-chatbot [data-testid='bot']").last).not_to_have_text("", timeout=60_000)
-        expect(page.locator("#chat-speed")).to_contain_text("tok/s", timeout=60_000)  # the answer is complete
         page.locator("#chat-save").get_by_text("Save as a training row").click()
         set_dropdown(page, "chat-save_dataset", "e2e_chat_rows")
         page.locator("#chat-save_answer textarea").fill("Blue, on a clear day.")

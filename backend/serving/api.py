@@ -22,9 +22,10 @@ explicit --insecure-no-auth). Errors are always OpenAI-style JSON
 the queue is full, and a 500 only for a real engine failure, with a one-line message and no traceback.
 
 One request cannot hold the server:
-- requests on one model take turns (backend.training.scheduler): each generates TOKENS_PER_TURN tokens, with its
-  own KV cache, then hands the model to the next waiting request, so a 5-token request sent beside an
-  8000-token one gets its answer after a few of the long one's tokens, not after all of them;
+- requests on one model (transformers backend) are decoded in one running batch (backend.serving.batching:
+  continuous batching; a request joins on arrival and leaves when it ends), so a 5-token request sent beside an
+  8000-token one gets its answer after a few of the long one's tokens, not after all of them; /health counts
+  the batched steps; other backends take turns (backend.training.scheduler: TOKENS_PER_TURN tokens each);
 - max_tokens is bounded by the model's context (400 naming the field, code context_length_exceeded, when
   the prompt plus max_tokens do not fit), then by --max-tokens-per-request (400 naming the field and the
   cap, code max_tokens_exceeded); left out, it is the spec's max_new_tokens cut to what fits and the cap;
@@ -323,8 +324,13 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     @app.get("/health")
     def health():
         """Also how busy it is: `requests` = generation requests in progress (counted against --max-queue),
-        `generating` = those whose prompt was handed to a model (running or waiting for it)."""
-        return {"status": "ok", "requests": load.requests, "generating": load.generating}
+        `generating` = those whose prompt was handed to a model (running or waiting for it); `batching`: per
+        batched model (transformers backend), its decode steps, those with more than one request in the batch,
+        the largest batch and the requests it took (backend.serving.batching)."""
+        batchers = {id(e.batcher): (name, e.batcher) for name, e in engines.items()
+                    if getattr(e, "batcher", None) is not None}
+        return {"status": "ok", "requests": load.requests, "generating": load.generating,
+                "batching": {name: dict(b.stats) for name, b in batchers.values()}}
 
     @app.get("/v1/models")
     def list_models():

@@ -18,9 +18,12 @@ Several adapters of one base share its weights: they are loaded as named peft ad
 and each engine activates its own while it holds the model's turn (the base engine runs with adapters
 disabled). A comma-separated stack of adapters is merged into its own copy of the base, as in training.
 
-Requests on one model take turns (backend.training.scheduler.TurnLock): each generation is transformers' own
-`generate` with its own KV cache in its own thread, and hands the model to the next waiting request every
-TOKENS_PER_TURN tokens from its StoppingCriteria, so a short request is never stuck behind a long one.
+Requests on one model loaded by load_engines share its decode steps (backend.serving.batching.Batcher,
+continuous batching): a request joins the running batch when it arrives and leaves it when it ends, and
+gets the tokens `generate` would give it alone. An HFEngine without a batcher (built directly, or a model whose
+cache the batch cannot stack) takes turns instead (backend.training.scheduler.TurnLock): each generation is
+transformers' own `generate` with its own KV cache in its own thread, and hands the model to the next waiting
+request every TOKENS_PER_TURN tokens from its StoppingCriteria, so a short request is never stuck behind a long one.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from backend.core.methods import method_of_adapter
 from backend.dataprep.resolve import pick_template
 from backend.core.rundir import SPEC_FILE
 from backend.training.scheduler import TOKENS_PER_TURN, TurnLock
+from backend.serving.batching import Batcher, Job, batchable
 from backend.dataprep.templates import get_template
 
 Warn = Callable[[str], None]
@@ -392,8 +396,10 @@ class HFEngine:
     enforces_time_limit = True
 
     def __init__(self, name: str, model, tokenizer, template, *, adapter: str | None = None,
-                 lock: TurnLock | None = None, defaults: dict | None = None, default_system: str | None = None):
+                 lock: TurnLock | None = None, defaults: dict | None = None, default_system: str | None = None,
+                 batcher: Batcher | None = None):
         self.name = name
+        self.batcher = batcher  # shared by the engines on this model: their requests decode in one batch
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
@@ -484,6 +490,8 @@ class HFEngine:
         # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
         import torch
 
+        if self.batcher is not None:
+            return self._run_batched(ids, s, criteria, extra.get("streamer"))
         inputs = torch.tensor([ids], device=self.model.device)
         if not self.lock.acquire(cancelled=criteria.ended):
             return None
@@ -498,6 +506,20 @@ class HFEngine:
         finally:
             criteria.turns = None
             self.lock.release()
+
+    def _run_batched(self, ids: list[int], s: Sampling, criteria: "_Criteria", streamer=None):
+        """_run through the model's Batcher: the same tokens `generate` would give, decoded in one batch with
+        the other requests on the model."""
+        # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
+        import torch
+
+        job = Job(ids=list(ids), state=("adapter", self.adapter), activate=self._activate,
+                  max_new_tokens=s.max_new_tokens, eos_ids=self.eos_ids, criteria=criteria, greedy=s.greedy,
+                  temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, repetition_penalty=s.repetition_penalty,
+                  seed=s.seed, streamer=streamer)
+        if not self.batcher.run(job):
+            return None
+        return torch.tensor([job.ids + job.tokens])
 
     def _sampling(self, sampling: dict, prompt_tokens: int, cap: int | None = None) -> Sampling:
         s = make_sampling(self.defaults, sampling)
@@ -1016,10 +1038,11 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
                 model.load_adapter(entry.adapters[0], adapter_name=keys[entry.name])
         model.eval()
         lock = TurnLock()  # the engines on this model take turns on it
+        batcher = Batcher(model, lock) if batchable(model) else None  # and decode their requests in one batch
         for entry in singles:
             engines[entry.name] = HFEngine(entry.name, model, tokenizer, template_for(entry),
                                            adapter=keys.get(entry.name), lock=lock, defaults=defaults,
-                                           default_system=system)
+                                           default_system=system, batcher=batcher)
     for entry in stacks:
         log(f"loading {resolved.model_id} + {len(entry.adapters)} merged adapters as '{entry.name}'")
         one = replace_spec(spec, adapter_name_or_path=",".join(entry.adapters),
@@ -1027,8 +1050,10 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
         model = apply_finetuning(load_model(one, resolved, for_training=False, warn=warn), one,
                                  for_training=False, warn=warn)
         model.eval()
+        lock = TurnLock()
         engines[entry.name] = HFEngine(entry.name, model, tokenizer, template_for(entry), defaults=defaults,
-                                       default_system=system)
+                                       default_system=system, lock=lock,
+                                       batcher=Batcher(model, lock) if batchable(model) else None)
     return {e.name: engines[e.name] for e in served}  # in the served order
 
 

@@ -1,0 +1,293 @@
+"""Continuous batching for the transformers backend (`tuneboard api`, Chat): the requests on one loaded model
+share its decode steps. A request joins the running batch as soon as it arrives (its prompt is prefilled on
+its own, its KV cache padded on the left to the batch's length and stacked in), every step then decodes one
+token for every request in one forward pass, and a request leaves the batch the step it ends (end of turn,
+stop string, max_new_tokens, stop_event, time limit), its rows dropped from the cache.
+
+Why our own loop and not transformers' continuous batching (generation/continuous_batching, `generate_batch`):
+that manager takes one GenerationConfig for all its requests and switches the model's attention to its paged
+form, and it has no stop strings, per-request stopping criteria or per-request peft adapter; ours keeps each
+request's own sampling settings, seed, stopping criteria and streamer, exactly as `generate` ran them.
+
+Each request keeps its own logits processors (repetition penalty; temperature, top-k, top-p when sampling)
+and, when seeded, its own random generator seeded as `generate` would be after torch.manual_seed(seed), so a
+request's answer is the one it gets alone. Requests of different adapters of one base take turns by batch:
+the batch holds one adapter state at a time, and a request of another waits until the batch in front of it
+has drained (first come, first served). Each step holds the model's TurnLock, so scoring and other engines
+on the model interleave between steps. Only models whose cache is plain full attention are batched
+(`batchable`); the others keep `generate` in turns.
+
+`Batcher.stats` counts steps and the largest batch, for the server's log and the tests.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+MAX_BATCH = 16  # requests decoded together; more wait for a free row
+
+
+def batchable(model) -> bool:
+    """Whether the model's KV cache is plain full attention in every layer (what the batch pads and stacks).
+    TUNEBOARD_BATCHING=0 in the environment turns batching off (turns instead: side-by-side measurements, bench/)."""
+    if os.environ.get("TUNEBOARD_BATCHING", "1") == "0":
+        return False
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "is_encoder_decoder", False):
+        return False
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return not (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+
+
+@dataclass
+class Job:
+    """One request in the batcher. `criteria` (engine._Criteria) is called with the request's ids after each
+    token; `streamer` (a transformers streamer) gets the prompt, then each token, then end()."""
+
+    ids: list[int]
+    state: Any  # the engine's adapter state, the batch's key
+    activate: Callable[[], None]
+    max_new_tokens: int
+    eos_ids: list[int]
+    criteria: Any
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    streamer: Any = None
+    tokens: list[int] = field(default_factory=list)
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def processors(self):
+        # heavy (torch, transformers): the module top stays light
+        from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                  TopKLogitsWarper, TopPLogitsWarper)
+
+        out = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            out.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if not self.greedy:
+            if self.temperature != 1.0:
+                out.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_k:
+                out.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
+            if self.top_p < 1.0:
+                out.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
+        return out
+
+
+class Batcher:
+    """The decode loop of one loaded model (a daemon thread, started on the first request)."""
+
+    def __init__(self, model, lock, max_batch: int = MAX_BATCH):
+        self.model, self.lock, self.max_batch = model, lock, max_batch
+        self._cond = threading.Condition()
+        self._pending: list[Job] = []
+        self._thread: threading.Thread | None = None
+        self.stats = {"steps": 0, "batched_steps": 0, "max_batch": 0, "requests": 0}
+        # the running batch: its jobs (rows), their KV cache, the attention mask over it (0 = left padding)
+        self._rows: list[Job] = []
+        self._state: Any = None
+        self._cache = None
+        self._mask = None
+        self._procs: dict[int, Any] = {}
+        self._rngs: dict[int, Any] = {}
+
+    # -- callers' side
+    def run(self, job: Job) -> bool:
+        """Generate `job` in the batch; False when it ended (criteria.ended()) before its first token."""
+        with self._cond:
+            self._pending.append(job)
+            self.stats["requests"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.started
+
+    # -- the loop
+    def _loop(self) -> None:
+        # heavy (torch): the module top stays light
+        import torch
+
+        while True:
+            with self._cond:
+                while not self._pending and not self._rows:
+                    self._cond.wait()
+            self.lock.acquire()
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except BaseException as exc:  # the batch's requests get the error; the loop goes on for the next ones
+                for job in self._rows:
+                    self._end(job, exc)
+                self._rows, self._cache, self._mask = [], None, None
+            finally:
+                self.lock.release()
+
+    def _admit(self) -> list[Job]:
+        """Pending jobs that join now: first come first served, while they share the batch's adapter state."""
+        joined = []
+        with self._cond:
+            while self._pending and len(self._rows) + len(joined) < self.max_batch:
+                job = self._pending[0]
+                if job.criteria.ended():  # left (or timed out) while waiting: nothing generated
+                    self._pending.pop(0)
+                    self._end(job)
+                    continue
+                state = self._state if self._rows or joined else job.state
+                if job.state != state:
+                    break
+                self._state = state
+                joined.append(self._pending.pop(0))
+        return joined
+
+    def _step(self) -> None:
+        # heavy (torch, transformers): the module top stays light
+        import torch
+
+        joined = self._admit()
+        if self._rows or joined:  # the model in the batch's adapter state (a score() between steps may have changed it)
+            (self._rows or joined)[0].activate()
+        for job in joined:
+            try:
+                self._prefill(job)
+            except BaseException as exc:  # this request gets the error; the batch goes on
+                self._forget(job)
+                self._end(job, exc)
+        if not self._rows:
+            return
+        rows = len(self._rows)
+        self.stats["steps"] += 1
+        self.stats["batched_steps"] += rows > 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], rows)
+        device = self._mask.device
+        last = torch.tensor([[job.tokens[-1]] for job in self._rows], device=device)
+        mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=self._mask.dtype, device=device)], dim=1)
+        positions = mask.sum(dim=1, keepdim=True) - 1
+        out = self.model(input_ids=last, attention_mask=mask, position_ids=positions, cache=self._cache,
+                         use_cache=True)
+        self._cache, self._mask = out.cache, mask
+        logits = out.logits[:, -1].to(dtype=torch.float32)
+        ended = [i for i, job in enumerate(self._rows) if not self._take(job, logits[i:i + 1])]
+        self._drop(ended)
+
+    def _prefill(self, job: Job) -> None:
+        """The job's prompt on its own: its first token, then (unless that ended it) its cache joins the batch."""
+        # heavy (torch, transformers): the module top stays light
+        import torch
+
+        device = self.model.device
+        ids = torch.tensor([job.ids], device=device)
+        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        job.started = True
+        if job.streamer is not None:
+            job.streamer.put(ids.cpu())
+        self._procs[id(job)] = job.processors()
+        if job.seed is not None and not job.greedy:
+            self._rngs[id(job)] = torch.Generator(device=device).manual_seed(job.seed)
+        if not self._take(job, out.logits[:, -1].to(dtype=torch.float32)):
+            self._forget(job)
+            return
+        self._join(job, out.cache, ids.shape[1])
+
+    def _take(self, job: Job, logits) -> bool:
+        """Choose the job's next token from its logits row; False once the job has ended (and is told so)."""
+        # heavy (torch): the module top stays light
+        import torch
+
+        device = logits.device
+        seq = torch.tensor([job.ids + job.tokens], device=device)
+        scores = self._procs[id(job)](seq, logits)
+        if job.greedy:
+            token = int(torch.argmax(scores, dim=-1))
+        else:
+            probs = torch.softmax(scores, dim=-1)
+            token = int(torch.multinomial(probs, num_samples=1, generator=self._rngs.get(id(job))))
+        job.tokens.append(token)
+        if job.streamer is not None:
+            job.streamer.put(torch.tensor([token]))
+        seq = torch.cat([seq, torch.tensor([[token]], device=device)], dim=1)
+        stop = bool(job.criteria(seq)[0])
+        if stop or token in job.eos_ids or len(job.tokens) >= job.max_new_tokens:
+            self._end(job)
+            return False
+        return True
+
+    def _join(self, job: Job, cache, length: int) -> None:
+        """Stack the job's cache (one row, `length` long) into the batch's, padding the shorter on the left."""
+        # heavy (torch): the module top stays light
+        import torch
+
+        mask = torch.ones((1, length), dtype=torch.long, device=self.model.device)
+        if not self._rows:
+            self._rows, self._cache, self._mask = [job], cache, mask
+            return
+        have = self._mask.shape[1]
+        width = max(have, length)
+        for mine, theirs in zip(self._cache.layers, cache.layers):
+            for name in ("keys", "values"):
+                a, b = getattr(mine, name), getattr(theirs, name)
+                a = _pad_left(a, width - a.shape[-2])
+                b = _pad_left(b, width - b.shape[-2])
+                setattr(mine, name, torch.cat([a, b], dim=0))
+        self._mask = torch.cat([_pad_left(self._mask, width - have, dim=1), _pad_left(mask, width - length, dim=1)])
+        self._rows.append(job)
+
+    def _drop(self, ended: list[int]) -> None:
+        """Take the ended rows out of the batch, and the left padding no row needs any more."""
+        # heavy (torch): the module top stays light
+        import torch
+
+        if not ended:
+            return
+        keep = [i for i in range(len(self._rows)) if i not in set(ended)]
+        for i in ended:
+            self._forget(self._rows[i])
+        if not keep:
+            self._rows, self._cache, self._mask = [], None, None
+            return
+        index = torch.tensor(keep, device=self._mask.device)
+        self._rows = [self._rows[i] for i in keep]
+        mask = self._mask[index]
+        start = int((mask.sum(dim=0) > 0).int().argmax())  # the first column some row still uses
+        self._mask = mask[:, start:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+
+    def _forget(self, job: Job) -> None:
+        self._procs.pop(id(job), None)
+        self._rngs.pop(id(job), None)
+
+    def _end(self, job: Job, error: BaseException | None = None) -> None:
+        job.error = error
+        if job.streamer is not None:
+            job.streamer.end()
+        job.done.set()
+
+
+def _pad_left(t, n: int, dim: int = -2):
+    """`t` with n zeros before its entries along `dim` (the sequence axis)."""
+    # heavy (torch): the module top stays light
+    import torch
+
+    if n <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)

@@ -1,0 +1,62 @@
+"""Issue 23 item 4, continuous batching: concurrent requests to a real `tuneboard api` on the tiny model share
+its decode steps (backend.serving.batching) and get the very answers they get alone. A long streamed request
+is generating when a short greedy one and a short seeded sampling one arrive: all three answers equal the
+sequential ones, and the server's /health says its steps ran with more than one request in the batch (which
+the sequential requests before never did). No assertion on a duration."""
+import threading
+
+import httpx
+import openai
+import pytest
+from api_server import start_server, stop_server
+
+KEY = "sk-test-123"
+PROMPT = "The quick brown fox"  # greedy, the tiny model runs on from it without an end of turn
+NEVER = ["never-seen-stop"]
+HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+LONG = 400  # the long request's tokens: it is still generating when the short ones are answered
+
+
+@pytest.fixture(scope="module")
+def batch_server(tiny_qwen2):
+    proc, url = start_server(f"model_name_or_path={tiny_qwen2}", "do_sample=false", "template=qwen",
+                             env={"TUNEBOARD_API_KEY": KEY})
+    yield url, str(tiny_qwen2)
+    stop_server(proc)
+
+
+def batching(url: str, model: str) -> dict:
+    return httpx.get(url + "/health").json()["batching"][model]
+
+
+def test_concurrent_requests_share_a_batch_and_answer_as_alone(batch_server):
+    url, model = batch_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    asks = {"greedy": dict(messages=HELLO, max_tokens=12, temperature=0),
+            "seeded": dict(messages=HELLO, max_tokens=12, temperature=0.9, top_p=0.9, seed=5)}
+
+    def ask(name: str, out: dict) -> None:
+        out[name] = client.chat.completions.create(model=model, **asks[name]).choices[0].message.content
+
+    alone: dict = {}
+    long_alone = client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG, temperature=0,
+                                           stop=NEVER).choices[0].text
+    for name in asks:
+        ask(name, alone)
+    assert batching(url, model)["batched_steps"] == 0  # one at a time: never more than one in the batch
+
+    together: dict = {}
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG, temperature=0, stop=NEVER,
+                                       stream=True)
+    chunks = iter(stream)
+    pieces = [next(chunks).choices[0].text for _ in range(3)]  # the long one is generating
+    askers = [threading.Thread(target=ask, args=(name, together)) for name in asks]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(timeout=300)
+    pieces += [c.choices[0].text for c in chunks if c.choices]
+    stats = batching(url, model)
+    assert together == alone, (together, alone)
+    assert "".join(pieces) == long_alone
+    assert stats["batched_steps"] > 0 and stats["max_batch"] >= 2, stats

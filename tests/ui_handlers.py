@@ -15,3 +15,20 @@ def form_args(fn, **values) -> list:
         if key in values:
             args[i] = values[key]
     return args
+
+
+def stand_in_launches(monkeypatch) -> list:
+    """webui.jobs.launch made to start a harmless process instead of `tuneboard train`; returns the list that each
+    launch's run folder is appended to (what Start launched, in order)."""
+    import sys
+
+    from webui import jobs
+
+    launched, real_launch = [], jobs.launch
+
+    def launch(run_dir, argv, env=None):
+        launched.append(run_dir)
+        return real_launch(run_dir, [sys.executable, "-c", "pass"], env=env)
+
+    monkeypatch.setattr(jobs, "launch", launch)
+    return launched

@@ -115,19 +115,12 @@ def test_chat_saves_a_training_row_that_the_data_tab_previews(app_page, data_dir
 def test_start_shows_the_data_check_once_then_starts(app_page, tiny_llama, monkeypatch, shot):
     """Issue 21 item 5: the Train tab's pre-flight summary of the lint (identity's answers cut by a tiny cutoff_len);
     Start shows it once and starts on the next press (click_start presses again, as a user would)."""
-    import sys
-
     from ui_actions import click_start
+    from ui_handlers import stand_in_launches
     from waiting import wait_for
     from webui import data_check, jobs
 
-    launched, real_launch = [], jobs.launch
-
-    def launch(run_dir, argv, env=None):  # a harmless process instead of `tuneboard train`
-        launched.append(run_dir)
-        return real_launch(run_dir, [sys.executable, "-c", "pass"], env=env)
-
-    monkeypatch.setattr(jobs, "launch", launch)
+    launched = stand_in_launches(monkeypatch)  # a harmless process instead of `tuneboard train`
     monkeypatch.setattr(data_check, "WAIT_S", 300.0)  # the summary is waited for: no race with a loaded machine
     page = app_page
     set_dropdown(page, "top-model_name_or_path", tiny_llama)

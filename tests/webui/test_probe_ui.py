@@ -4,12 +4,11 @@ close to the free memory once (saying so, offering the probe) and starts it on t
 starts at once."""
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
 
-from ui_handlers import form_args, handler
+from ui_handlers import form_args, handler, stand_in_launches
 from waiting import wait_for
 from webui import jobs
 
@@ -47,14 +46,7 @@ def test_measure_runs_the_probe_and_shows_what_it_measured(demo, root, tiny_llam
 
 
 def test_start_says_when_the_formula_is_unsure_and_starts_on_the_second_press(demo, root, tiny_llama, monkeypatch):
-    launched = []
-    real_launch = jobs.launch
-
-    def launch(run_dir, argv, env=None):  # a harmless process instead of `tuneboard train`
-        launched.append(run_dir)
-        return real_launch(run_dir, [sys.executable, "-c", "pass"], env=env)
-
-    monkeypatch.setattr(jobs, "launch", launch)
+    launched = stand_in_launches(monkeypatch)  # a harmless process instead of `tuneboard train`
     start = handler(demo, "do_start")
     # the default model with a huge batch x cutoff: the formula's estimate is far above any machine's free memory
     big = form_args(start, per_device_train_batch_size=1024, cutoff_len=8192, dataset="identity")

@@ -4,11 +4,10 @@ kept by the data files' state, so a changed file is linted again, and data with 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from ui_handlers import form_args, handler
+from ui_handlers import form_args, handler, stand_in_launches
 from waiting import wait_for
 from webui import data_check, jobs
 
@@ -18,14 +17,7 @@ pytestmark = pytest.mark.slow
 def test_start_shows_the_data_checks_summary_once_then_starts(root, tiny_llama, monkeypatch):
     from webui.app import create_app
 
-    launched = []
-    real_launch = jobs.launch
-
-    def launch(run_dir, argv, env=None):  # a harmless process instead of `tuneboard train`
-        launched.append(run_dir)
-        return real_launch(run_dir, [sys.executable, "-c", "pass"], env=env)
-
-    monkeypatch.setattr(jobs, "launch", launch)
+    launched = stand_in_launches(monkeypatch)  # a harmless process instead of `tuneboard train`
     monkeypatch.setattr(data_check, "WAIT_S", 600.0)  # the result is waited for: the test does not race the lint
     folder = root / "mydata"
     folder.mkdir()

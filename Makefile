@@ -94,7 +94,8 @@ test-fast: setup
 # PPO from its own venv with the TRL 0.9.6 that PPO needs (bench/install_lf_ppo.sh). Then the cost of
 # eval_metric: the recipe with and without a task metric scored at each save (bench/scoring.py). Then preprocessing
 # at scale: 1,000,000 generated alpaca rows tokenized by both tools (bench/preprocess.py; PREPROCESS_ARGS="--rows 200000"
-# for a smaller run).
+# for a smaller run). Then serving (bench/serving.py): tokens/s at 1 and 8 clients, TTFT and peak RSS of `tuneboard api`
+# (transformers backend; llama.cpp on the q4_k_m export) and LLaMA-Factory's `llamafactory-cli api`, one model.
 bench: setup
 	bash bench/install_lf.sh > bench/install_lf.log 2>&1 || echo "LLaMA-Factory did not install: see bench/install_lf.log (the benchmark runs without it)"
 	$(PY) bench/run.py --rounds 2 $(BENCH_ARGS)
@@ -103,6 +104,7 @@ bench: setup
 	$(PY) bench/run.py --rounds 1 --recipe ppo --levers full
 	$(PY) bench/scoring.py --rounds 1
 	$(PY) bench/preprocess.py $(PREPROCESS_ARGS)
+	$(PY) bench/serving.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

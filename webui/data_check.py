@@ -1,7 +1,8 @@
 """The Train tab's pre-flight data check: the lint's summary for the run's data (backend/dataprep/lint.py), which
 Start shows once per (data files, spec) before it starts: counts per severity, the worst findings in one line each,
-and where to see them all with their rows (the Data tab's Check). Only errors and warnings hold Start; pressed
-again, it starts.
+and where to see them all with their rows (the Data tab's Check). Only errors and warnings about the data's rows
+hold Start (a model-level one, such as the template auto picks for a model without one, is listed with them but
+holds nothing alone: the Data tab's preview and the run log say it too); pressed again, it starts.
 
 The lint loads a tokenizer and the data stack, which this process never imports: `tuneboard lint --json --max-rows
 MAX_ROWS` runs as a subprocess into <saves>/.cache/lint/<key>/, keyed by what it reads (the spec's data keys, and
@@ -34,6 +35,7 @@ WAIT_S = 15.0  # the longest a Start waits for a lint that is still running
 KEEP = 16  # results kept under <saves>/.cache/lint (the newest)
 WORST = 3  # findings named in the summary, worst first
 HOLDS = ("error", "warning")  # the severities that hold Start once
+MODEL = "-"  # the lint's dataset of a finding about the model (its template), not about rows
 RESULT, SPEC, LOG = "lint.json", "spec.yaml", "lint_output.log"
 # what the lint reads of a spec, besides the data files (the rest of a spec does not change its findings)
 DATA_KEYS = ("stage", "dataset", "eval_dataset", "val_size", "seed", "model_name_or_path", "template", "cutoff_len",
@@ -145,10 +147,10 @@ def before_start(spec, wait_s: float | None = None) -> tuple[str, dict | None]:
 
 
 def summary_md(found: dict | None, lang: str = "en") -> str:
-    """The pre-flight's lines for a lint result that holds Start (errors or warnings), else ""."""
+    """The pre-flight's lines for a lint result that holds Start (errors or warnings about rows), else ""."""
     findings = (found or {}).get("findings") or []
     worst = [f for f in findings if f.get("severity") in HOLDS]
-    if not worst:
+    if not any(f.get("dataset") != MODEL for f in worst):
         return ""
     by = Counter(f.get("severity") for f in findings)
     rows = found.get("max_rows")

@@ -51,3 +51,13 @@ def test_start_shows_the_data_checks_summary_once_then_starts(root, tiny_llama, 
     (folder / "mine.json").write_text(json.dumps(rows), encoding="utf-8")
     start.fn(*([{}] + args[1:]))
     assert len(launched) == 2 and len(list((root / ".cache" / "lint").iterdir())) == 2
+
+
+def test_a_finding_about_the_model_alone_holds_nothing():
+    """The template auto picks for a model without one is said by the preview and the run log: alone, it does not
+    hold Start; with a finding about rows it is listed too."""
+    template = {"check": "template", "severity": "warning", "dataset": "-", "message": "template auto: ...", "rows": []}
+    cut = {"check": "cut_answers", "severity": "warning", "dataset": "mine", "message": "2 of 4 rows ...", "rows": [1, 3]}
+    assert data_check.summary_md({"datasets": {"mine": 4}, "findings": [template]}) == ""
+    note = data_check.summary_md({"datasets": {"mine": 4}, "findings": [template, cut], "max_rows": 2000})
+    assert "2 findings (0 errors, 2 warnings, 0 notes)" in note and "<b>template</b>" in note and "<b>cut_answers</b>" in note

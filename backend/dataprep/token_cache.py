@@ -34,6 +34,7 @@ from backend.core.tokenized import META, data_files, file_state, folder_problem
 
 CACHE_VERSION = 1
 KEEP = 8  # default caches kept under <saves>/.cache/tokenized (the newest)
+SAVE_BATCH = 10_000  # rows converted to Arrow at a time when the cache is saved
 PROBE = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
          {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
 
@@ -152,9 +153,9 @@ def save(folder: Path, train_rows: list[dict], eval_rows: list[dict] | None, met
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # the run log says what happened, in one line
     try:
-        datasets.Dataset.from_list(list(train_rows)).save_to_disk(str(staging / "train"))
+        _save_rows(train_rows, staging / "train")
         if eval_rows:
-            datasets.Dataset.from_list(list(eval_rows)).save_to_disk(str(staging / "eval"))
+            _save_rows(eval_rows, staging / "eval")
         (staging / META).write_text(json.dumps(meta, indent=1, ensure_ascii=False, default=str), encoding="utf-8")
         old = folder.parent / f".{folder.name}.old-{os.getpid()}"
         if folder.exists():
@@ -165,6 +166,28 @@ def save(folder: Path, train_rows: list[dict], eval_rows: list[dict] | None, met
         shutil.rmtree(staging, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
+
+
+def _save_rows(rows: list[dict], folder: Path) -> None:
+    """save_to_disk of the rows, converted to Arrow SAVE_BATCH rows at a time into a file that is then memory-mapped
+    (Dataset.from_list converts every row at once: at 100,000 rows 3.6x the memory and twice the time)."""
+    import datasets  # heavy: pyarrow; this module's top stays light for validate
+    from datasets.arrow_writer import ArrowWriter  # heavy: as above
+
+    if not rows:
+        datasets.Dataset.from_list([]).save_to_disk(str(folder))
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    rows_file = folder.parent / f"{folder.name}.rows.arrow"
+    try:
+        with ArrowWriter(path=str(rows_file)) as writer:
+            for start in range(0, len(rows), SAVE_BATCH):
+                batch = rows[start:start + SAVE_BATCH]
+                writer.write_batch({key: [row.get(key) for row in batch] for key in batch[0]})
+            writer.finalize()
+        datasets.Dataset.from_file(str(rows_file)).save_to_disk(str(folder))
+    finally:
+        rows_file.unlink(missing_ok=True)
 
 
 def load(folder: Path) -> tuple[list[dict], list[dict] | None]:

@@ -119,6 +119,10 @@ class Batcher:
             raise job.error
         return job.started
 
+    def waiting(self) -> int:
+        """How many requests wait to join the batch (a hint, read without the lock)."""
+        return len(self._pending)
+
     # -- the loop
     def _loop(self) -> None:
         # heavy (torch): the module top stays light

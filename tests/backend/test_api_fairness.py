@@ -155,9 +155,10 @@ def test_turn_lock_serves_waiters_in_order_and_a_passed_turn_comes_back():
 
 
 def test_requests_taking_turns_get_the_answers_they_get_alone(tiny_qwen2, adapter_dir):  # noqa: F811
-    """The engines of one model (base and adapter) share its TurnLock. Four requests, greedy and seeded
-    sampling, on both, all wait in line (the test holds the model) and then take turns a few tokens at a
-    time: each answer is the one it gets alone. So each turn runs with its own adapter, and a seeded request
+    """The engines of one model (base and adapter) share its TurnLock (and its batcher). Four requests, greedy
+    and seeded sampling, on both, all wait in line (the test holds the model) and then share its decode batches
+    (one adapter state a batch; without batching: take turns a few tokens at a time): each answer is the one it
+    gets alone. So each turn runs with its own adapter, and a seeded request
     keeps its own random state while the others sample."""
     spec = load_spec(None, [f"model_name_or_path={tiny_qwen2}", "do_sample=false", "template=qwen"])
     served = load_engines(spec, [str(adapter_dir)], log=lambda m: None)
@@ -175,10 +176,13 @@ def test_requests_taking_turns_get_the_answers_they_get_alone(tiny_qwen2, adapte
     assert min(r.completion_tokens for r in alone) > 4  # each needs more than one turn
     together: list = [None] * len(asks)
     threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, answer(i))) for i in range(len(asks))]
-    with base.lock:  # all four queue behind the test, then take turns
+    # all four queue behind the test, then share the model's batches (backend.serving.batching: a batch holds
+    # one adapter state) or, without batching, take turns
+    queued = base.batcher.waiting if base.batcher is not None else base.lock.waiting
+    with base.lock:
         for t in threads:
             t.start()
-        wait_for(lambda: base.lock.waiting() == len(asks), timeout=60, what="all four requests in line")
+        wait_for(lambda: queued() == len(asks), timeout=60, what="all four requests in line")
     for t in threads:
         t.join(timeout=300)
     assert [r.text for r in together] == [r.text for r in alone]

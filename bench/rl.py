@@ -11,8 +11,8 @@ stand-ins: bench/lf_shims (torchaudio) and bench/lf_ppo_shims (two TRL names its
 Transformers 4.55 cannot read the model folder that transformers 5 wrote (tokenizer class TokenizersBackend,
 rope_parameters), so LLaMA-Factory gets a copy of it with both written the old way, the weights linked
 (legacy_model_dir). Each tool's PPO scores with a reward model it trained itself from bench/recipe_rm.yaml
-(1 LoRA step, not timed): LLaMA-Factory's `reward_model_type: lora` swaps that adapter onto the policy's base,
-TuneBoard's loads the rm run as a second model. TRL (1.16) has no PPO trainer, so there is no plain-TRL row.
+(1 LoRA step, not timed), loaded as a second model beside the policy by both (LLaMA-Factory: see LF_REWARD).
+TRL (1.16) has no PPO trainer, so there is no plain-TRL row.
 
 Measured per run (bench/run.py's run_once): steps per minute over steps 2..N (a step = one rollout batch:
 generate, score, update), time to the first step, peak RSS, and the load average when the run ended (the machine
@@ -35,6 +35,12 @@ RM_RECIPE = BENCH / "recipe_rm.yaml"
 LF_PPO_VENV = BENCH / ".venv-lf-ppo"
 LF_PPO_ENV = {"PYTHONPATH": f"{BENCH / 'lf_shims'}:{BENCH / 'lf_ppo_shims'}",
               "DISABLE_VERSION_CHECK": "1"}  # LLaMA-Factory's own switch: its start-up check wants trl >= 0.18
+# LLaMA-Factory's reward model: `reward_model_type: lora` loads the rm adapter onto the policy's base with peft's
+# load_adapter, and peft 0.18 (LLaMA-Factory 0.9.5's pin) then sets the active adapter to inference mode: the policy's
+# LoRA is frozen and PPO trains the value head alone (577 parameters, "Number of trainable parameters = 577" in its
+# log). So the benchmark gives it the rm run as a second model, `reward_model_type: full` with the base as
+# reward_model and the rm run as reward_model_adapters (its value head read from there), as TuneBoard loads it.
+LF_REWARD = "full"
 RESPONSE_TOKENS = 64  # max_completion_length (TuneBoard) = max_new_tokens (LLaMA-Factory)
 LEVERS = {"full": ["finetuning_type=full"]}  # TuneBoard's PPO/GRPO full fine-tuning: a frozen reference copy
 METRICS = ("reward", "kl", "completions/mean_length")
@@ -120,8 +126,9 @@ def tools(recipe_name: str, model_dir: Path, wanted: list[str], levers: list[str
                 rm = train_reward_model("llamafactory",
                                         [str(cli), "train", str(RM_RECIPE), f"model_name_or_path={legacy}"],
                                         LF_PPO_ENV, out_root / "runs" / "rm_llamafactory")
-                if rm:
-                    out.append(("llamafactory", lf + [f"reward_model={rm}", f"max_new_tokens={RESPONSE_TOKENS}",
+                if rm:  # the rm run as a second model (as TuneBoard's), not the lora type: see LF_REWARD
+                    out.append(("llamafactory", lf + [f"reward_model={legacy}", f"reward_model_adapters={rm}",
+                                                      f"reward_model_type={LF_REWARD}", f"max_new_tokens={RESPONSE_TOKENS}",
                                                       "top_k=0"], LF_PPO_ENV))
         tb_extra = []
         if "tuneboard" in wanted:

@@ -70,4 +70,6 @@ def main(model_dir: str, output_dir: str, max_steps: int = 6) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4) or not all(a.isdigit() for a in sys.argv[3:]):
+        sys.exit("usage: python bench/trl_grpo.py MODEL_DIR OUTPUT_DIR [MAX_STEPS]")
     main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]))

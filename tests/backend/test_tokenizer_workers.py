@@ -44,7 +44,8 @@ def test_tokenizer_pools_end_under_a_swallowing_sigterm_handler():
 def _train(model: Path, out: Path, workers: int) -> subprocess.CompletedProcess:
     args = [f"model_name_or_path={model}", f"output_dir={out}", "dataset=identity", "template=llama3",
             "cutoff_len=128", "max_steps=1", "lora_rank=4", "per_device_train_batch_size=2",
-            f"preprocessing_num_workers={workers}", "overwrite_cache=true"]  # tokenized here, not loaded
+            f"preprocessing_num_workers={workers}", "preprocessing_batch_size=16",
+            "overwrite_cache=true"]  # tokenized here, not loaded
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         return subprocess.run([sys.executable, "-m", "backend.cli", "train", *args], cwd="/tmp", env=env,
@@ -65,7 +66,10 @@ def test_a_run_with_two_tokenizer_processes_completes_with_the_rows_of_one(tiny_
     runs = {n: (tmp_path / f"workers{n}", _train(tiny_llama, tmp_path / f"workers{n}", n)) for n in (2, 1)}
     for n, (out, proc) in runs.items():
         assert proc.returncode == 0, (n, proc.stdout[-3000:], proc.stderr[-3000:])
-        assert json.loads((out / "status.json").read_text())["state"] == "completed"
+        status = json.loads((out / "status.json").read_text())
+        assert status["state"] == "completed"
+        # the rows tokenized, 16 at a time, reached the status the Train tab's card reads (all of them at the end)
+        assert status["tokenizing"]["done"] == status["tokenizing"]["total"] > 16, status["tokenizing"]
     two, one = _rows_line(runs[2][0]), _rows_line(runs[1][0])
     assert two.endswith("tokenized in 2 processes"), two
     counts = re.compile(r"^(.*tokens, [\d,]+ trained)")

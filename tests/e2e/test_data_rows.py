@@ -123,12 +123,16 @@ def test_start_shows_the_data_check_once_then_starts(app_page, tiny_llama, monke
     launched = stand_in_launches(monkeypatch)  # a harmless process instead of `tuneboard train`
     monkeypatch.setattr(data_check, "WAIT_S", 300.0)  # the summary is waited for: no race with a loaded machine
     page = app_page
-    set_dropdown(page, "top-model_name_or_path", tiny_llama)
-    set_dropdown(page, "top-template", "default")
-    dataset = page.locator("#train-dataset textarea, #train-dataset input").first
-    dataset.fill("identity")
-    dataset.press("Tab")
-    set_number(page, "train-cutoff_len", 16)
+
+    def fill_form(cutoff):
+        set_dropdown(page, "top-model_name_or_path", tiny_llama)
+        set_dropdown(page, "top-template", "default")
+        dataset = page.locator("#train-dataset textarea, #train-dataset input").first
+        dataset.fill("identity")
+        dataset.press("Tab")
+        set_number(page, "train-cutoff_len", cutoff)
+
+    fill_form(16)
     page.locator("#train-start").click()
     note = page.locator("#train-data-check")
     expect(note).to_contain_text("Data check (tuneboard lint) of identity", timeout=120_000)
@@ -140,7 +144,11 @@ def test_start_shows_the_data_check_once_then_starts(app_page, tiny_llama, monke
     expect(page.locator("#train-message")).to_contain_text("Started", timeout=60_000)
     assert len(launched) == 1
     wait_for(lambda: not jobs.run_state(launched[0]).active, timeout=60, what="the stand-in run to end")
-    set_number(page, "train-cutoff_len", 17)  # another spec: told once again, and click_start presses twice
+    # another spec, on a fresh page (click_start reads the first message after its press: none may be on screen):
+    # told once again, and click_start presses twice
+    page.reload()
+    page.locator("#tb-header").wait_for()
+    fill_form(17)
     click_start(page, "Started", shot, "train-data-check-start-failed")
     assert len(launched) == 2
     wait_for(lambda: not jobs.run_state(launched[1]).active, timeout=60, what="the stand-in run to end")

@@ -21,12 +21,16 @@ on the model interleave between steps. Only models whose cache is plain full att
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAX_BATCH = 16  # requests decoded together; more wait for a free row
+IDLE_S = 30.0  # an idle loop ends after this long (its thread lets go of the model); the next request starts it anew
+_LIVE: "weakref.WeakSet[Batcher]" = weakref.WeakSet()
 
 
 def batchable(model) -> bool:
@@ -88,13 +92,17 @@ class Job:
 
 
 class Batcher:
-    """The decode loop of one loaded model (a daemon thread, started on the first request)."""
+    """The decode loop of one loaded model (a daemon thread, started on the first request, ended when idle
+    for IDLE_S and at interpreter exit: a process whose last answer is out must not exit while the loop is
+    still in a forward pass, which aborts it with "terminate called without an active exception")."""
 
     def __init__(self, model, lock, max_batch: int = MAX_BATCH):
         self.model, self.lock, self.max_batch = model, lock, max_batch
         self._cond = threading.Condition()
         self._pending: list[Job] = []
         self._thread: threading.Thread | None = None
+        self._closing = False
+        _LIVE.add(self)
         self.stats = {"steps": 0, "batched_steps": 0, "max_batch": 0, "requests": 0}
         # the running batch: its jobs (rows), their KV cache, the attention mask over it (0 = left padding)
         self._rows: list[Job] = []
@@ -119,6 +127,15 @@ class Batcher:
             raise job.error
         return job.started
 
+    def close(self, timeout: float = 120.0) -> None:
+        """End the loop after its current step (the requests still in it get an error) and wait for it."""
+        with self._cond:
+            self._closing = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def waiting(self) -> int:
         """How many requests wait to join the batch (a hint, read without the lock)."""
         return len(self._pending)
@@ -130,8 +147,16 @@ class Batcher:
 
         while True:
             with self._cond:
-                while not self._pending and not self._rows:
-                    self._cond.wait()
+                while not self._pending and not self._rows and not self._closing:
+                    if not self._cond.wait(IDLE_S) and not self._pending:
+                        self._thread = None  # idle: the next request starts a new loop
+                        return
+                if self._closing:
+                    self._thread = None
+                    for job in self._rows + self._pending:
+                        self._end(job, RuntimeError("the server is shutting down"))
+                    self._rows, self._pending, self._cache, self._mask = [], [], None, None
+                    return
             self.lock.acquire()
             try:
                 with torch.inference_mode():
@@ -283,6 +308,13 @@ class Batcher:
         if job.streamer is not None:
             job.streamer.end()
         job.done.set()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit (atexit runs before daemon threads are stopped): let every running loop finish its step."""
+    for batcher in list(_LIVE):
+        batcher.close()
 
 
 def _pad_left(t, n: int, dim: int = -2):

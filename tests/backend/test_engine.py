@@ -269,3 +269,23 @@ def test_identity_demo_adapter_answers_with_the_trained_identity(identity_adapte
     tuned, base = ask(f"adapter_name_or_path={run}"), ask()
     assert "TuneBoard Assistant" in tuned, tuned
     assert "TuneBoard" not in base, base
+
+
+def test_the_batch_loop_ends_at_close_and_when_idle(tiny_qwen2, monkeypatch):
+    """A process must not exit while its batch loop is mid-step (CI saw `tuneboard chat` abort with "terminate called
+    without an active exception" after its answer was out): close(), which atexit calls, waits for the loop's
+    thread to end; an idle loop ends by itself and the next request starts a new one."""
+    from backend.serving import batching
+
+    monkeypatch.setattr(batching, "IDLE_S", 0.5)
+    engine = load_engines(_spec(tiny_qwen2), log=lambda m: None)[str(tiny_qwen2)]
+    batcher = engine.batcher
+    assert batcher is not None and batcher in batching._LIVE
+    first = engine.chat(HELLO, max_new_tokens=4)
+    thread = batcher._thread
+    assert thread is not None
+    thread.join(10)
+    assert not thread.is_alive() and batcher._thread is None  # idle: the loop let go
+    assert engine.chat(HELLO, max_new_tokens=4) == first  # a new loop, the same answer
+    batcher.close()
+    assert batcher._thread is None or not batcher._thread.is_alive()

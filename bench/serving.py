@@ -83,20 +83,10 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout:.0f} s: see {self.log}")
 
     def rss(self) -> int:
-        import psutil
+        """Bytes held by the server and its children (bench/run.py's tree_rss_kib, as the training benchmark)."""
+        from run import tree_rss_kib  # bench/run.py, on sys.path: this script's own folder
 
-        try:
-            top = psutil.Process(self.proc.pid)
-            procs = [top] + top.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return 0
-        total = 0
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return tree_rss_kib(self.proc.pid) * 1024
 
     def sample(self):
         self._sampling = True

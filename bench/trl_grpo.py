@@ -17,11 +17,11 @@ from pathlib import Path
 
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+from trl_sft import CHATML, JsonlLog  # bench/trl_sft.py, on sys.path: this script's own folder
+
 DATA = Path(__file__).resolve().parent / "data" / "rl" / "extraction_short.json"
 LOGGED = ("loss", "reward", "kl", "completions/mean_length")
 
@@ -37,16 +37,6 @@ def json_valid(completions, **kwargs) -> list[float]:
         except ValueError:
             rewards.append(0.0)
     return rewards
-
-
-class JsonlLog(TrainerCallback):
-    def __init__(self, path: Path):
-        self.path = path
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"step": state.global_step, **{k: logs[k] for k in LOGGED if k in logs}}) + "\n")
 
 
 def main(model_dir: str, output_dir: str, max_steps: int = 6) -> None:
@@ -65,7 +55,7 @@ def main(model_dir: str, output_dir: str, max_steps: int = 6) -> None:
                         disable_tqdm=True)
     peft = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model_dir, reward_funcs=json_valid, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft, callbacks=[JsonlLog(out / "trainer_log.jsonl")])
+                          processing_class=tokenizer, peft_config=peft, callbacks=[JsonlLog(out / "trainer_log.jsonl", LOGGED)])
     trainer.train()
 
 

@@ -23,13 +23,15 @@ DATA = Path(__file__).resolve().parent / "data" / "extraction_bench.json"
 
 
 class JsonlLog(TrainerCallback):
-    def __init__(self, path: Path):
-        self.path = path
+    """TRL's logs as trainer_log.jsonl rows (step + the `logged` keys), as TuneBoard's run folder has them."""
+
+    def __init__(self, path: Path, logged: tuple[str, ...] = ("loss",)):
+        self.path, self.logged = path, logged
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             with self.path.open("a") as f:
-                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+                f.write(json.dumps({"step": state.global_step, **{k: logs[k] for k in self.logged if k in logs}}) + "\n")
 
 
 def main(model_dir: str, output_dir: str, max_steps: int = 12) -> None:

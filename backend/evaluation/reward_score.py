@@ -1,7 +1,8 @@
 """Reward-model scoring: ranking pairs -> (chosen score, rejected score) with a reward model (a one-output score
 head, saved by stage rm), the pairwise metrics, the per-pair file, and how an rm run's folder reloads. A library
 module: the rm stage (its do_predict), `tuneboard eval` with stage rm and `tuneboard export` (reward checks)
-import it, and the online RL stages (grpo, rloo), where a reward model scores completions (RewardModelReward).
+import it, and the online RL stages (grpo, rloo), where a reward model scores completions (RewardModelReward), and
+`tuneboard api --reward-model`, which scores texts over HTTP with it (RewardModelReward.score_texts).
 
 The score of a sequence is the head's output at its last token that is not the pad token (transformers'
 rule), so the model config carries the tokenizer's pad token, here and when reloaded.
@@ -205,10 +206,7 @@ class RewardModelReward:
         """One score per completion; None where the template renders no answer token (not counted)."""
         if conversation is None:
             raise ValueError(f"reward model {self.path}: the rows carry no conversation to render")
-        if not self.placed:  # on the first call: the trainer has picked this process's GPU by then
-            if torch.cuda.is_available():
-                self.model.to(torch.cuda.current_device())
-            self.placed = True
+        self._place()
         sequences_, where = [], []
         for i, (row, completion) in enumerate(zip(conversation, completions)):
             example = json.loads(row)
@@ -225,3 +223,21 @@ class RewardModelReward:
                                                    self.batch_size)):
             out[i] = score
         return out
+
+    def _place(self) -> None:
+        if not self.placed:  # on the first call: the trainer has picked this process's GPU by then
+            if torch.cuda.is_available():
+                self.model.to(torch.cuda.current_device())
+            self.placed = True
+
+    def score_texts(self, texts: list[str], max_length: int | None = None) -> list[float]:
+        """The score of each text as it stands (already rendered, special tokens written out: what a scoring
+        endpoint receives, backend.serving.api's POST /v1/score/evaluation): tokenized without adding special
+        tokens, cut to its last max_length (default: the rm run's cutoff_len) tokens, since the score is read at
+        the last token. A text rendered by the reward model's template from a conversation + answer gets the same
+        score as __call__ gives that answer."""
+        self._place()
+        limit = max_length or self.cutoff_len
+        ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"][-limit:] or [self.tokenizer.pad_token_id]
+               for text in texts]
+        return score_sequences(self.model, self.tokenizer.pad_token_id, ids, self.batch_size)

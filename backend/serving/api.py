@@ -5,6 +5,10 @@
     POST /v1/chat/completions    non-streaming, or SSE streaming ending with `data: [DONE]`
     POST /v1/completions         raw text prompt (or token ids), no chat template (base models, eval
                                  harnesses); same streaming; echo supported, one prompt and n = 1 per request
+    POST /v1/score/evaluation    with --reward-model RM_RUN: {"model", "messages": [text, ...], "max_length"?} ->
+                                 {"id", "object", "model", "scores": [float, ...]}, the reward model's score of
+                                 each rendered text (LLaMA-Factory's route; what stage ppo's reward_model_type
+                                 api asks, backend.evaluation.reward_api)
 
 Logprobs (not streamed): /v1/completions with `logprobs: k` gives OpenAI's legacy choices[].logprobs
 (tokens, token_logprobs, top_logprobs: the k likeliest tokens and the chosen one, text_offset into the
@@ -128,6 +132,19 @@ def _models():
     return ChatRequest, CompletionRequest
 
 
+def _score_model():
+    """The body of POST /v1/score/evaluation (LLaMA-Factory's ScoreEvaluationRequest): texts already rendered
+    by the reward model's template, special tokens written out."""
+
+    class ScoreRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        model: str
+        messages: list[str] = Field(min_length=1)
+        max_length: Optional[int] = Field(None, ge=1)
+
+    return ScoreRequest
+
+
 class APIError(Exception):
     """An error the client caused (or may fix), answered as OpenAI-style JSON."""
 
@@ -171,7 +188,8 @@ def to_engine_messages(messages) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- app
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+SCORE_PATH = "/v1/score/evaluation"
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", SCORE_PATH)
 DEFAULT_MAX_QUEUE = 8
 # Operator limits per request (issue #25: one 8000-token request held a model for ~10 minutes). 1024 tokens
 # is a long answer yet a fraction of today's contexts; 300 s is far more than a healthy 1024-token answer
@@ -237,9 +255,10 @@ async def _until_disconnected(receive) -> None:
 
 def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_tokens_per_request: int | None = DEFAULT_MAX_TOKENS_PER_REQUEST,
-               max_request_seconds: float | None = DEFAULT_MAX_REQUEST_SECONDS):
+               max_request_seconds: float | None = DEFAULT_MAX_REQUEST_SECONDS, scorers: dict | None = None):
     """The FastAPI app serving `engines` ({name: Engine}, in /v1/models order). max_tokens_per_request and
-    max_request_seconds: the per-request limits (None or 0: none but the context)."""
+    max_request_seconds: the per-request limits (None or 0: none but the context). `scorers`: {name: reward model
+    (backend.evaluation.reward_score.RewardModelReward)} answering POST /v1/score/evaluation."""
     from fastapi import FastAPI, Request  # heavy: loaded on use, so importing this module stays light
     from fastapi.exceptions import RequestValidationError  # heavy: loaded on use, so importing this module stays light
     from fastapi.responses import JSONResponse  # heavy: loaded on use, so importing this module stays light
@@ -248,10 +267,13 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
 
 
     ChatRequest, CompletionRequest = _models()
+    ScoreRequest = _score_model()
+    scorers = dict(scorers or {})
+    scoring_lock = threading.Lock()  # one scoring forward at a time per server: reward models are small next to it
     app = FastAPI(title="TuneBoard OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     # engines on one base share its TurnLock: their requests take turns on that one loaded model
-    models_at_once = len({id(getattr(e, "lock", e)) for e in engines.values()}) or 1
+    models_at_once = len({id(getattr(e, "lock", e)) for e in engines.values()}) + len(scorers) or 1
     load = _Load()
     app.add_middleware(_Gate, api_key=api_key, running=models_at_once, max_queue=max_queue, load=load)
 
@@ -336,10 +358,13 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     def list_models():
         return {"object": "list",
                 "data": [{"id": name, "object": "model", "created": created, "owned_by": "tuneboard"}
-                         for name in engines]}
+                         for name in [*engines, *scorers]]}
 
     def pick(name: str):
         engine = engines.get(name)
+        if engine is None and name in scorers:
+            raise APIError(400, f"'{name}' is a reward model: it answers POST {SCORE_PATH} only", param="model",
+                           code="model_not_supported")
         if engine is None:
             raise APIError(404, f"the model '{name}' does not exist; served: {', '.join(engines)}",
                            param="model", code="model_not_found")
@@ -406,6 +431,33 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         if req.tool_choice == "none":
             return None
         return req.tools or None
+
+    @app.post(SCORE_PATH)
+    async def score_evaluation(request: Request):
+        """Each text's reward-model score. `model` names a served reward model; with one served, any name is it
+        (LLaMA-Factory's client sends "model")."""
+        req = await parse(request, ScoreRequest)
+        scorer = scorers.get(req.model) or (next(iter(scorers.values())) if len(scorers) == 1 else None)
+        if scorer is None:
+            served = ", ".join(scorers) or "none (start tuneboard api with --reward-model RM_RUN)"
+            raise APIError(404, f"model: '{req.model}' is not a served reward model; served: {served}",
+                           param="model", code="model_not_found")
+        empty = next((i for i, text in enumerate(req.messages) if not text), None)
+        if empty is not None:
+            raise APIError(400, f"messages[{empty}]: an empty text has nothing to score", param="messages")
+
+        def work() -> list[float]:
+            with scoring_lock:
+                return scorer.score_texts(req.messages, req.max_length)
+
+        load.generating += 1
+        try:
+            scores = await run_in_threadpool(work)
+        finally:
+            load.generating -= 1
+        sid = f"scoreeval-{uuid.uuid4().hex}"
+        print(f"{sid}: {scorer.__name__} scored {len(scores)} texts", file=sys.stderr, flush=True)
+        return {"id": sid, "object": "score.evaluation", "model": scorer.__name__, "scores": scores}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -714,6 +766,24 @@ def serve(app, sock: socket.socket, host: str, announce=print) -> None:
     Server(config).run(sockets=[sock])
 
 
+def load_scorers(entries: list[str], spec) -> dict:
+    """--reward-model [NAME=]PATH entries -> {name: RewardModelReward}, loaded as stage ppo loads a reward model
+    (so the scores are the ones it computes in-process); ValueError naming the entry when one is no reward model."""
+    from backend.evaluation.reward_score import RewardModelReward  # heavy (torch): only when a reward model is served
+
+    scorers = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or os.path.exists(entry):
+            name, path = os.path.basename(entry.rstrip("/\\")) or entry, entry
+        try:
+            scorers[name] = RewardModelReward(path, name, trust_remote_code=bool(getattr(spec, "trust_remote_code",
+                                                                                       False)))
+        except ValueError as exc:
+            raise ValueError(f"--reward-model {entry}: {exc}") from None
+    return scorers
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tuneboard api",
@@ -727,6 +797,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve this LoRA adapter (or checkpoint-N) as its own model; repeatable; "
                         "PATH may be a comma list of adapters merged in order")
     p.add_argument("--no-base", action="store_true", help="do not serve the base model itself")
+    p.add_argument("--reward-model", action="append", default=[], metavar="[NAME=]PATH",
+                   help="serve this reward model (a stage rm run's folder, LoRA or full, or a sequence-classification "
+                        f"folder) on POST {SCORE_PATH} (what stage ppo's reward_model_type api asks); repeatable. "
+                        "Alone (no spec, --model or --adapter) it is the only model served")
     p.add_argument("--template", help="chat template (overrides template)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free port; the ready line names it)")
@@ -788,17 +862,21 @@ def main(argv: list[str]) -> int:
         print(f"error: cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     try:
-        engines = load_engines(spec, opts.adapter, include_base=include_base)
+        scorers = load_scorers(opts.reward_model, spec)
+        only_scoring = bool(scorers) and not (opts.spec or opts.model or opts.adapter)
+        engines = {} if only_scoring else load_engines(spec, opts.adapter, include_base=include_base)
     except (ValueError, FileNotFoundError, NotImplementedError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for name in engines:
         print(f"model: {name}", flush=True)
+    for name in scorers:
+        print(f"reward model: {name} (POST {SCORE_PATH})", flush=True)
     if opts.max_request_seconds and not all(getattr(e, "enforces_time_limit", False) for e in engines.values()):
         print(f"warning: --max-request-seconds {opts.max_request_seconds:g} is not enforced by this backend (vLLM): "
               "only --max-tokens-per-request bounds a request", file=sys.stderr, flush=True)
     app = create_app(engines, api_key=api_key, cors=opts.cors or None, max_queue=opts.max_queue,
                      max_tokens_per_request=opts.max_tokens_per_request,
-                     max_request_seconds=opts.max_request_seconds)
+                     max_request_seconds=opts.max_request_seconds, scorers=scorers)
     serve(app, sock, opts.host, announce=lambda line: print(line, flush=True))
     return 0

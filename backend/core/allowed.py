@@ -50,7 +50,8 @@ CODE_KEYS = ("reward_funcs", "trust_remote_code")  # spec keys that can make a p
 
 # spec keys by what the UI lets them do with a path
 WRITE_KEYS = ("output_dir", "export_dir", "logging_dir")
-READ_KEYS = ("dataset_dir", "deepspeed", "fsdp_config", "accelerator_config", "judge_api_key_file")
+READ_KEYS = ("dataset_dir", "deepspeed", "fsdp_config", "accelerator_config", "judge_api_key_file",
+             "reward_model_api_key_file")
 MODEL_KEYS = ("model_name_or_path", "adapter_name_or_path", "ref_model", "reward_model", "resume_from_checkpoint")
 MODEL_MARKERS = ("config.json", "adapter_config.json", "trainer_state.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")

@@ -126,8 +126,10 @@ class PreferenceKeys(Keys):
 
 
 class PpoKeys(Keys):
-    reward_model: Optional[str] = _f(None, "PPO: the reward model scoring each response: a stage rm run folder, or a sequence-classification model folder.", "method")
-    reward_model_type: Literal["lora", "full", "api"] = _f("lora", "PPO: how the reward model is stored: lora (an rm run's adapter with its score head) or full (a sequence-classification folder).", "method")
+    reward_model: Optional[str] = _f(None, "PPO: the reward model scoring each response: a stage rm run folder, a sequence-classification model folder, or with reward_model_type api the scoring endpoint's URL (http://host:port).", "method")
+    reward_model_type: Literal["lora", "full", "api"] = _f("lora", "PPO: how the reward model is stored: lora (an rm run's adapter with its score head), full (a sequence-classification folder) or api (an OpenAI-compatible scoring endpoint, e.g. tuneboard api --reward-model: POST /v1/score/evaluation).", "method")
+    reward_model_api_key_env: Optional[str] = _f(None, "PPO with reward_model_type api: the environment variable that holds the scoring endpoint's API key (sent as Authorization: Bearer); a key is never a spec key.", "method")
+    reward_model_api_key_file: Optional[str] = _f(None, "PPO with reward_model_type api: a file whose first line is the scoring endpoint's API key (instead of reward_model_api_key_env).", "method")
     ppo_epochs: int = _f(4, "PPO optimisation epochs per batch.", "method", ge=1)
     ppo_buffer_size: int = _f(1, "Mini-batches in the PPO experience buffer.", "method", ge=1)
     ppo_target: float = _f(6.0, "Target KL for adaptive KL control in PPO.", "method", gt=0)
@@ -216,7 +218,8 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
     # written here (TRL has no PPO trainer): backend/stages/ppo.py logs these (reward: the raw score's mean); it
     # generates with transformers (rules.ppo refuses use_vllm)
     Stage("ppo", "PPO", "prompts", rules=(rules.ppo,), generates=True,
-          fields=("ref_model", "reward_model", "reward_model_type", "reward_funcs", "reward_weights", "reward_schema",
+          fields=("ref_model", "reward_model", "reward_model_type", "reward_model_api_key_env",
+                  "reward_model_api_key_file", "reward_funcs", "reward_weights", "reward_schema",
                   "reward_regex", "max_completion_length", "ppo_epochs", "ppo_buffer_size", "ppo_target",
                   "ppo_score_norm", "ppo_whiten_rewards", "init_kl_coef", "adap_kl_ctrl", "gamma", "lam", "cliprange",
                   "cliprange_value", "vf_coef"),

@@ -17,7 +17,9 @@ The model, as LLaMA-Factory trains PPO:
 - full / freeze: the value head on the policy, and a frozen copy of the starting model as the reference.
 - ref_model: that model as the reference instead (a second model in memory).
 The reward model (`reward_model`: an rm run folder or a sequence-classification folder) is loaded as its own
-model beside the policy (LLaMA-Factory swaps a LoRA reward adapter onto the policy's base instead: not done here).
+model beside the policy (LLaMA-Factory swaps a LoRA reward adapter onto the policy's base instead: not done here);
+with reward_model_type api it is a scoring endpoint (e.g. `tuneboard api --reward-model RM_RUN`) instead, asked once
+per rollout batch (backend.evaluation.reward_api).
 
 A step is one batch of rollouts: per_device_train_batch_size x gradient_accumulation_steps x ppo_buffer_size
 prompts, one response each; then ppo_epochs passes over it, each in ppo_buffer_size optimizer steps of
@@ -45,8 +47,11 @@ from peft import set_peft_model_state_dict
 from torch import nn
 from transformers import Trainer, set_seed
 
+from backend.core import teacher_access
 from backend.core.methods import method
 from backend.core.rewards import RewardError, build_reward_funcs, metric_name, split_names
+from backend.distill.teacher import read_api_key
+from backend.evaluation.reward_api import ApiReward
 from backend.evaluation.reward_score import RewardModelReward
 from backend.serving.engine import stop_token_ids
 from backend.stages.base import RunError, StageResult, fit, load_rows, tokenizer_and_template, trainable_model
@@ -76,7 +81,7 @@ def run(spec, run_dir, stop) -> StageResult:
                                    tokenizer)
 
     # 3. the reward: a reward model or reward functions
-    scorer = Scorer(spec, run_dir)
+    scorer = Scorer(spec, run_dir, template, tokenizer)
 
     # 4. policy with a value head, and the reference
     set_seed(spec.seed)
@@ -148,9 +153,11 @@ class Scorer:
     """The score of each response: the weighted sum of the reward functions (reward_funcs, stage grpo's: built-ins,
     the user's, reward model folders; None counts 0), or the one reward model of `reward_model` (LLaMA-Factory's
     key), which scores the prompt's conversation + the response rendered by the reward model's own template
-    (backend.evaluation.reward_score.RewardModelReward, a second model in memory)."""
+    (backend.evaluation.reward_score.RewardModelReward, a second model in memory), or with reward_model_type api
+    the scoring endpoint at that URL, sent the texts rendered by the policy's template, one request per rollout
+    batch (backend.evaluation.reward_api.ApiReward)."""
 
-    def __init__(self, spec, run_dir):
+    def __init__(self, spec, run_dir, template=None, tokenizer=None):
         def reward_model(path: str):
             run_dir.log(f"reward model {metric_name(path)}: loading {path} (a second model in memory)")
             try:
@@ -159,6 +166,9 @@ class Scorer:
             except ValueError as exc:  # not a reward model, or its base cannot be found: one line naming it
                 raise RunError(f"{'reward_model' if spec.reward_model else 'reward_funcs'}: {path}: {exc}") from None
 
+        if spec.reward_model and spec.reward_model_type == "api":
+            self.funcs, self.weights = [scoring_endpoint(spec, run_dir, template, tokenizer)], [1.0]
+            return
         if spec.reward_model:
             self.funcs, self.weights = [reward_model(spec.reward_model)], [1.0]
             run_dir.log(f"rewards: the reward model {spec.reward_model}")
@@ -183,6 +193,29 @@ class Scorer:
             totals.append(sum(w * (v or 0.0) for w, v in zip(self.weights, values.values())))
             parts.append(values)
         return totals, parts
+
+
+def scoring_endpoint(spec, run_dir, template, tokenizer) -> ApiReward:
+    """reward_model_type api: the endpoint at reward_model, its key read now from reward_model_api_key_env or
+    reward_model_api_key_file (never logged); a process the web UI started checks the UI's endpoint policy again
+    (backend.core.teacher_access: the key's variable offered for this URL, no internal address unless allowed)."""
+    if teacher_access.restricted():
+        refused = teacher_access.endpoint_refusals(spec.reward_model, spec.reward_model_api_key_env,
+                                                   spec.reward_model_api_key_file, "reward_model",
+                                                   url_field="reward_model")
+        if refused:
+            raise RunError("; ".join(str(r) for r in refused))
+    try:
+        key = read_api_key(spec.reward_model_api_key_env, spec.reward_model_api_key_file)
+    except OSError as exc:
+        raise RunError(f"reward_model_api_key_file: {spec.reward_model_api_key_file}: {exc.strerror or exc}") from None
+    source = (f"the file {spec.reward_model_api_key_file}" if spec.reward_model_api_key_file
+              else f"${spec.reward_model_api_key_env}" if spec.reward_model_api_key_env else None)
+    reward = ApiReward(spec.reward_model, key, template=template, tokenizer=tokenizer, cutoff_len=spec.cutoff_len)
+    run_dir.log(f"rewards: the scoring endpoint {reward.url}, one request per rollout batch, "
+                + (f"with the API key from {source}" if key else
+                   f"no API key ({source} holds none)" if source else "no API key"))
+    return reward
 
 
 # -- the trainer -----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from backend.core import rewards
+from backend.core import rewards, teacher_access
 from backend.core.methods import field_applies, is_adapter
 from backend.core.refusals import REFUSED
 
@@ -260,6 +260,14 @@ def kd(spec, stage, check_files: bool = True) -> Errors:
     return errors
 
 
+def _url(text: str | None) -> str | None:
+    """`text` normalised if it is an http(s) base URL, else None (backend.core.teacher_access, the URL rule)."""
+    try:
+        return teacher_access.normalize_url(text) if text else None
+    except ValueError:
+        return None
+
+
 def ppo(spec, stage, check_files: bool = True) -> Errors:
     """Stage ppo: one reward source (a reward model folder or reward functions), settings its loop can run with,
     keys it would ignore."""
@@ -269,17 +277,22 @@ def ppo(spec, stage, check_files: bool = True) -> Errors:
         errors.append((field, message, frozenset((field, "stage") + involved)))
 
     names = rewards.split_names(spec.reward_funcs)
-    if spec.reward_model_type == "api":
-        err("reward_model_type", f"{REFUSED}: scoring through an OpenAI-compatible endpoint is not written for stage "
-            "ppo (only local reward models are loaded): give reward_model as an rm run or sequence-classification "
-            "folder with reward_model_type lora or full, or reward_funcs", "reward_model")
-    elif spec.reward_model and names:
+    url = _url(spec.reward_model)
+    if spec.reward_model and names:
         err("reward_model", "stage ppo takes one reward source: a reward_model or reward_funcs, not both",
             "reward_funcs")
     elif not spec.reward_model and not names:
-        err("reward_model", "stage ppo needs a reward: reward_model (an rm run or sequence-classification folder) or "
-            f"reward_funcs ({', '.join(rewards.BUILTINS)}, or module:function / path/to/file.py:function)",
-            "reward_funcs")
+        err("reward_model", "stage ppo needs a reward: reward_model (an rm run or sequence-classification folder, or "
+            "a scoring endpoint's URL with reward_model_type api) or reward_funcs "
+            f"({', '.join(rewards.BUILTINS)}, or module:function / path/to/file.py:function)", "reward_funcs")
+    elif spec.reward_model_type == "api":
+        if not url:
+            err("reward_model", f"{spec.reward_model} is not an http(s) URL: with reward_model_type api, reward_model "
+                "is the scoring endpoint (http://host:port, which answers POST /v1/score/evaluation)",
+                "reward_model_type")
+    elif spec.reward_model and url:
+        err("reward_model_type", f"{spec.reward_model} is a URL: set reward_model_type api to score through that "
+            "endpoint (lora and full load a reward model folder)", "reward_model")
     elif spec.reward_model and check_files:
         folder = Path(spec.reward_model).expanduser()
         adapter = (folder / "adapter_config.json").is_file()
@@ -289,6 +302,13 @@ def ppo(spec, stage, check_files: bool = True) -> Errors:
         elif adapter != is_adapter(spec.reward_model_type):  # reward_model_type names the method of the rm run
             err("reward_model_type", f"{spec.reward_model} holds " + ("an adapter: set reward_model_type lora" if adapter
                 else "a full model (no adapter_config.json): set reward_model_type full"), "reward_model")
+    for key in ("reward_model_api_key_env", "reward_model_api_key_file"):
+        if getattr(spec, key) and not (spec.reward_model_type == "api" and spec.reward_model):
+            err(key, f"{REFUSED}: {key} is the key of a scoring endpoint: it applies with reward_model_type api and "
+                "reward_model the endpoint's URL only", "reward_model_type")
+    key_file = spec.reward_model_api_key_file
+    if key_file and check_files and not Path(key_file).expanduser().is_file():
+        err("reward_model_api_key_file", f"{key_file} is not a file")
     _reward_function_errors(spec, names, err, check_files)
     if spec.ppo_target != type(spec).model_fields["ppo_target"].default and not spec.adap_kl_ctrl:
         err("ppo_target", f"{REFUSED}: the KL weight is fixed (adap_kl_ctrl false), so no target steers it: drop "

@@ -58,7 +58,10 @@ CONSUMED = {
     "reward_schema": "backend/test_grpo_spec.py::test_prompts_are_rendered_by_our_template_with_their_reference",
     "reward_regex": "backend/test_rewards.py::test_builtins_are_bound_to_their_settings",
     "reward_model": "backend/test_stage_ppo.py::test_a_reward_model_folder_scores_prompt_and_response",
-    "reward_model_type": "backend/test_stage_ppo.py::test_a_reward_model_folder_scores_prompt_and_response",
+    "reward_model_type": "backend/test_reward_api.py::test_ppo_scores_through_a_tuneboard_api_reward_server",
+    "reward_model_api_key_env": "backend/test_reward_api.py::test_ppo_scores_through_a_tuneboard_api_reward_server",
+    "reward_model_api_key_file": "backend/test_reward_api.py::"
+                                 "test_the_key_comes_from_its_variable_or_file_and_stays_out_of_the_log",
     "ppo_epochs": "backend/test_stage_ppo.py::test_ppo_logs_its_series_and_saves_adapter_and_value_head",
     "ppo_buffer_size": "backend/test_stage_ppo.py::test_ppo_logs_its_series_and_saves_adapter_and_value_head",
     "ppo_target": "backend/test_ppo_math.py::test_each_ppo_key_changes_the_update",

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from backend.core import paths
 from backend.core.dataset_info import read_dataset_info, resolve_dataset_dir
 from backend.core.tokenized import META, data_files, file_state, folder_problem
+from backend.dataprep.preprocess import rows_in_arrow
 
 CACHE_VERSION = 1
 KEEP = 8  # default caches kept under <saves>/.cache/tokenized (the newest)
@@ -168,12 +169,16 @@ def save(folder: Path, train_rows: list[dict], eval_rows: list[dict] | None, met
             datasets.enable_progress_bars()
 
 
-def _save_rows(rows: list[dict], folder: Path) -> None:
-    """save_to_disk of the rows, converted to Arrow SAVE_BATCH rows at a time into a file that is then memory-mapped
-    (Dataset.from_list converts every row at once: at 100,000 rows 3.6x the memory and twice the time)."""
+def _save_rows(rows, folder: Path) -> None:
+    """save_to_disk of the rows: a datasets.Dataset (what tokenizing inside preprocess.rows_in_arrow returns) as it
+    is; a list converted to Arrow SAVE_BATCH rows at a time into a file that is then memory-mapped (Dataset.from_list
+    converts every row at once: at 100,000 rows 3.6x the memory and twice the time)."""
     import datasets  # heavy: pyarrow; this module's top stays light for validate
     from datasets.arrow_writer import ArrowWriter  # heavy: as above
 
+    if isinstance(rows, datasets.Dataset):
+        rows.save_to_disk(str(folder))
+        return
     if not rows:
         datasets.Dataset.from_list([]).save_to_disk(str(folder))
         return
@@ -190,11 +195,13 @@ def _save_rows(rows: list[dict], folder: Path) -> None:
         rows_file.unlink(missing_ok=True)
 
 
-def load(folder: Path) -> tuple[list[dict], list[dict] | None]:
+def load(folder: Path):
+    """(train, eval or None) as datasets.Dataset, memory-mapped from the cache's Arrow files: the Trainer reads its
+    rows from there (a row is read when a batch needs it), never a list of every row in memory."""
     import datasets  # heavy: pyarrow; this module's top stays light for validate
 
-    train = datasets.load_from_disk(str(folder / "train")).to_list()
-    eval_rows = datasets.load_from_disk(str(folder / "eval")).to_list() if (folder / "eval").is_dir() else None
+    train = datasets.load_from_disk(str(folder / "train"))
+    eval_rows = datasets.load_from_disk(str(folder / "eval")) if (folder / "eval").is_dir() else None
     return train, eval_rows
 
 
@@ -223,11 +230,13 @@ class _Recorder:
 def tokenized_rows(spec, run_dir, stage: str, tokenizer, template,
                    load_examples: Callable[[Any], tuple[list, list]],
                    tokenize: Callable[[list, list, Callable], tuple[list, list | None, str]],
-                   need_examples: bool = False) -> tuple[list[dict], list[dict] | None, list]:
+                   need_examples: bool = False) -> tuple[Any, Any, list]:
     """(train rows, eval rows or None, held-out examples): from the cache when its key matches, else
     load_examples(log_target) -> (train examples, held-out examples) and tokenize(train, held_out, warn) ->
     (train rows, eval rows, stats line), saved for the next run. need_examples: the held-out examples are
-    needed after tokenizing (eval_metric, do_predict), so they are loaded even on a hit."""
+    needed after tokenizing (eval_metric, do_predict), so they are loaded even on a hit. Rows from the cache (a hit,
+    or tokenized and saved now) are datasets.Dataset memory-mapped from its Arrow files; lists where no cache is
+    written (streaming, no local file, a rank other than 0)."""
     if getattr(spec, "streaming", False):  # a stream is tokenized as it is read (validate refuses tokenized_path)
         train_examples, held_out = load_examples(run_dir)
         train, eval_rows, stats = tokenize(train_examples, held_out, run_dir.warn)
@@ -276,14 +285,27 @@ def tokenized_rows(spec, run_dir, stage: str, tokenizer, template,
         run_dir.log(f"tokenizing (key {key}): {why}")
     recorder = _Recorder(run_dir)
     train_examples, held_out = load_examples(recorder)
-    train, eval_rows, stats = tokenize(train_examples, held_out, recorder.warn)
-    del train_examples  # tokenized: the examples need not stay in memory while the rows are saved and trained on
-    run_dir.log(stats)
-    if folder is not None and run_dir.writer:  # rank 0 alone writes (the other ranks' RunDir is no writer)
+    if folder is None or not run_dir.writer:  # no cache written (rank 0 alone writes): the rows as lists, as before
+        train, eval_rows, stats = tokenize(train_examples, held_out, recorder.warn)
+        run_dir.log(stats)
+        return train, eval_rows, held_out
+    # each tokenized batch goes to an Arrow file as it comes (preprocess.rows_in_arrow), the cache is saved from those
+    # files, and the run trains on the saved cache, memory-mapped: the same path a second run takes
+    spill = folder.parent / f".{folder.name}.rows-{os.getpid()}"
+    shutil.rmtree(spill, ignore_errors=True)
+    try:
+        with rows_in_arrow(spill):
+            train, eval_rows, stats = tokenize(train_examples, held_out, recorder.warn)
+        del train_examples  # tokenized: the examples need not stay in memory while the rows are saved and trained on
+        run_dir.log(stats)
         meta = {"version": CACHE_VERSION, "key": key, "parts": parts, "created": time.time(), "stats": stats,
                 "lines": recorder.lines, "warnings": recorder.warnings}
         save(folder, train, eval_rows, meta)
-        run_dir.log(f"saved the tokenized dataset to {folder} (key {key})")
-        if not spec.tokenized_path:
-            prune(default_root())
+        del train, eval_rows  # the spilled files' datasets: the run reads the saved cache instead
+        train, eval_rows = load(folder)
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    run_dir.log(f"saved the tokenized dataset to {folder} (key {key})")
+    if not spec.tokenized_path:
+        prune(default_root())
     return train, eval_rows, held_out

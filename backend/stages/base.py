@@ -408,8 +408,8 @@ def batching(spec, run_dir: RunDir, rows: list[dict], tokenizer, model=None):
             from backend.dataprep.stream import PACK_WINDOW, pack_stream  # heavy: datasets
 
             rows, packed = pack_stream(rows, spec.cutoff_len), f"each window of {PACK_WINDOW} streamed rows packed"
-        else:
-            rows = pack_rows(rows, spec.cutoff_len)
+        else:  # pack_rows builds its sequences as lists: rows of the memory-mapped cache are read into lists first
+            rows = pack_rows(rows if isinstance(rows, list) else rows.to_list(), spec.cutoff_len)
             packed = f"packed into {len(rows)} sequences"
         # SDPA over a packed sequence computes every row against every other of it (masked): per row instead
         problem = "no model" if model is None else padding_free_problem(model) or _use_varlen(model)

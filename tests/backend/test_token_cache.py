@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
+
+import datasets
 
 from backend.core import paths
 from backend.core.rundir import RUNNING_LOG, RunDir
@@ -29,7 +32,11 @@ def _tokenize(stage, tiny_llama, out, **keys):
     else:
         rows = pt.tokenized(spec, run_dir, tokenizer)[0]
     run_dir.close()
-    return rows, (out / RUNNING_LOG).read_text(encoding="utf-8")
+    # the first run as a second: the rows the Trainer gets are the saved cache, memory-mapped (never a list of all)
+    assert isinstance(rows, datasets.Dataset) and rows.cache_files, type(rows)
+    cache = Path(keys.get("tokenized_path") or paths.saves_dir() / ".cache" / "tokenized")
+    assert all(Path(f["filename"]).is_relative_to(cache) for f in rows.cache_files), rows.cache_files
+    return rows.to_list(), (out / RUNNING_LOG).read_text(encoding="utf-8")
 
 
 def test_second_run_loads_the_cache_and_a_changed_cutoff_retokenizes(tiny_llama, tmp_path, monkeypatch):

@@ -17,7 +17,20 @@ has drained (first come, first served). Each step holds the model's TurnLock, so
 on the model interleave between steps. Only models whose cache is plain full attention are batched
 (`batchable`); the others keep `generate` in turns.
 
-`Batcher.stats` counts steps and the largest batch, for the server's log and the tests.
+A chat's next turn reuses the KV cache of the turn before (TUNEBOARD_KV_REUSE=0 turns this off: side-by-side
+measurements, bench/serving.py). When a row leaves the batch, its K/V (without the left padding: the prompt and the
+answer but its last token, which was never fed back) is saved in a small store (KVStore: LRU, KV_ENTRIES entries,
+KV_BYTES in all) keyed by the adapter state and those token ids. A request whose prompt starts with at least
+KV_MIN_REUSE of an entry's tokens (a chat's next turn: the previous prompt and answer, then the new message; or a
+shared system prompt) is prefilled from there only, on a copy of that entry's K/V cut to the common prefix. Keys
+and values at a position depend only on the tokens up to it, so a prefix that matches token for token gives what a
+full prefill gives (as batching does, up to float rounding; the tests check the answers); a template that renders
+earlier turns differently matches less, or not at all, and is prefilled in full. The store belongs to the Batcher,
+that is to one loaded model, and lives as long as it (an idle loop keeps it for the next turn).
+
+`Batcher.stats` counts steps and the largest batch, and the reuse: `kv_hits`, `kv_misses` (requests prefilled on a
+saved prefix, or in full), `kv_reused_tokens` (prompt tokens not prefilled again), `kv_prefilled_tokens` (prompt
+tokens prefilled), for the server's /health and the tests. Nothing is logged per request.
 """
 from __future__ import annotations
 
@@ -25,11 +38,15 @@ import atexit
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAX_BATCH = 16  # requests decoded together; more wait for a free row
 IDLE_S = 30.0  # an idle loop ends after this long (its thread lets go of the model); the next request starts it anew
+KV_ENTRIES = 8  # finished rows whose KV cache is kept for a chat's next turn (least recently used goes first)
+KV_BYTES = 256 << 20  # and their K/V tensors in all (an entry over it is not kept)
+KV_MIN_REUSE = 16  # prompt tokens in common with an entry below which the prompt is prefilled in full
 _LIVE: "weakref.WeakSet[Batcher]" = weakref.WeakSet()
 
 
@@ -48,6 +65,69 @@ def batchable(model) -> bool:
     if types is not None:
         return all(t == "full_attention" for t in types)
     return not (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+
+
+def kv_reuse() -> bool:
+    """Whether a prompt may be prefilled on a saved prefix's KV cache; TUNEBOARD_KV_REUSE=0 turns it off."""
+    return os.environ.get("TUNEBOARD_KV_REUSE", "1") != "0"
+
+
+def common_prefix(a, b) -> int:
+    """How many leading tokens `a` and `b` share (lists or tuples)."""
+    a, b = tuple(a), tuple(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: halve (slices compare in C)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class KVStore:
+    """Finished rows' KV caches, keyed by (adapter state, token ids): each entry a list of one (keys, values)
+    pair per layer, shaped [1, heads, len(ids), head_dim]. Used by the batch loop's thread only."""
+
+    def __init__(self, entries: int = KV_ENTRIES, max_bytes: int = KV_BYTES):
+        self.entries, self.max_bytes = entries, max_bytes
+        self._items: "OrderedDict[tuple, tuple[list, int]]" = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, state: Any, ids: list[int], layers: list) -> None:
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        if size > self.max_bytes or not ids:
+            return
+        ids = tuple(ids)
+        for key in [key for key in self._items if key[0] == state and key[1] == ids[:len(key[1])]]:
+            self._pop(key)  # a prefix of this one (the chat's earlier turn): this entry serves all it served
+        self._items[(state, ids)] = (layers, size)
+        self.bytes += size
+        while len(self._items) > self.entries or self.bytes > self.max_bytes:
+            self._pop(next(iter(self._items)))
+
+    def get(self, state: Any, ids: list[int]) -> tuple[int, list | None]:
+        """The longest saved prefix of `ids` (in tokens) and its entry's layers (None when nothing matches)."""
+        best, found, hit = 0, None, None
+        ids = tuple(ids)
+        for key, (layers, _) in self._items.items():
+            if key[0] != state:
+                continue
+            n = common_prefix(key[1], ids)
+            if n > best:
+                best, found, hit = n, layers, key
+        if hit is not None:
+            self._items.move_to_end(hit)
+        return best, found
+
+    def _pop(self, key) -> None:
+        self.bytes -= self._items.pop(key)[1]
 
 
 @dataclass
@@ -103,7 +183,9 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._closing = False
         _LIVE.add(self)
-        self.stats = {"steps": 0, "batched_steps": 0, "max_batch": 0, "requests": 0}
+        self.stats = {"steps": 0, "batched_steps": 0, "max_batch": 0, "requests": 0,
+                      "kv_hits": 0, "kv_misses": 0, "kv_reused_tokens": 0, "kv_prefilled_tokens": 0}
+        self.kv = KVStore()  # finished rows' KV caches, for a chat's next turn (kv_reuse)
         # the running batch: its jobs (rows), their KV cache, the attention mask over it (0 = left padding)
         self._rows: list[Job] = []
         self._state: Any = None
@@ -222,7 +304,14 @@ class Batcher:
 
         device = self.model.device
         ids = torch.tensor([job.ids], device=device)
-        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        cache, reused = self._reuse(job)
+        if cache is None:
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        else:  # the new tokens on top of the saved prefix, at their own positions
+            new = ids[:, reused:]
+            out = self.model(input_ids=new, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
+                             position_ids=torch.arange(reused, ids.shape[1], device=device).unsqueeze(0))
+        self.stats["kv_prefilled_tokens"] += len(job.ids) - reused
         job.started = True
         if job.streamer is not None:
             job.streamer.put(ids.cpu())
@@ -231,8 +320,40 @@ class Batcher:
             self._rngs[id(job)] = torch.Generator(device=device).manual_seed(job.seed)
         if not self._take(job, out.logits[:, -1].to(dtype=torch.float32)):
             self._forget(job)
+            self._save(job, [(layer.keys, layer.values) for layer in out.cache.layers])
             return
         self._join(job, out.cache, ids.shape[1])
+
+    def _reuse(self, job: Job):
+        """A cache holding the K/V of the longest saved prefix of the job's prompt (at least KV_MIN_REUSE tokens,
+        and one token short of the whole prompt at most: its last token gives the first logits), and its length;
+        (None, 0) when there is none, or reuse is off."""
+        if not kv_reuse():
+            return None, 0
+        n, layers = self.kv.get(job.state, job.ids)
+        n = min(n, len(job.ids) - 1)
+        if layers is None or n < KV_MIN_REUSE:
+            self.stats["kv_misses"] += 1
+            return None, 0
+        # heavy (transformers): the module top stays light
+        from transformers import DynamicCache
+
+        # the update in DynamicCache's constructor concatenates: a copy, the saved entry stays as it is
+        cache = DynamicCache(ddp_cache_data=[(k[:, :, :n], v[:, :, :n]) for k, v in layers],
+                             config=self.model.config)
+        self.stats["kv_hits"] += 1
+        self.stats["kv_reused_tokens"] += n
+        return cache, n
+
+    def _save(self, job: Job, layers: list) -> None:
+        """Keep a finished row's K/V (`layers`: one row, no padding; the job's prompt and all its tokens but the
+        last, which was never fed back) for a later prompt that starts the same way."""
+        if not kv_reuse():
+            return
+        ids = job.ids + job.tokens[:-1]
+        if any(k.shape[-2] != len(ids) for k, _ in layers):  # not the plain layout the batch keeps: keep nothing
+            return
+        self.kv.put(job.state, ids, [(k.clone(), v.clone()) for k, v in layers])
 
     def _take(self, job: Job, logits) -> bool:
         """Choose the job's next token from its logits row; False once the job has ended (and is told so)."""
@@ -285,8 +406,12 @@ class Batcher:
         if not ended:
             return
         keep = [i for i in range(len(self._rows)) if i not in set(ended)]
+        width = self._mask.shape[1]
         for i in ended:
             self._forget(self._rows[i])
+            start = width - int(self._mask[i].sum())  # its left padding ends here
+            self._save(self._rows[i], [(layer.keys[i:i + 1, :, start:], layer.values[i:i + 1, :, start:])
+                                       for layer in self._cache.layers])
         if not keep:
             self._rows, self._cache, self._mask = [], None, None
             return

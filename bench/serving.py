@@ -3,17 +3,23 @@
 
 - TuneBoard, transformers backend  (`tuneboard api`, continuous batching: backend/serving/batching.py)
 - the same with batching off       (TUNEBOARD_BATCHING=0: requests take turns on the model, as before batching)
+- the same with KV reuse off       (TUNEBOARD_KV_REUSE=0: each chat turn prefills its whole prompt)
 - TuneBoard, llama.cpp backend     (`tuneboard api infer_backend=llamacpp` on the model's q4_k_m export, written
                                     once by `tuneboard export export_gguf_type=q4_k_m` into bench/results/serving/)
 - LLaMA-Factory's API              (`llamafactory-cli api`, bench/.venv-lf, its huggingface backend, its defaults)
 
-    python bench/serving.py [--max-tokens 64] [--servers tb-hf,tb-turns,tb-llamacpp,lf]
+    python bench/serving.py [--max-tokens 64] [--servers tb-hf,tb-turns,tb-noreuse,tb-llamacpp,lf] [--turns 4]
+                            [--only-turns]
 
 For each server, 1 client (the 8 prompts one after another) and 8 clients (all 8 at once): tokens/s = completion
 tokens of all 8 answers / wall time from the first request to the last answer; time to first token = request to
 first streamed content, mean over the 8; peak RSS = the server's process tree (sampled every 0.1 s, summed over
 its processes). Completion tokens are counted by the model's tokenizer on each answer's text, the same count for
-every server. One warm-up request precedes each measurement. Results: bench/results/serving-DATE.json and a
+every server. Then (--turns N, 0: skipped) a multi-turn client: CHATS conversations one after another, each N
+turns (a long system prompt, the question, then FOLLOW_UPS, each turn sending the whole history with the
+answers so far): time to first token of turn 1 and of turns 2+ (mean), where the KV cache of the turn before can
+be reused (backend/serving/batching.py: KVStore), and the server's reuse counters from /health where it has them.
+--only-turns skips the 1- and 8-client runs. One warm-up request precedes each measurement. Results: bench/results/serving-DATE.json and a
 table on stdout (the ratios are against LLaMA-Factory's API and against the transformers backend).
 """
 from __future__ import annotations
@@ -46,6 +52,15 @@ PROMPTS = [
     "Why is the sky blue?",
     "List two uses of a paperclip.",
 ]
+
+SYSTEM = ("You are a patient tutor for curious beginners. Answer in plain words, one idea at a time, without jargon; "
+          "when a term is needed, say what it means. Prefer short sentences and concrete everyday examples over "
+          "abstractions. If the question is unclear, answer the most likely reading and say which one you chose. "
+          "Never invent facts: say when you are not sure. Keep every answer short unless asked for more, and end "
+          "with one question that checks the learner understood.")
+FOLLOW_UPS = ["Tell me more about that.", "Why is that so?", "Give me an everyday example.",
+              "Sum it up in one sentence.", "What should I read next?"]
+CHATS = 2  # conversations in the multi-turn measurement (PROMPTS[:CHATS] open them)
 
 
 def free_port() -> int:
@@ -108,11 +123,12 @@ class Server:
             self.proc.wait()
 
 
-def ask(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy chat request: its text, time to first content, total time."""
+def ask(client, model: str, prompt: str | list[dict], max_tokens: int) -> dict:
+    """One streamed greedy chat request (a prompt, or the messages): its text, time to first content, total time."""
     start = time.perf_counter()
     first, text = None, []
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    stream = client.chat.completions.create(model=model, messages=messages,
                                             max_tokens=max_tokens, temperature=0, stream=True)
     for chunk in stream:
         piece = chunk.choices[0].delta.content if chunk.choices else None
@@ -144,6 +160,34 @@ def measure(client, model: str, clients: int, max_tokens: int, count) -> dict:
             "ttft_s": round(statistics.mean(a["ttft"] for a in answers), 3), "texts": [a["text"] for a in answers]}
 
 
+def measure_turns(client, model: str, turns: int, max_tokens: int, health: str) -> dict:
+    """CHATS conversations of `turns` turns, one after another: mean time to first token of turn 1 and of the
+    later turns, the answers, and the server's KV reuse counters moved over it (GET `health`, where it has them)."""
+    import httpx
+
+    def counters() -> dict:
+        try:
+            batching = httpx.get(health, timeout=5).json().get("batching", {}).get(model, {})
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return {k: v for k, v in batching.items() if k.startswith("kv_")}
+
+    before = counters()
+    first, later, texts = [], [], []
+    for prompt in PROMPTS[:CHATS]:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+        for turn in range(turns):
+            answer = ask(client, model, messages, max_tokens)
+            (first if turn == 0 else later).append(answer["ttft"])
+            texts.append(answer["text"])
+            messages += [{"role": "assistant", "content": answer["text"]},
+                         {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+    after = counters()
+    return {"chats": CHATS, "turns": turns, "ttft_turn1_s": round(statistics.mean(first), 3),
+            "ttft_later_s": round(statistics.mean(later), 3) if later else None,
+            "kv": {k: after[k] - before.get(k, 0) for k in after}, "texts": texts}
+
+
 def q4_export(model_dir: Path) -> Path:
     """The default model's q4_k_m GGUF, exported once by `tuneboard export` (and verified in llama.cpp by it)."""
     out = RESULTS / "serving" / "q4_k_m"
@@ -170,6 +214,9 @@ def servers(wanted: list[str], model_dir: Path) -> list[tuple[str, list[str], di
     if "tb-turns" in wanted:  # the same server with batching off: requests take turns (TUNEBOARD_BATCHING=0)
         out.append(("TuneBoard transformers turns", tb + [f"model_name_or_path={model_dir}"],
                     {"TUNEBOARD_BATCHING": "0"}, str(model_dir)))
+    if "tb-noreuse" in wanted:  # batching on, a chat's KV cache not reused across its turns (TUNEBOARD_KV_REUSE=0)
+        out.append(("TuneBoard transformers no KV reuse", tb + [f"model_name_or_path={model_dir}"],
+                    {"TUNEBOARD_KV_REUSE": "0"}, str(model_dir)))
     if "tb-llamacpp" in wanted:
         try:
             import llama_cpp  # noqa: F401  (optional: the llamacpp extra, make setup-gguf)
@@ -194,7 +241,9 @@ def servers(wanted: list[str], model_dir: Path) -> list[tuple[str, list[str], di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--servers", default="tb-hf,tb-turns,tb-llamacpp,lf")
+    parser.add_argument("--servers", default="tb-hf,tb-turns,tb-noreuse,tb-llamacpp,lf")
+    parser.add_argument("--turns", type=int, default=4, help="turns of each multi-turn chat (0: no multi-turn run)")
+    parser.add_argument("--only-turns", action="store_true", help="skip the 1- and 8-client runs")
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS for every server (0: unset). On a loaded machine 1 avoids OpenMP's "
                              "spinning threads waiting for a descheduled peer (5 s a token instead of 0.7 s here)")
@@ -234,15 +283,21 @@ def main(argv: list[str] | None = None) -> int:
             server.sample()
             client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=900)
             ask(client, served, "Hello!", 8)  # warm-up
-            one = measure(client, served, 1, args.max_tokens, count)
-            eight = measure(client, served, 8, args.max_tokens, count)
+            row = {"server": name, "ready_s": round(ready, 1), "load_before": round(os.getloadavg()[0], 1)}
+            if not args.only_turns:
+                row["one"] = one = measure(client, served, 1, args.max_tokens, count)
+                row["eight"] = eight = measure(client, served, 8, args.max_tokens, count)
+                print(f"{name}: 1 client {one['tokens_per_s']} tok/s (TTFT {one['ttft_s']} s), 8 clients "
+                      f"{eight['tokens_per_s']} tok/s (TTFT {eight['ttft_s']} s)", flush=True)
+            if args.turns > 0:
+                health = server.url.removesuffix("/v1") + "/health"
+                row["chat"] = chat = measure_turns(client, served, args.turns, args.max_tokens, health)
+                print(f"{name}: {chat['chats']} chats of {chat['turns']} turns, TTFT turn 1 {chat['ttft_turn1_s']} s, "
+                      f"turns 2+ {chat['ttft_later_s']} s, KV reuse {chat['kv'] or '-'}", flush=True)
             time.sleep(0.3)
-            row = {"server": name, "ready_s": round(ready, 1), "one": one, "eight": eight,
-                   "peak_rss_mb": round(server.peak / 2**20), "load_after": round(os.getloadavg()[0], 1)}
+            row.update(peak_rss_mb=round(server.peak / 2**20), load_after=round(os.getloadavg()[0], 1))
             rows.append(row)
-            print(f"{name}: 1 client {one['tokens_per_s']} tok/s (TTFT {one['ttft_s']} s), 8 clients "
-                  f"{eight['tokens_per_s']} tok/s (TTFT {eight['ttft_s']} s), peak RSS {row['peak_rss_mb']} MB",
-                  flush=True)
+            print(f"{name}: peak RSS {row['peak_rss_mb']} MB", flush=True)
         except Exception as exc:
             print(f"{name} failed: {exc}", flush=True)
         finally:
@@ -251,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = RESULTS / f"serving-{when}.json"
     out.write_text(json.dumps({"when": when, "cpus": os.cpu_count(), "load_average": load, "model": str(model_dir),
-                               "prompts": PROMPTS, "max_tokens": args.max_tokens, "threads": args.threads or None,
+                               "prompts": PROMPTS, "system": SYSTEM, "follow_ups": FOLLOW_UPS,
+                               "max_tokens": args.max_tokens, "turns": args.turns, "threads": args.threads or None,
                                "rows": rows}, indent=2))
     print(f"results: {out}")
     return 0 if rows else 1
@@ -262,15 +318,30 @@ def render(rows: list[dict]) -> str:
     lf, hf = base.get("LLaMA-Factory API"), base.get("TuneBoard transformers")
 
     def ratio(r, ref, key):
-        return f"{r[key]['tokens_per_s'] / ref[key]['tokens_per_s']:.2f}x" if ref and ref[key]["tokens_per_s"] else "-"
+        if not (ref and key in ref and key in r and ref[key]["tokens_per_s"]):
+            return "-"
+        return f"{r[key]['tokens_per_s'] / ref[key]['tokens_per_s']:.2f}x"
 
-    lines = ["| server | tok/s, 1 client | tok/s, 8 clients | TTFT 1 / 8 clients (s) | peak RSS (MB) | "
-             "8 clients vs LLaMA-Factory | 8 clients vs TB transformers |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['server']} | {r['one']['tokens_per_s']} | {r['eight']['tokens_per_s']} | "
-                     f"{r['one']['ttft_s']} / {r['eight']['ttft_s']} | {r['peak_rss_mb']} | "
-                     f"{ratio(r, lf, 'eight')} | {ratio(r, hf, 'eight')} |")
+    lines = []
+    if any("one" in r for r in rows):
+        lines += ["| server | tok/s, 1 client | tok/s, 8 clients | TTFT 1 / 8 clients (s) | peak RSS (MB) | "
+                  "8 clients vs LLaMA-Factory | 8 clients vs TB transformers |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "one" in r:
+                lines.append(f"| {r['server']} | {r['one']['tokens_per_s']} | {r['eight']['tokens_per_s']} | "
+                             f"{r['one']['ttft_s']} / {r['eight']['ttft_s']} | {r['peak_rss_mb']} | "
+                             f"{ratio(r, lf, 'eight')} | {ratio(r, hf, 'eight')} |")
+    chats = [r for r in rows if r.get("chat")]
+    if chats:
+        later = hf["chat"]["ttft_later_s"] if hf and hf.get("chat") else None
+        lines += ["", "| server | TTFT turn 1 (s) | TTFT turns 2+ (s) | turns 2+ vs TB transformers | KV reuse |",
+                  "|---|---|---|---|---|"]
+        for r in chats:
+            c = r["chat"]
+            vs = f"{c['ttft_later_s'] / later:.2f}x" if later and c["ttft_later_s"] else "-"
+            lines.append(f"| {r['server']} | {c['ttft_turn1_s']} | {c['ttft_later_s']} | {vs} | "
+                         f"{', '.join(f'{k} {v}' for k, v in c['kv'].items()) or '-'} |")
     return "\n".join(lines)
 
 

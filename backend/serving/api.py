@@ -348,7 +348,9 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         """Also how busy it is: `requests` = generation requests in progress (counted against --max-queue),
         `generating` = those whose prompt was handed to a model (running or waiting for it); `batching`: per
         batched model (transformers backend), its decode steps, those with more than one request in the batch,
-        the largest batch and the requests it took (backend.serving.batching)."""
+        the largest batch and the requests it took, and the KV cache reused across a chat's turns: requests
+        prefilled on a saved prefix (kv_hits) or in full (kv_misses), prompt tokens reused and prefilled
+        (backend.serving.batching)."""
         batchers = {id(e.batcher): (name, e.batcher) for name, e in engines.items()
                     if getattr(e, "batcher", None) is not None}
         return {"status": "ok", "requests": load.requests, "generating": load.generating,

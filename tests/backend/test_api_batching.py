@@ -2,7 +2,8 @@
 its decode steps (backend.serving.batching) and get the very answers they get alone. A long streamed request
 is generating when a short greedy one and a short seeded sampling one arrive: all three answers equal the
 sequential ones, and the server's /health says its steps ran with more than one request in the batch (which
-the sequential requests before never did). No assertion on a duration."""
+the sequential requests before never did). A chat's second turn is prefilled on the first turn's saved KV cache, as
+/health counts (tests/backend/test_kv_reuse.py checks the answers against reuse off). No assertion on a duration."""
 import threading
 
 import httpx
@@ -60,3 +61,18 @@ def test_concurrent_requests_share_a_batch_and_answer_as_alone(batch_server):
     assert together == alone, (together, alone)
     assert "".join(pieces) == long_alone
     assert stats["batched_steps"] > 0 and stats["max_batch"] >= 2, stats
+
+
+def test_a_chats_next_turn_reuses_its_cache_as_health_counts(batch_server):
+    url, model = batch_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    before = batching(url, model)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then what happened?"}]
+    client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    after = batching(url, model)
+    assert after["kv_hits"] == before["kv_hits"] + 1, (before, after)
+    # the first turn's prompt (and its answer) came from the cache
+    assert after["kv_reused_tokens"] - before["kv_reused_tokens"] >= first.usage.prompt_tokens - 1, (before, after)

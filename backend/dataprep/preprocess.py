@@ -523,10 +523,39 @@ def _tokenizer_process_init() -> None:
     die_with_parent()
 
 
-def _run_batch(k: int) -> tuple[Any, Stats]:
-    build, examples, size, kwargs, arrow = _FORKED
+def _run_batch(k: int) -> tuple[list[dict], Stats]:
+    build, examples, size, kwargs = _FORKED
     rows, stats = build(examples[k * size:(k + 1) * size], **kwargs)
-    return (_as_table(rows) if arrow else [_packed(row) for row in rows]), stats
+    return [_packed(row) for row in rows], stats
+
+
+_SENT: tuple | None = None  # (build, kwargs), sent once to each spawned tokenizer process (rows_in_arrow)
+
+
+def _spawned_process_init(build: Callable, kwargs: dict) -> None:
+    global _SENT
+
+    _tokenizer_process_init()
+    _SENT = (build, kwargs)
+
+
+def _run_sent_batch(examples: list[dict]) -> tuple[Any, Stats]:
+    build, kwargs = _SENT
+    rows, stats = build(examples, **kwargs)
+    return _as_table(rows), stats
+
+
+def _drain(pool, run: Callable, tasks: Iterable, take: Callable) -> None:
+    """take(result) of each task, in order, as it finishes; then the pool ends (see _tokenizer_process_init)."""
+    try:
+        for part in pool.imap(run, tasks):
+            take(part)
+        pool.close()  # each worker reads its end-of-work sentinel and exits: no SIGTERM (terminate) to race
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 def _packed(row: dict) -> dict:
@@ -563,8 +592,9 @@ def in_workers(build: Callable[..., tuple[list[dict], Stats]], examples: list[di
     inherited, not pickled; each batch's rows come back as soon as it is done, so no process ever holds more than
     its batch besides the rows joined here. At most one worker per CPU and per example (batches are smaller when
     there are fewer rows than workers x batch size, so each worker gets some); with one, or where fork does not
-    exist, the batches run here. Stats.workers says how many processes tokenized. Inside a rows_in_arrow block each
-    batch comes back as an Arrow table, is written to the block's Arrow file at once, and the rows are returned as a
+    exist, the batches run here. Stats.workers says how many processes tokenized. Inside a rows_in_arrow block the
+    processes are spawned instead (build and kwargs must pickle: the stages' build_* functions do), each batch comes
+    back as an Arrow table and is written to the block's Arrow file at once, and the rows are returned as a
     memory-mapped datasets.Dataset (the same rows, in the same order)."""
     global _FORKED
 
@@ -586,24 +616,25 @@ def in_workers(build: Callable[..., tuple[list[dict], Stats]], examples: list[di
         report(stats.rows_in, len(examples))
 
     report(0, len(examples))
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    if workers < 2 or (arrow is None and "fork" not in multiprocessing.get_all_start_methods()):
         for k in range(batches):
             part_rows, part_stats = build(examples[k * size:(k + 1) * size], **kwargs)
             take((_as_table(part_rows) if arrow is not None else part_rows, part_stats))
         workers = 1
+    elif arrow is not None:
+        # Arrow rows: the tokenizer processes are spawned, not forked. A fork starts with every page of the run (torch,
+        # the tokenizer, all the examples: 680 MiB each at 200,000 alpaca rows, counted again per process); a spawned
+        # one holds what tokenizing needs (~110 MiB): build and its kwargs (tokenizer, template) are sent once, each
+        # batch's examples with the batch, and the rows come back as Arrow tables.
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_spawned_process_init,
+                                                         initargs=(build, kwargs))
+        _drain(pool, _run_sent_batch, (examples[k * size:(k + 1) * size] for k in range(batches)), take)
     else:
-        _FORKED = (build, examples, size, kwargs, arrow is not None)
+        _FORKED = (build, examples, size, kwargs)
         try:
             pool = multiprocessing.get_context("fork").Pool(workers, initializer=_tokenizer_process_init)
-            try:
-                for part_rows, part_stats in pool.imap(_run_batch, range(batches)):
-                    take((part_rows if arrow is not None else [_unpacked(row) for row in part_rows], part_stats))
-                pool.close()  # each worker reads its end-of-work sentinel and exits: no SIGTERM (terminate) to race
-            except BaseException:
-                pool.terminate()
-                raise
-            finally:
-                pool.join()
+            _drain(pool, _run_batch, range(batches),
+                   lambda part: take(([_unpacked(row) for row in part[0]], part[1])))
         finally:
             _FORKED = None
     if stats is None:

@@ -4,6 +4,7 @@ is a file is one line at validate. Tokenization only (no model, no training)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -80,3 +81,16 @@ def test_tokenized_path_is_checked_against_the_data(tiny_llama, tmp_path, monkey
         validate_spec({"tokenized_path": str(data_file)})
     assert str(err.value) == (f"tokenized_path: {data_file} is a file: tokenized_path names a folder "
                               "(the tokenized dataset is saved there in Arrow files)")
+
+
+def test_rows_from_two_spawned_tokenizer_processes_are_those_of_one(tiny_llama, tmp_path, monkeypatch):
+    """The cache's rows come back from the tokenizer processes as Arrow tables (spawned processes: the tokenizer and
+    template sent once, the examples with each batch), written in order: the same rows as one process."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("in_workers uses at most one process per CPU")
+    monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path / "saves"))
+    one, _ = _tokenize(sft, tiny_llama, tmp_path / "r1", cutoff_len=64, tokenized_path=str(tmp_path / "c1"))
+    two, log = _tokenize(sft, tiny_llama, tmp_path / "r2", cutoff_len=64, tokenized_path=str(tmp_path / "c2"),
+                         preprocessing_num_workers=2, preprocessing_batch_size=5)
+    assert "tokenized in 2 processes" in log and two == one and len(one) == 12, log
+    assert not list(tmp_path.glob(".c2.rows-*"))  # the batches' Arrow file is gone once the cache is saved

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from backend.core import allowed
+from backend.core import allowed, teacher_access
 from backend.core.spec import SpecError, validate_spec
 from webui import choices, jobs
 from webui import datasets as D
@@ -45,16 +45,30 @@ def collect(names: list[str], top_names: list[str], values: list) -> tuple[dict,
 
 def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None, list[tuple[str, str]]]:
     """Validate like the CLI does, and refuse paths outside the allowed folders (backend.core.allowed: output_dir,
-    dataset_dir, a model that is not a model folder, ...); returns (spec, []) or (None, [(field, message), ...])."""
+    dataset_dir, a model that is not a model folder, ...) and a scoring endpoint the UI may not ask
+    (endpoint_refusals); returns (spec, []) or (None, [(field, message), ...])."""
     if pre_errors:
         return None, pre_errors
     refused = [(exc.field, refusal(lang, exc, with_field=False)) for exc in allowed.spec_refusals(flat)]
     if refused:
         return None, refused
     try:
-        return validate_spec(flat), []
+        spec = validate_spec(flat)
     except SpecError as exc:
         return None, list(exc.errors)
+    refused = [(exc.field, refusal(lang, exc, with_field=False)) for exc in endpoint_refusals(spec)]
+    return (None, refused) if refused else (spec, [])
+
+
+def endpoint_refusals(spec) -> list:
+    """The scoring endpoint a validated spec's run would ask (stage ppo, reward_model_type api), under the UI's
+    endpoint policy (backend.core.teacher_access, as the distill teacher and the eval judge: an offered key for its
+    own base URL, no internal address unless the operator allowed it); the key file's folder is
+    allowed.spec_refusals' business. The run checks again (backend.stages.ppo.scoring_endpoint)."""
+    if spec.stage != "ppo" or spec.reward_model_type != "api" or not spec.reward_model:
+        return []
+    return teacher_access.check_teacher(spec.reward_model, spec.reward_model_api_key_env,
+                                        spec.reward_model_api_key_file, "reward_model", url_field="reward_model")
 
 
 def error_updates(errors: list[tuple[str, str]], all_names: list[str], lang: str = "en") -> list:

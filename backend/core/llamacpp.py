@@ -29,14 +29,23 @@ def missing(what: str) -> str:
 
 
 def spec_errors(spec) -> list[tuple[str, str, frozenset]]:
-    """validate's rule: a k-quant GGUF type is written by llama.cpp's quantizer, and infer_backend llamacpp
-    runs llama.cpp: both need the package."""
-    if available():
-        return []
+    """validate's rule: a k-quant GGUF type is written by llama.cpp's quantizer, export_imatrix weights that
+    quantizer (so it needs one of its types), and infer_backend llamacpp runs llama.cpp: all need the package."""
     errors = []
+    if spec.export_imatrix and not (spec.export_format == "gguf" and spec.export_gguf_type in QUANT_TYPES):
+        errors.append(("export_imatrix", "weights llama.cpp's quantizer: it needs export_format gguf with an "
+                       f"export_gguf_type it quantizes ({', '.join(QUANT_TYPES)}); {spec.export_gguf_type} is not one"
+                       if spec.export_format == "gguf" else "weights llama.cpp's quantizer of a GGUF export: set "
+                       f"export_format gguf with export_gguf_type {', '.join(QUANT_TYPES)}",
+                       frozenset({"export_imatrix", "export_gguf_type", "export_format"})))
+    if available():
+        return errors
     if spec.export_format == "gguf" and spec.export_gguf_type in QUANT_TYPES:
         errors.append(("export_gguf_type", missing(f"export_gguf_type {spec.export_gguf_type} (a k-quant GGUF, written "
                                                    "by llama.cpp's quantizer)"), frozenset({"export_gguf_type", "export_format"})))
+    if spec.export_imatrix:
+        errors.append(("export_imatrix", missing("export_imatrix (an importance matrix for llama.cpp's quantizer)"),
+                       frozenset({"export_imatrix"})))
     if spec.infer_backend == "llamacpp":
         errors.append(("infer_backend", missing("infer_backend llamacpp"), frozenset({"infer_backend"})))
     return errors

@@ -342,7 +342,7 @@ class RunSpec(*key_order(GROUPS, _ModelKeys, _MethodKeys, *STAGE_KEYS, *METHOD_K
     export_hub_model_id: Optional[str] = _f(None, "Push the exported model to this hub repository.", "export", refused="pushing to the hub is not available (no network): upload export_dir yourself (huggingface-cli upload)")
     export_format: Literal["safetensors", "gguf"] = _f("safetensors", "Exported file format: HF safetensors folder or a GGUF file.", "export")
     export_gguf_type: Literal["f16", "q8_0", "f32", "bf16", "q4_k_m", "q5_k_m", "q6_k", "q4_0"] = _f("f16", "GGUF tensor type when export_format is gguf (the k-quants q4_k_m, q5_k_m, q6_k and q4_0 are written by llama.cpp's quantizer from an f16 file: make setup-gguf).", "export")
-    export_imatrix: bool = _f(False, "Quantize the GGUF k-quants with an importance matrix computed on held-out rows.", "export", refused="llama.cpp's quantizer takes an importance matrix, but computing one needs its llama-imatrix program (activation statistics gathered while the model reads text), which the llama-cpp-python package (the llamacpp extra) does not build: k-quants are written without one")
+    export_imatrix: bool = _f(False, "Quantize the GGUF k-quants (q4_k_m, q5_k_m, q6_k, q4_0) with an importance matrix: the mean squared input of each linear layer's columns while the merged model reads held-out rows (what llama-imatrix computes), so llama.cpp's quantizer keeps the columns that matter most precise.", "export")
     export_overwrite: bool = _f(False, "Replace the contents of a non-empty export_dir.", "export")
 
     # ---------------------------------------------------------------- generation (chat, predict)

@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from backend.serving.engine import stop_token_ids
 from backend.exporting.gguf_export import GGUFExportError, check_supported, vocab_metadata, write_gguf
-from backend.exporting import llamacpp_check
+from backend.exporting import imatrix, llamacpp_check
 from backend.core import llamacpp
 from backend.core.methods import method
 from backend.exporting.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
@@ -63,6 +63,7 @@ from backend.dataprep.templates import template_to_jinja
 REPORT_FILE = EXPORT_REPORT_FILE
 MODELFILE = "Modelfile"
 REFERENCE_F16 = "reference-f16.gguf.tmp"  # in the staging folder only: removed before it takes export_dir's place
+IMATRIX_TMP = "imatrix.npz.tmp"  # the importance matrix the quantizer reads (export_imatrix), staging folder only
 STEPS = 6
 GREEDY_TOKENS = 12
 PROBE_CONVERSATIONS = [
@@ -594,13 +595,26 @@ def export(spec) -> dict:
             _say(4, f"writing the f16 GGUF for llama.cpp{' to quantize' if stored in llamacpp.QUANT_TYPES else ''}")
             gguf_info = write_gguf(reference, model.state_dict(), model.config, tokenizer, gguf_type="f16", **write_kw)
         if stored in llamacpp.QUANT_TYPES:
-            _say(4, f"quantizing to {stored} with llama.cpp for {final / name}")
+            weights = None
+            if spec.export_imatrix:
+                calibration = imatrix.calibration_rows(template, tokenizer)
+                _say(4, f"importance matrix: the merged model reads {len(calibration)} held-out rows "
+                        f"({sum(map(len, calibration))} tokens)")
+                weights = out / IMATRIX_TMP
+                imatrix.save(weights, imatrix.compute(model, calibration))
+            _say(4, f"quantizing to {stored} with llama.cpp{' and the importance matrix' if weights else ''} "
+                    f"for {final / name}")
             try:
-                llamacpp_check.quantize(reference, out / name, stored)
+                entries = llamacpp_check.quantize(reference, out / name, stored, imatrix=weights)
             except llamacpp_check.LlamaCppError as exc:
                 shutil.rmtree(out, ignore_errors=True)
                 raise ExportError(f"export_gguf_type {stored}: llama.cpp's quantizer failed: {exc}") from None
             gguf_info = dict(gguf_info, gguf_type=stored, quantized_by="llama.cpp (llama_model_quantize) from f16")
+            if weights is not None:
+                weights.unlink(missing_ok=True)
+                gguf_info["imatrix"] = {"rows": len(calibration), "tokens": sum(map(len, calibration)),
+                                        "weights": entries, "source": f"data/{imatrix.CALIBRATION_FILE.name} "
+                                        f"(first {len(calibration)} rows, training template; not the checks' rows)"}
         else:
             _say(4, f"writing GGUF ({stored}) for {final / name}")
             gguf_info = write_gguf(out / name, model.state_dict(), model.config, tokenizer, gguf_type=stored,
@@ -752,7 +766,8 @@ def main(args: list[str]) -> int:
         print("usage: tuneboard export SPEC.yaml [key=value ...]\n\n"
               "keys: model_name_or_path, adapter_name_or_path, template, finetuning_type, export_dir, export_size (GB "
               "per shard), export_device, export_legacy_format, export_format (safetensors|gguf), export_gguf_type "
-              "(f16|q8_0|f32|bf16; with llama.cpp: q4_k_m|q5_k_m|q6_k|q4_0), export_overwrite, infer_dtype\nwrites export_dir/export_report.json; exit 1 when a "
+              "(f16|q8_0|f32|bf16; with llama.cpp: q4_k_m|q5_k_m|q6_k|q4_0), export_imatrix (those with an importance "
+              "matrix), export_overwrite, infer_dtype\nwrites export_dir/export_report.json; exit 1 when a "
               "check fails")
         return 0 if args else 2
 

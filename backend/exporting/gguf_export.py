@@ -119,6 +119,17 @@ def _tensor_data(name: str, data: np.ndarray, gguf_type: str):
     raise GGUFExportError(f"export_gguf_type: unknown type {gguf_type!r} (choose {', '.join(GGUF_TYPES)})")
 
 
+def tensor_namer(config):
+    """hf tensor name -> its GGUF name (None where the map has none), as write_gguf() names it: the importance
+    matrix (backend/exporting/imatrix.py) is keyed by these names, which llama.cpp's quantizer looks up."""
+    import gguf  # heavy: loaded on use, so importing this module stays light
+
+    check_supported(config)
+    arch, _ = ARCHS[config.model_type]
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    return lambda hf_name: tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+
 def write_gguf(path: Path, state_dict: dict, config, tokenizer, *, gguf_type: str, chat_template: str,
                eot_token_id: int | None, name: str, log=print) -> dict:
     """Write the model (fp32 state dict) as GGUF; return a summary of what went in."""
@@ -180,13 +191,13 @@ def write_gguf(path: Path, state_dict: dict, config, tokenizer, *, gguf_type: st
     writer.add_add_eos_token(bool(special["eos"] is not None and probe and probe[-1] == special["eos"]))
     writer.add_chat_template(chat_template)
 
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers)
+    gguf_name = tensor_namer(config)
     tied = bool(getattr(config, "tie_word_embeddings", False)) or arch == "gemma2"
     written = 0
     for hf_name, tensor in state_dict.items():
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
-        gname = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gname = gguf_name(hf_name)
         if gname is None:
             raise GGUFExportError(f"GGUF export: no GGUF name for tensor {hf_name!r}")
         data = tensor.detach().float().cpu().numpy()

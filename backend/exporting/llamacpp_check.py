@@ -1,7 +1,8 @@
 """A GGUF export quantized and checked by llama.cpp itself (llama-cpp-python, the optional `llamacpp` extra:
 backend/core/llamacpp.py says whether it is installed).
 
-- quantize(): llama.cpp's quantizer (llama_model_quantize) turns the f16 file our writer made into a k-quant.
+- quantize(): llama.cpp's quantizer (llama_model_quantize) turns the f16 file our writer made into a k-quant,
+  weighted by an importance matrix when the export computed one (export_imatrix, backend/exporting/imatrix.py).
 - verify(): the exported file is loaded by llama.cpp and measured against the f16 file: perplexity on held-out
   chat rows (a file that does not load or gives no finite perplexity fails the export; a rise above the
   type's share of the f16 perplexity, backend.core.llamacpp.PPL_WARN, is a warning), greedy answers to the
@@ -13,6 +14,7 @@ logs to the process's stderr, and a file that crashes it must not take the expor
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -70,11 +72,14 @@ def _reason(stderr: str, code: int) -> str:
     return (lines[-1][:300] if lines else f"the llama.cpp process ended with code {code}")
 
 
-def quantize(f16: Path, out: Path, gguf_type: str) -> None:
-    """llama.cpp's quantizer: f16 GGUF -> gguf_type (q4_k_m, q5_k_m, q6_k, q4_0). Raises LlamaCppError."""
-    _child(["quantize", str(f16), str(out), gguf_type])
+def quantize(f16: Path, out: Path, gguf_type: str, imatrix: Path | None = None) -> int:
+    """llama.cpp's quantizer: f16 GGUF -> gguf_type (q4_k_m, q5_k_m, q6_k, q4_0), weighted by the importance matrix
+    in `imatrix` (an .npz of imatrix.save) when given. Returns how many entries (weights) of it were handed to the
+    quantizer (0 without one). Raises LlamaCppError."""
+    said = _child(["quantize", str(f16), str(out), gguf_type, *([str(imatrix)] if imatrix else [])])
     if not out.is_file():
         raise LlamaCppError(f"llama.cpp's quantizer wrote no {out.name}")
+    return next((int(ln.split()[1]) for ln in said.splitlines() if ln.startswith("imatrix_entries ")), 0)
 
 
 def measure(path: Path, request: dict) -> dict:
@@ -154,12 +159,32 @@ def verify(path: Path, reference: Path | None, stored: str, *, rows: list[list[i
 
 
 # ============================================================================ child process
-def _quantize_main(src: str, dst: str, gguf_type: str) -> int:
+def _imatrix_entries(path: str):
+    """llama.cpp's C form of the importance matrix: an array of llama_model_imatrix_data {name, data, size} ended by
+    an all-null entry (llama.h). Returns (the array, what must stay alive while the quantizer reads it)."""
+    import llama_cpp  # optional dependency (the llamacpp extra): only this child loads the compiled library
+
+    with np.load(path) as data:
+        arrays = {name: np.ascontiguousarray(data[name], dtype=np.float32) for name in data.files}
+    names = {name: name.encode() for name in arrays}
+    entries = (llama_cpp.llama_model_imatrix_data * (len(arrays) + 1))()  # zero-filled: the last is the end mark
+    for i, (name, values) in enumerate(arrays.items()):
+        entries[i].name = names[name]
+        entries[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[i].size = values.size
+    return entries, (arrays, names)
+
+
+def _quantize_main(src: str, dst: str, gguf_type: str, imatrix: str | None = None) -> int:
     import llama_cpp  # optional dependency (the llamacpp extra): only this child loads the compiled library
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPES[gguf_type]}")
     params.nthread = os.cpu_count() or 1
+    if imatrix:
+        entries, _alive = _imatrix_entries(imatrix)
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        print(f"imatrix_entries {len(entries) - 1}", flush=True)
     code = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
     if code != 0:
         print(f"error: llama_model_quantize returned {code}", file=sys.stderr)
@@ -230,11 +255,11 @@ def _measure_main(path: str, request_path: str) -> int:
 
 
 def main(args: list[str]) -> int:
-    if args[:1] == ["quantize"] and len(args) == 4:
+    if args[:1] == ["quantize"] and len(args) in (4, 5):
         return _quantize_main(*args[1:])
     if args[:1] == ["measure"] and len(args) == 3:
         return _measure_main(*args[1:])
-    print("usage: python -m backend.exporting.llamacpp_check quantize F16.gguf OUT.gguf TYPE | measure FILE.gguf "
+    print("usage: python -m backend.exporting.llamacpp_check quantize F16.gguf OUT.gguf TYPE [IMATRIX.npz] | measure FILE.gguf "
           "REQUEST.json", file=sys.stderr)
     return 2
 

@@ -169,6 +169,7 @@ CONSUMED = {
     "export_device": "backend/test_key_effects.py::test_infer_dtype_and_export_device",
     "export_format": "backend/test_export.py::test_gguf_f16_round_trip_metadata_and_modelfile",
     "export_gguf_type": "backend/test_export.py::test_gguf_q8_0_reports_agreement",
+    "export_imatrix": "backend/test_export_llamacpp.py::test_export_imatrix_reaches_llama_cpps_quantizer",
     "export_overwrite": "backend/test_export.py::test_refuses_non_empty_dir_unless_overwrite",
     # generation (chat, API, predictions)
     "infer_backend": "backend/test_engine.py::test_vllm_falls_back_to_transformers_with_a_clear_message",
@@ -191,6 +192,7 @@ SAMPLES = {
     "gradient_checkpointing": (False, {}),  # unset = on (LLaMA-Factory's default)
     "mix_strategy": ("interleave_under", {"dataset": "a,b"}),
     "report_to": ("tensorboard", {}),
+    "export_imatrix": (True, {"export_format": "gguf", "export_gguf_type": "q4_k_m"}),  # refused with other types
     "streaming": (True, {"max_steps": 3}),  # a stream has no length: max_steps is required
     "buffer_size": (64, {"streaming": True, "max_steps": 3}),
     "num_fewshot": (2, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),  # they shape tasks (refused alone)

@@ -91,10 +91,11 @@ def test_truncated_file_fails_in_one_line_and_the_earlier_export_stays(q4_export
     before = gguf_file.read_bytes()
     real_quantize = llamacpp_check.quantize
 
-    def quantize_then_truncate(f16, dst, gguf_type):  # a file cut short, as by a full disk or a killed copy
-        real_quantize(f16, dst, gguf_type)
+    def quantize_then_truncate(f16, dst, gguf_type, imatrix=None):  # a file cut short, as by a full disk or a killed copy
+        entries = real_quantize(f16, dst, gguf_type, imatrix=imatrix)
         data = dst.read_bytes()
         dst.write_bytes(data[: len(data) // 2])
+        return entries
 
     monkeypatch.setattr(llamacpp_check, "quantize", quantize_then_truncate)
     assert main(_argv(wide_llama, out)) == 1
@@ -105,6 +106,59 @@ def test_truncated_file_fails_in_one_line_and_the_earlier_export_stays(q4_export
     assert "export FAILED verification" in printed and "llamacpp_load: llama.cpp cannot load" in printed
     assert gguf_file.read_bytes() == before  # the earlier, verified export is untouched
     shutil.rmtree(out.parent / "export.failed")
+
+
+def test_export_imatrix_needs_a_type_llama_cpp_quantizes_and_llama_cpp(monkeypatch):
+    for flat in ({"export_format": "gguf", "export_gguf_type": "q8_0"}, {"export_format": "safetensors"}):
+        with pytest.raises(SpecError) as exc:
+            validate_spec({**flat, "export_imatrix": True}, check_files=False)
+        (field, message), = exc.value.errors
+        assert field == "export_imatrix" and "\n" not in message and "q4_k_m" in message
+    real = importlib.util.find_spec
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(SpecError) as exc:
+        validate_spec({"export_format": "gguf", "export_gguf_type": "q6_k", "export_imatrix": True}, check_files=False)
+    refused = dict(exc.value.errors)
+    assert refused["export_imatrix"].startswith(REFUSED) and "make setup-gguf" in refused["export_imatrix"]
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_export_imatrix_reaches_llama_cpps_quantizer(q4_export, wide_llama, tmp_path):
+    import gguf
+    import numpy as np
+
+    from backend.exporting.imatrix import compute
+
+    out = tmp_path / "export"
+    report = export(_spec(wide_llama, out, "q4_k_m", export_imatrix=True))
+    assert report["ok"], report["checks"]
+    info = report["source"]["gguf"]["imatrix"]
+    # the 7 linear layers of the one block (q k v o, gate up down), not the output head
+    assert info["weights"] == 7 and info["rows"] > 0 and info["tokens"] > info["rows"]
+    assert not list(out.glob("*.tmp")) and "llamacpp_load" in {c["name"] for c in report["checks"]}
+    # the same f16 model quantized without the matrix: the same tensor types, other Q4_K blocks
+    plain = {t.name: t for t in gguf.GGUFReader(str(next(q4_export[0].glob("*.gguf")))).tensors}
+    weighted = {t.name: t for t in gguf.GGUFReader(str(next(out.glob("*.gguf")))).tensors}
+    assert {n: t.tensor_type for n, t in plain.items()} == {n: t.tensor_type for n, t in weighted.items()}
+    changed = [n for n, t in plain.items() if t.tensor_type.name == "Q4_K" and not np.array_equal(t.data, weighted[n].data)]
+    assert changed, "the importance matrix did not change a Q4_K tensor"
+    assert "token_embd.weight" not in changed  # a lookup, not a matrix product: no matrix for it
+    # the matrix is what llama-imatrix computes: per input column, the mean over all tokens of the squared input
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32).eval()
+    ids = [[1, 5, 9, 14, 3], [7, 2]]
+    seen = []
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0][0]))
+    matrix = compute(model, ids)
+    hook.remove()
+    want = (torch.cat(seen) ** 2).mean(dim=0).numpy()
+    assert set(matrix) == set(weighted) - {"token_embd.weight", "output.weight"} - {
+        n for n in weighted if n.endswith("norm.weight")}
+    np.testing.assert_allclose(matrix["blk.0.attn_q.weight"], want, rtol=1e-5)
 
 
 def _argv(model, out):

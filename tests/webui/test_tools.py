@@ -40,6 +40,11 @@ def test_export_spec_and_refusals(tmp_path, monkeypatch):
     flat = export.export_flat("/models/tiny", "/saves/run-a", "lora", "default", "", "gguf", "q8_0", 2, "cpu", False)
     assert flat["export_dir"].startswith(str(tmp_path / "exports" / "tiny-run-a" / "gguf"))
     assert (flat["export_format"], flat["export_gguf_type"], flat["export_size"]) == ("gguf", "q8_0", 2)
+    assert "export_imatrix" not in flat
+    # the importance-matrix box counts where it is offered (the types llama.cpp quantizes), not when hidden
+    assert "export_imatrix" not in export.export_flat("m", None, "full", "default", "", "gguf", "q8_0", 2, "cpu", False, True)
+    assert export.export_flat("m", None, "full", "default", "", "gguf", "q4_k_m", 2, "cpu", False, True)["export_imatrix"]
+    assert not export.imatrix_offered("safetensors", "q4_k_m") and export.imatrix_offered("gguf", "q6_k")
     st = export.new_state()
     no_adapter = dict(flat, adapter_name_or_path=None)
     st2, msg, started = export.start_export(st, no_adapter)

@@ -17,7 +17,7 @@ import pandas as pd
 from backend.core import allowed, paths
 from backend.core.methods import is_adapter
 from backend.core.llamacpp import QUANT_TYPES  # k-quants: refused at validate, with how, without llama.cpp
-from backend.core.spec import SpecError, validate_spec
+from backend.core.spec import RunSpec, SpecError, validate_spec
 from webui import jobs, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
@@ -45,6 +45,8 @@ def build(ctx) -> dict:
         c["format"] = reg.dropdown("export-format", ["safetensors", "gguf"], value="safetensors", scale=1)
         c["gguf_type"] = reg.dropdown("export-gguf_type", ["f16", "q8_0", "bf16", "f32", *QUANT_TYPES], value="f16", scale=1,
                                       visible=False)
+        c["imatrix"] = reg.comp(gr.Checkbox, "export-imatrix", value=False, scale=1, visible=False,
+                                help=("export_imatrix", RunSpec.model_fields["export_imatrix"].description))
         c["size"] = reg.comp(gr.Number, "export-size", value=5, minimum=0.01, step=0.5, scale=1)
         c["device"] = reg.dropdown("export-device", ["cpu", "auto"], value="cpu", scale=1)
         c["overwrite"] = reg.comp(gr.Checkbox, "export-overwrite", value=False, scale=1)
@@ -65,9 +67,16 @@ def build(ctx) -> dict:
 
 # ------------------------------------------------------------------ handlers (plain functions)
 
-def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, size, device, overwrite) -> dict:
+def imatrix_offered(fmt, gguf_type) -> bool:
+    """The importance-matrix box shows for the GGUF types llama.cpp's quantizer writes (validate refuses it elsewhere)."""
+    return fmt == "gguf" and gguf_type in QUANT_TYPES
+
+
+def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, size, device, overwrite,
+                imatrix=False) -> dict:
     """The spec of one export, from the top bar and this tab's fields. An empty export dir becomes a
-    fresh folder under saves/exports (never an existing one)."""
+    fresh folder under saves/exports (never an existing one). A ticked importance-matrix box counts only where
+    it is offered (a hidden box keeps its value)."""
     adapter = (adapter or "").strip() or None
     if not (export_dir or "").strip():
         base = jobs.model_slug(model or "model")
@@ -77,7 +86,8 @@ def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, si
             "template": template or "auto", "export_dir": str(Path(export_dir).expanduser()),
             "export_format": fmt, "export_gguf_type": gguf_type,
             "export_size": float(size) if size not in (None, "") else 5, "export_device": device,
-            "export_overwrite": bool(overwrite)}
+            "export_overwrite": bool(overwrite),
+            **({"export_imatrix": True} if imatrix and imatrix_offered(fmt, gguf_type) else {})}
 
 
 def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, bool]:
@@ -171,10 +181,12 @@ def ended_message(st: dict, lang: str = "en") -> str:
 
 def wire(ctx, c: dict) -> None:
     top = ctx.top
-    c["format"].change(lambda f: gr.update(visible=f == "gguf"), [c["format"]], [c["gguf_type"]],
-                       show_progress="hidden")
+    c["format"].change(lambda f, g: (gr.update(visible=f == "gguf"), gr.update(visible=imatrix_offered(f, g))),
+                       [c["format"], c["gguf_type"]], [c["gguf_type"], c["imatrix"]], show_progress="hidden")
+    c["gguf_type"].change(lambda f, g: gr.update(visible=imatrix_offered(f, g)), [c["format"], c["gguf_type"]],
+                          [c["imatrix"]], show_progress="hidden")
     inputs = [top["model_name_or_path"], top["adapter_name_or_path"], top["finetuning_type"], top["template"],
-              c["dir"], c["format"], c["gguf_type"], c["size"], c["device"], c["overwrite"]]
+              c["dir"], c["format"], c["gguf_type"], c["size"], c["device"], c["overwrite"], c["imatrix"]]
     view = [c["state"], c["progress"], c["result"], c["checks"], c["log"], c["timer"]]
 
     def on_start(st, lang, *values):

@@ -604,8 +604,9 @@ def export(spec) -> dict:
                 imatrix.save(weights, imatrix.compute(model, calibration))
             _say(4, f"quantizing to {stored} with llama.cpp{' and the importance matrix' if weights else ''} "
                     f"for {final / name}")
+            source = f"data/{imatrix.CALIBRATION_FILE.name} ({len(calibration)} rows)" if weights else ""
             try:
-                entries = llamacpp_check.quantize(reference, out / name, stored, imatrix=weights)
+                entries = llamacpp_check.quantize(reference, out / name, stored, imatrix=weights, dataset=source)
             except llamacpp_check.LlamaCppError as exc:
                 shutil.rmtree(out, ignore_errors=True)
                 raise ExportError(f"export_gguf_type {stored}: llama.cpp's quantizer failed: {exc}") from None
@@ -614,7 +615,9 @@ def export(spec) -> dict:
                 weights.unlink(missing_ok=True)
                 gguf_info["imatrix"] = {"rows": len(calibration), "tokens": sum(map(len, calibration)),
                                         "weights": entries, "source": f"data/{imatrix.CALIBRATION_FILE.name} "
-                                        f"(first {len(calibration)} rows, training template; not the checks' rows)"}
+                                        f"(first {len(calibration)} rows, training template; not the checks' rows)",
+                                        "metadata": {"quantize.imatrix.entries_count": entries,
+                                                     "quantize.imatrix.dataset": source}}
         else:
             _say(4, f"writing GGUF ({stored}) for {final / name}")
             gguf_info = write_gguf(out / name, model.state_dict(), model.config, tokenizer, gguf_type=stored,

@@ -72,11 +72,12 @@ def _reason(stderr: str, code: int) -> str:
     return (lines[-1][:300] if lines else f"the llama.cpp process ended with code {code}")
 
 
-def quantize(f16: Path, out: Path, gguf_type: str, imatrix: Path | None = None) -> int:
+def quantize(f16: Path, out: Path, gguf_type: str, imatrix: Path | None = None, dataset: str = "") -> int:
     """llama.cpp's quantizer: f16 GGUF -> gguf_type (q4_k_m, q5_k_m, q6_k, q4_0), weighted by the importance matrix
-    in `imatrix` (an .npz of imatrix.save) when given. Returns how many entries (weights) of it were handed to the
+    in `imatrix` (an .npz of imatrix.save) when given; the file's metadata then says so, as llama-quantize's do
+    (quantize.imatrix.entries_count, quantize.imatrix.dataset = `dataset`). Returns how many entries (weights) of it were handed to the
     quantizer (0 without one). Raises LlamaCppError."""
-    said = _child(["quantize", str(f16), str(out), gguf_type, *([str(imatrix)] if imatrix else [])])
+    said = _child(["quantize", str(f16), str(out), gguf_type, *([str(imatrix), dataset] if imatrix else [])])
     if not out.is_file():
         raise LlamaCppError(f"llama.cpp's quantizer wrote no {out.name}")
     return next((int(ln.split()[1]) for ln in said.splitlines() if ln.startswith("imatrix_entries ")), 0)
@@ -175,7 +176,21 @@ def _imatrix_entries(path: str):
     return entries, (arrays, names)
 
 
-def _quantize_main(src: str, dst: str, gguf_type: str, imatrix: str | None = None) -> int:
+def _metadata(pairs: dict):
+    """llama.cpp's kv overrides (the keys the quantizer adds to the file): an array ended by an empty key."""
+    import llama_cpp  # optional dependency (the llamacpp extra): only this child loads the compiled library
+
+    kv = (llama_cpp.llama_model_kv_override * (len(pairs) + 1))()  # zero-filled: the last is the end mark
+    for i, (key, value) in enumerate(pairs.items()):
+        kv[i].key = key.encode()
+        if isinstance(value, int):
+            kv[i].tag, kv[i].value.val_i64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, value
+        else:
+            kv[i].tag, kv[i].value.val_str = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()[:127]
+    return kv
+
+
+def _quantize_main(src: str, dst: str, gguf_type: str, imatrix: str | None = None, dataset: str = "") -> int:
     import llama_cpp  # optional dependency (the llamacpp extra): only this child loads the compiled library
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -184,6 +199,8 @@ def _quantize_main(src: str, dst: str, gguf_type: str, imatrix: str | None = Non
     if imatrix:
         entries, _alive = _imatrix_entries(imatrix)
         params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        kv = _metadata({"quantize.imatrix.entries_count": len(entries) - 1, "quantize.imatrix.dataset": dataset})
+        params.kv_overrides = ctypes.cast(kv, ctypes.POINTER(llama_cpp.llama_model_kv_override))
         print(f"imatrix_entries {len(entries) - 1}", flush=True)
     code = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
     if code != 0:
@@ -255,11 +272,11 @@ def _measure_main(path: str, request_path: str) -> int:
 
 
 def main(args: list[str]) -> int:
-    if args[:1] == ["quantize"] and len(args) in (4, 5):
+    if args[:1] == ["quantize"] and len(args) in (4, 6):
         return _quantize_main(*args[1:])
     if args[:1] == ["measure"] and len(args) == 3:
         return _measure_main(*args[1:])
-    print("usage: python -m backend.exporting.llamacpp_check quantize F16.gguf OUT.gguf TYPE [IMATRIX.npz] | measure FILE.gguf "
+    print("usage: python -m backend.exporting.llamacpp_check quantize F16.gguf OUT.gguf TYPE [IMATRIX.npz DATASET] | measure FILE.gguf "
           "REQUEST.json", file=sys.stderr)
     return 2
 

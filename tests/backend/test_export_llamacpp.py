@@ -138,6 +138,10 @@ def test_export_imatrix_reaches_llama_cpps_quantizer(q4_export, wide_llama, tmp_
     # the 7 linear layers of the one block (q k v o, gate up down), not the output head
     assert info["weights"] == 7 and info["rows"] > 0 and info["tokens"] > info["rows"]
     assert not list(out.glob("*.tmp")) and "llamacpp_load" in {c["name"] for c in report["checks"]}
+    # the file says it was quantized with a matrix, as llama-quantize's files do
+    meta = gguf.GGUFReader(str(next(out.glob("*.gguf")))).fields
+    assert int(meta["quantize.imatrix.entries_count"].parts[-1][0]) == 7
+    assert "alpaca_en_demo" in bytes(meta["quantize.imatrix.dataset"].parts[-1]).decode()
     # the same f16 model quantized without the matrix: the same tensor types, other Q4_K blocks
     plain = {t.name: t for t in gguf.GGUFReader(str(next(q4_export[0].glob("*.gguf")))).tensors}
     weighted = {t.name: t for t in gguf.GGUFReader(str(next(out.glob("*.gguf")))).tensors}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -94,3 +96,26 @@ def test_rows_from_two_spawned_tokenizer_processes_are_those_of_one(tiny_llama, 
                          preprocessing_num_workers=2, preprocessing_batch_size=5)
     assert "tokenized in 2 processes" in log and two == one and len(one) == 12, log
     assert not list(tmp_path.glob(".c2.rows-*"))  # the batches' Arrow file is gone once the cache is saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", [["stage=pt", "dataset=c4_demo"],  # pt packs: pack_rows reads the Arrow rows as lists
+                                  ["dataset=identity", "template=llama3", "val_size=0.25", "eval_strategy=steps",
+                                   "eval_steps=1"]])  # an eval split: the Trainer evaluates on the Arrow rows too
+def test_first_and_second_run_train_on_the_memory_mapped_cache(tiny_llama, tmp_path, keys):
+    """`tuneboard train` on the rows of the cache it has just written (first run) and on the cache loaded (second
+    run): both train, on the same tokens."""
+    seen, logs = [], []
+    for n in (1, 2):
+        out = tmp_path / f"r{n}"
+        args = [f"model_name_or_path={tiny_llama}", f"output_dir={out}", *keys, "cutoff_len=64", "max_samples=16",
+                "max_steps=2", "lora_rank=4", "per_device_train_batch_size=2", f"tokenized_path={tmp_path / 'tok'}"]
+        proc = subprocess.run([sys.executable, "-m", "backend.cli", "train", *args], cwd="/tmp", capture_output=True,
+                              text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, (n, proc.stdout[-3000:], proc.stderr[-3000:])
+        status = json.loads((out / "status.json").read_text())
+        assert status["state"] == "completed", status
+        seen.append(status["final_metrics"]["num_input_tokens_seen"])
+        logs.append((out / RUNNING_LOG).read_text(encoding="utf-8"))
+    assert "saved the tokenized dataset" in logs[0] and "loaded the tokenized dataset" in logs[1], logs
+    assert seen[0] == seen[1] > 0, seen

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -63,20 +65,74 @@ class _Settled(StoppingCriteria):
         return self.done.clone()
 
 
-def generate(model, tokenizer, template, prompts: list[str], kwargs: dict, settled=None) -> list[str]:
+class DecodeThreads(StoppingCriteria):
+    """On the CPU, the decode steps' intra-op thread count, chosen by timing them; never stops a row.
+
+    A decode step is ~1,500 small operators (each weight matrix times one token per row): with torch's intra-op
+    threads on every core, each operator waits for all of them at its end. On cores other processes also use,
+    that wait is a scheduler slice per operator: measured on the 2-core bench machine at load average ~6, a
+    decode step of the default model (23 rows) took 2.2-3.3 s with 2 threads and 0.23-0.28 s with 1
+    (bench/README.md, scoring). On idle cores 2 threads may be the faster. So the first steps after the prefill
+    run PROBE timed steps with torch's setting, then PROBE with one thread (the first step of each not timed),
+    and the rest of the call keeps the faster; the setting is torch's again when the call ends (restore()).
+    The thread count changes how fast, not what: generate() is checked to give the same answers with it
+    (tests/backend/test_task_metric.py)."""
+
+    PROBE = 3
+
+    def __init__(self, clock=time.perf_counter):
+        self.threads = torch.get_num_threads()
+        self.clock, self.calls, self.last, self.chosen = clock, 0, None, None
+        self.timed: dict[int, list[float]] = {self.threads: [], 1: []}
+
+    def _set(self, n: int) -> None:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        now, call = self.clock(), self.calls
+        self.calls += 1
+        if self.chosen is None and self.threads > 1:
+            probe = self.PROBE + 1  # steps per setting: the first after a switch (or the prefill) is not timed
+            ran = self.threads if call <= probe else 1  # the setting the step that just ended ran with
+            if call not in (0, 1, probe + 1):
+                self.timed[ran].append(now - self.last)
+            if call < probe:
+                self._set(self.threads)
+            elif call < 2 * probe:
+                self._set(1)
+            else:
+                self.chosen = min((statistics.median(v), n) for n, v in self.timed.items() if v)[1]
+                self._set(self.chosen)
+        self.last = self.clock()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def restore(self) -> None:
+        self._set(self.threads)
+
+
+def generate(model, tokenizer, template, prompts: list[str], kwargs: dict, settled=None,
+             tune_threads: bool = True) -> list[str]:
     """One batch: the prompts left-padded into one generate() call (with the KV cache), each answer cut at the
     template's stop words. `settled(answer so far)` -> True once a row's answer can no longer change what it
-    scores: that row stops there (backend.evaluation.task_metric.answer_settled)."""
+    scores: that row stops there (backend.evaluation.task_metric.answer_settled). On the CPU the decode steps'
+    thread count is chosen by timing (DecodeThreads; tune_threads=False keeps torch's)."""
     encoded = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     width = max(len(ids) for ids in encoded)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=model.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=model.device)
-    if settled is not None:
+    extra = [_Settled(tokenizer, width, settled)] if settled is not None else []
+    threads = DecodeThreads() if tune_threads and input_ids.device.type == "cpu" else None
+    if extra or threads:
         kwargs = dict(kwargs, stopping_criteria=StoppingCriteriaList(
-            [*kwargs.get("stopping_criteria", []), _Settled(tokenizer, width, settled)]))
-    with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+            [*kwargs.get("stopping_criteria", []), *extra, *([threads] if threads else [])]))
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+    finally:
+        if threads:
+            threads.restore()
     texts = []
     for row in out:
         text = tokenizer.decode(row[width:], skip_special_tokens=True)

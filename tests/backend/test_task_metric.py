@@ -349,3 +349,69 @@ def test_a_json_answer_stops_where_it_settles_and_scores_the_same(tiny_llama):
     for metric in JSON_METRICS:
         assert score(metric, cut, [ref] * 3) == score(metric, full, [ref] * 3), metric
     assert score("json_valid", cut, [ref] * 3) == pytest.approx(100 / 3)
+
+
+def test_decode_threads_keep_the_faster_setting_and_restore_torchs():
+    """DecodeThreads times PROBE decode steps with torch's thread count, then PROBE with one thread, keeps the
+    faster for the rest of the call and gives torch its setting back (a made-up clock: no timing here)."""
+    import torch
+    from backend.evaluation.predict import DecodeThreads
+
+    before = torch.get_num_threads()
+    try:
+        for cost, expect in (({2: 5.0, 1: 1.0}, 1), ({2: 1.0, 1: 5.0}, 2)):
+            torch.set_num_threads(2)
+            now = [0.0]
+            tuner = DecodeThreads(clock=lambda: now[0])
+            ids = torch.zeros((3, 4), dtype=torch.long)
+            for _ in range(3 * DecodeThreads.PROBE + 6):
+                assert not tuner(ids, None).any()  # never stops a row
+                now[0] += cost[torch.get_num_threads()]  # the next decode step, at the thread count now set
+            assert tuner.chosen == expect and torch.get_num_threads() == expect
+            assert tuner.timed == {2: [cost[2]] * DecodeThreads.PROBE, 1: [cost[1]] * DecodeThreads.PROBE}
+            tuner.restore()
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generation_with_the_decode_thread_choice_gives_the_same_answers(tiny_llama, monkeypatch):
+    """generate() with the CPU decode-thread choice (two threads probed against one, then the faster kept) gives
+    the same greedy answers as with torch's setting throughout, and leaves torch's setting as it was."""
+    import torch
+    from backend.evaluation.evaluate import eval_examples
+    from backend.training.models import load_model, load_tokenizer, resolve_model
+    from backend.evaluation import predict
+    from backend.evaluation.predict import DecodeThreads, generate, generation_kwargs, split_prompt
+    from backend.dataprep.resolve import pick_template
+
+    made = []
+
+    class Seen(DecodeThreads):  # the tuner generate() makes, kept to see that it probed both settings
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(predict, "DecodeThreads", Seen)
+    spec = validate_spec({"model_name_or_path": str(tiny_llama), "dataset": "extraction_demo", "max_samples": 8,
+                          "max_new_tokens": 3 * DecodeThreads.PROBE + 6, "template": "llama3"}, check_files=False)
+    resolved = resolve_model(spec.model_name_or_path)
+    tokenizer = load_tokenizer(resolved)
+    template = pick_template(spec.template, resolved, tokenizer)
+    model = load_model(spec, resolved, for_training=False).eval()
+    prompts = [template.render_text(split_prompt(e)[0], None, add_generation_prompt=True)
+               for e in eval_examples(spec, log=lambda *a: None)[:4]]
+    kwargs = generation_kwargs(spec, tokenizer, template, greedy=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        plain = generate(model, tokenizer, template, prompts, kwargs, tune_threads=False)
+        assert generate(model, tokenizer, template, prompts, kwargs) == plain
+        assert torch.get_num_threads() == 2
+        assert len(made) == 1 and made[0].chosen in (1, 2) and all(len(v) == DecodeThreads.PROBE
+                                                                  for v in made[0].timed.values())
+        torch.set_num_threads(1)
+        assert generate(model, tokenizer, template, prompts, kwargs, tune_threads=False) == plain
+    finally:
+        torch.set_num_threads(before)
+    assert all(plain)

@@ -91,8 +91,8 @@ def test_truncated_file_fails_in_one_line_and_the_earlier_export_stays(q4_export
     before = gguf_file.read_bytes()
     real_quantize = llamacpp_check.quantize
 
-    def quantize_then_truncate(f16, dst, gguf_type, imatrix=None):  # a file cut short, as by a full disk or a killed copy
-        entries = real_quantize(f16, dst, gguf_type, imatrix=imatrix)
+    def quantize_then_truncate(f16, dst, gguf_type, **kw):  # a file cut short, as by a full disk or a killed copy
+        entries = real_quantize(f16, dst, gguf_type, **kw)
         data = dst.read_bytes()
         dst.write_bytes(data[: len(data) // 2])
         return entries

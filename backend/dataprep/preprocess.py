@@ -52,6 +52,9 @@ from __future__ import annotations
 
 import bisect
 from array import array
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -626,9 +629,24 @@ def in_workers(build: Callable[..., tuple[list[dict], Stats]], examples: list[di
         # the tokenizer, all the examples: 680 MiB each at 200,000 alpaca rows, counted again per process); a spawned
         # one holds what tokenizing needs (~110 MiB): build and its kwargs (tokenizer, template) are sent once, each
         # batch's examples with the batch, and the rows come back as Arrow tables.
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_spawned_process_init,
-                                                         initargs=(build, kwargs))
-        _drain(pool, _run_sent_batch, (examples[k * size:(k + 1) * size] for k in range(batches)), take)
+        # A ProcessPoolExecutor, not a Pool: a process that dies (killed, out of memory, a script that spawns
+        # without an `if __name__ == "__main__"` guard) is a BrokenProcessPool error here, where a Pool waits forever.
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_spawned_process_init, initargs=(build, kwargs)) as pool:
+            in_flight: deque = deque()  # at most 2 batches a process sent ahead: the examples are not all copied at once
+            try:
+                for k in range(batches):
+                    in_flight.append(pool.submit(_run_sent_batch, examples[k * size:(k + 1) * size]))
+                    if len(in_flight) >= 2 * workers:
+                        take(in_flight.popleft().result())
+                while in_flight:
+                    take(in_flight.popleft().result())
+            except BrokenProcessPool as exc:
+                raise RuntimeError(f"a tokenizer process ended unexpectedly ({exc}): killed, or out of memory? "
+                                   "preprocessing_num_workers: 1 tokenizes in the run's own process") from exc
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     else:
         _FORKED = (build, examples, size, kwargs)
         try:

@@ -633,7 +633,7 @@ def in_workers(build: Callable[..., tuple[list[dict], Stats]], examples: list[di
         # without an `if __name__ == "__main__"` guard) is a BrokenProcessPool error here, where a Pool waits forever.
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_spawned_process_init, initargs=(build, kwargs)) as pool:
-            in_flight: deque = deque()  # at most 2 batches a process sent ahead: the examples are not all copied at once
+            in_flight: deque = deque()  # at most 2 batches a process sent ahead: not every example copied at once
             try:
                 for k in range(batches):
                     in_flight.append(pool.submit(_run_sent_batch, examples[k * size:(k + 1) * size]))

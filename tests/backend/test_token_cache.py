@@ -119,3 +119,31 @@ def test_first_and_second_run_train_on_the_memory_mapped_cache(tiny_llama, tmp_p
         logs.append((out / RUNNING_LOG).read_text(encoding="utf-8"))
     assert "saved the tokenized dataset" in logs[0] and "loaded the tokenized dataset" in logs[1], logs
     assert seen[0] == seen[1] > 0, seen
+
+
+DIES = """
+import os, sys, tempfile
+from backend.dataprep.preprocess import Stats, in_workers, rows_in_arrow
+
+def build(examples):  # a tokenizer process that dies (killed, out of memory)
+    os._exit(3)
+
+if __name__ == "__main__":
+    with rows_in_arrow(tempfile.mkdtemp()):
+        try:
+            in_workers(build, list(range(40)), 2)
+        except RuntimeError as exc:
+            print("ERROR", exc)
+"""
+
+
+def test_a_tokenizer_process_that_dies_is_an_error_not_a_hang(tmp_path):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("in_workers uses at most one process per CPU")
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    repo = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, str(script)], cwd=repo, timeout=120, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=repo))
+    assert proc.returncode == 0 and "ERROR a tokenizer process ended unexpectedly" in proc.stdout, (
+        proc.stdout, proc.stderr[-2000:])

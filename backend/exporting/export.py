@@ -659,6 +659,12 @@ def export(spec) -> dict:
                 out / name, reference, stored, rows=ppl_rows, prompts=prompts, rendered=rendered,
                 greedy=src["greedy"], stop_ids=stop_ids, chat_template=chat_template,
                 max_new_tokens=GREEDY_TOKENS, warn=warn)
+            weighted = gguf_info.get("imatrix")
+            for c in found:
+                if c["name"] == "llamacpp_load" and c["ok"] and weighted:  # the Export tab's table says how it was made
+                    c["imatrix_rows"], c["imatrix_tokens"] = weighted["rows"], weighted["tokens"]
+                    c["detail"] += (f"; quantized with an importance matrix of {weighted['weights']} weights from "
+                                    f"{weighted['rows']} held-out rows ({weighted['tokens']} tokens)")
             checks.extend(found)
             said = next((c["greedy"] for c in found if c["name"] == "llamacpp_greedy"), None)
             if said is not None:  # the probe answers side by side, as text, for the report's reader

@@ -137,7 +137,10 @@ def test_export_imatrix_reaches_llama_cpps_quantizer(q4_export, wide_llama, tmp_
     info = report["source"]["gguf"]["imatrix"]
     # the 7 linear layers of the one block (q k v o, gate up down), not the output head
     assert info["weights"] == 7 and info["rows"] > 0 and info["tokens"] > info["rows"]
-    assert not list(out.glob("*.tmp")) and "llamacpp_load" in {c["name"] for c in report["checks"]}
+    assert not list(out.glob("*.tmp"))
+    load = next(c for c in report["checks"] if c["name"] == "llamacpp_load")
+    assert (load["imatrix_rows"], load["imatrix_tokens"]) == (info["rows"], info["tokens"])
+    assert "importance matrix of 7 weights" in load["detail"]
     # the file says it was quantized with a matrix, as llama-quantize's files do
     meta = gguf.GGUFReader(str(next(out.glob("*.gguf")))).fields
     assert int(meta["quantize.imatrix.entries_count"].parts[-1][0]) == 7

@@ -17,10 +17,9 @@ from pathlib import Path
 
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_sft import CHATML, JsonlLog  # bench/trl_sft.py, on sys.path: this script's own folder
+from trl_sft import JsonlLog, prepare  # bench/trl_sft.py, on sys.path: this script's own folder
 
 DATA = Path(__file__).resolve().parent / "data" / "rl" / "extraction_short.json"
 LOGGED = ("loss", "reward", "kl", "completions/mean_length")
@@ -43,11 +42,7 @@ def main(model_dir: str, output_dir: str, max_steps: int = 6) -> None:
     rows = json.loads(DATA.read_text())
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}]}
                                  for r in rows])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = CHATML
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer_log.jsonl").unlink(missing_ok=True)
+    tokenizer, out = prepare(model_dir, output_dir)
     config = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                         num_generations=4, max_completion_length=64, beta=0.04, temperature=0.9, top_p=1.0,
                         learning_rate=1e-5, lr_scheduler_type="cosine", max_steps=max_steps, logging_steps=1,

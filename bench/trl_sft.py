@@ -34,16 +34,22 @@ class JsonlLog(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, **{k: logs[k] for k in self.logged if k in logs}}) + "\n")
 
 
-def main(model_dir: str, output_dir: str, max_steps: int = 12) -> None:
-    rows = json.loads(DATA.read_text())
-    dataset = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}],
-         "completion": [{"role": "assistant", "content": r["output"]}]} for r in rows])
+def prepare(model_dir: str, output_dir: str):
+    """The model's tokenizer with the benchmark's chatml template, and the output folder with no earlier log."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = CHATML
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainer_log.jsonl").unlink(missing_ok=True)
+    return tokenizer, out
+
+
+def main(model_dir: str, output_dir: str, max_steps: int = 12) -> None:
+    rows = json.loads(DATA.read_text())
+    dataset = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}],
+         "completion": [{"role": "assistant", "content": r["output"]}]} for r in rows])
+    tokenizer, out = prepare(model_dir, output_dir)
     config = SFTConfig(output_dir=output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                        learning_rate=2e-4, lr_scheduler_type="cosine", max_steps=max_steps, logging_steps=1,
                        save_strategy="no", report_to="none", seed=42, max_length=512, bf16=False, fp16=False,

@@ -92,6 +92,25 @@ def tiny_llama(tiny_models):
 
 
 @pytest.fixture(scope="session")
+def wide_llama(tiny_llama, tmp_path_factory):
+    """A random one-layer Llama 256 wide, tiny_llama's tokenizer: llama.cpp's k-quants take its matrices (their
+    rows are a multiple of 256), so a q4_k_m export of it is a real Q4_K file (tests of llama.cpp exports, Chat on one)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    # a context of 2048: Chat's default max_new_tokens (512) fits it, whatever the slider is set to
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("wide_llama")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tiny_models):
     return tiny_models["qwen2"]
 

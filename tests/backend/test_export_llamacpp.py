@@ -32,22 +32,6 @@ def test_kquant_refused_without_llama_cpp_says_how_to_get_it(monkeypatch):
     validate_spec({"export_format": "gguf", "export_gguf_type": "q8_0"}, check_files=False)  # our own writer's
 
 
-@pytest.fixture(scope="module")
-def wide_llama(tiny_llama, tmp_path_factory):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tiny_llama)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("wide_llama")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def _spec(model, export_dir, gguf_type, **kw):
     return validate_spec({"model_name_or_path": str(model), "finetuning_type": "full", "template": "llama3",
                           "export_dir": str(export_dir), "export_format": "gguf", "export_gguf_type": gguf_type, **kw})

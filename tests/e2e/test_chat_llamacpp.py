@@ -20,21 +20,11 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.fixture(scope="module")
-def q4_export_dir(tiny_llama, tmp_path_factory):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
+def q4_export_dir(wide_llama, tmp_path_factory):
     from backend.core.spec import validate_spec
     from backend.exporting.export import export
 
-    tok = AutoTokenizer.from_pretrained(tiny_llama)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model_dir = tmp_path_factory.mktemp("wide_llama_chat")
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = wide_llama
     out = tmp_path_factory.mktemp("q4_chat") / "export"
     report = export(validate_spec({"model_name_or_path": str(model_dir), "finetuning_type": "full",
                                    "template": "llama3", "export_dir": str(out), "export_format": "gguf",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from backend.core import metrics
+from backend.serving.batching import Batcher, Job
 from backend.serving.engine import stop_token_ids
 from backend.dataprep.preprocess import PaddingCollator
 
@@ -90,6 +92,11 @@ class DecodeThreads(StoppingCriteria):
             torch.set_num_threads(n)
 
     def __call__(self, input_ids, scores, **kwargs):
+        self.tick()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def tick(self) -> None:
+        """After each decode step (the first call: after the prefill)."""
         now, call = self.clock(), self.calls
         self.calls += 1
         if self.chosen is None and self.threads > 1:
@@ -105,7 +112,6 @@ class DecodeThreads(StoppingCriteria):
                 self.chosen = min((statistics.median(v), n) for n, v in self.timed.items() if v)[1]
                 self._set(self.chosen)
         self.last = self.clock()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def restore(self) -> None:
         self._set(self.threads)
@@ -136,6 +142,54 @@ def generate(model, tokenizer, template, prompts: list[str], kwargs: dict, settl
     texts = []
     for row in out:
         text = tokenizer.decode(row[width:], skip_special_tokens=True)
+        for word in template.stop_words:
+            text = text.split(word)[0]
+        texts.append(text.strip())
+    return texts
+
+
+class _RowEnd:
+    """A scoring row's end, for the batcher (backend.serving.batching.Job's `criteria`): `stop()` gave a reason,
+    or `settled(its answer so far)` says no later token can change its score."""
+
+    def __init__(self, tokenizer, prompt_len: int, settled=None, stop=None):
+        self.tokenizer, self.prompt_len, self.settled, self.stop = tokenizer, prompt_len, settled, stop
+
+    def ended(self) -> bool:
+        return bool(self.stop and self.stop())
+
+    def __call__(self, input_ids, scores=None, **kwargs):
+        end = self.ended() or (self.settled is not None and bool(self.settled(
+            self.tokenizer.decode(input_ids[0, self.prompt_len:], skip_special_tokens=True))))
+        return torch.full((input_ids.shape[0],), end, dtype=torch.bool, device=input_ids.device)
+
+
+def generate_rows(model, tokenizer, template, prompts: list[str], max_new_tokens: int, settled=None, stop=None,
+                  max_batch: int = 16, repetition_penalty: float = 1.0, tune_threads: bool = True) -> list[str]:
+    """Greedy answers to many prompts, decoded together as a continuous batch (backend.serving.batching.Batcher):
+    each prompt is prefilled on its own (no left padding computed), then decoded in a batch of at most `max_batch`
+    rows; a row leaves the batch the step it ends (end of turn, `settled`, max_new_tokens, `stop()`) and the next
+    prompt takes its place. generate() instead computes every row of a call until its longest answer ends: one
+    answer that runs on to the cap holds all the others' rows in every step. Each answer is the one the row gets
+    alone (up to float rounding: tests/backend/test_task_metric.py), cut at the template's stop words as generate()
+    cuts it. The caller checks `batchable(model)` (a plain full-attention cache); else generate()."""
+    threads = DecodeThreads() if tune_threads and model.device.type == "cpu" else None
+    batcher = Batcher(model, threading.Lock(), max_batch=max_batch, on_step=threads.tick if threads else None)
+    eos = stop_token_ids(tokenizer, template)
+    jobs = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        jobs.append(Job(ids=ids, state=None, activate=lambda: None, max_new_tokens=max_new_tokens, eos_ids=eos,
+                        criteria=_RowEnd(tokenizer, len(ids), settled, stop), repetition_penalty=repetition_penalty))
+    try:
+        batcher.run_all(jobs)
+    finally:
+        batcher.close()
+        if threads:
+            threads.restore()
+    texts = []
+    for job in jobs:
+        text = tokenizer.decode(job.tokens, skip_special_tokens=True)
         for word in template.stop_words:
             text = text.split(word)[0]
         texts.append(text.strip())

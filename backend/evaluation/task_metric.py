@@ -1,9 +1,10 @@
 """eval_metric: a task metric at every checkpoint save, and the best-scoring checkpoint as the run's final weights.
 
 At each save (checkpoint-N is in place: backend.stages.base saves atomically first) rank 0 puts the model in eval
-mode, generates greedy answers for the same `eval_samples` held-out rows (batched, left-padded, with the KV cache:
-backend.evaluation.predict: generation_batch rows a call; up to max_new_tokens, never more than twice the longest reference
-answer + ANSWER_SLACK), scores
+mode, generates greedy answers for the same `eval_samples` held-out rows (with the KV cache, up to max_new_tokens, never
+more than twice the longest reference answer + ANSWER_SLACK, each row stopping once its answer is settled: a continuous
+batch of generation_batch rows, a row leaving as it ends and the next joining, backend.evaluation.predict.generate_rows;
+a model whose cache the batch cannot stack, or TUNEBOARD_BATCHING=0, gets left-padded generate() calls instead), scores
 them against the rows' answers (backend.core.metrics / backend.core.rewards, 0-100 like `tuneboard eval`; eval_loss = the
 loss over their answer tokens; judge = the answers' win rate against the references, asked of backend/evaluation/judge.py's
 endpoint in both orders), puts the model back in train mode, and writes
@@ -28,7 +29,8 @@ from transformers import TrainerCallback
 from backend.core import metrics, rewards
 from backend.core.atomic import read_json_dict, write_json_atomic
 from backend.evaluation.judge import JudgeSettings, judge_win_rate
-from backend.evaluation.predict import eval_loss, generate, generation_kwargs, split_prompt
+from backend.evaluation.predict import eval_loss, generate, generate_rows, generation_kwargs, split_prompt
+from backend.serving.batching import batchable
 from backend.dataprep.preprocess import build_sft_dataset
 from backend.core.rundir import CHECKPOINT_SCORES_FILE, JUDGE_CACHE_DIRNAME
 
@@ -179,6 +181,11 @@ class TaskMetricCallback(TrainerCallback):
             kwargs["max_new_tokens"] = self.max_new_tokens
             settled = partial(answer_settled, stop_words=list(self.template.stop_words or []),
                               json_answer=self.metric in JSON_METRICS)
+            if batchable(model):  # a continuous batch: a row leaves as soon as its answer ends
+                predictions = generate_rows(model, self.tokenizer, self.template, self.prompts, self.max_new_tokens,
+                                            settled=settled, stop=stop, max_batch=self.batch_rows,
+                                            repetition_penalty=self.spec.repetition_penalty)
+                return self._score(predictions)
             predictions = [""] * len(self.prompts)
             for start in range(0, len(self.order), self.batch_rows):
                 rows = self.order[start:start + self.batch_rows]
@@ -186,14 +193,17 @@ class TaskMetricCallback(TrainerCallback):
                                    settled=settled)
                 for i, answer in zip(rows, answers):
                     predictions[i] = answer
-            if self.metric == "judge":  # the answers' win rate against the references, asked in both orders
-                settings = JudgeSettings.from_spec(self.spec, cache_dir=self.run_dir.path / JUDGE_CACHE_DIRNAME)
-                return 100 * judge_win_rate(self.conversations, predictions, self.references, settings,
-                                            log=self.run_dir.log)
-            return score(self.metric, predictions, self.references)
+            return self._score(predictions)
         finally:
             if was_training:
                 model.train()
+
+    def _score(self, predictions: list[str]) -> float:
+        if self.metric == "judge":  # the answers' win rate against the references, asked in both orders
+            settings = JudgeSettings.from_spec(self.spec, cache_dir=self.run_dir.path / JUDGE_CACHE_DIRNAME)
+            return 100 * judge_win_rate(self.conversations, predictions, self.references, settings,
+                                        log=self.run_dir.log)
+        return score(self.metric, predictions, self.references)
 
     # -- the Trainer's events ------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):

@@ -176,8 +176,9 @@ class Batcher:
     for IDLE_S and at interpreter exit: a process whose last answer is out must not exit while the loop is
     still in a forward pass, which aborts it with "terminate called without an active exception")."""
 
-    def __init__(self, model, lock, max_batch: int = MAX_BATCH):
+    def __init__(self, model, lock, max_batch: int = MAX_BATCH, on_step: Callable[[], None] | None = None):
         self.model, self.lock, self.max_batch = model, lock, max_batch
+        self.on_step = on_step  # called after each decode step (the scorer's decode-thread choice)
         self._cond = threading.Condition()
         self._pending: list[Job] = []
         self._thread: threading.Thread | None = None
@@ -197,17 +198,24 @@ class Batcher:
     # -- callers' side
     def run(self, job: Job) -> bool:
         """Generate `job` in the batch; False when it ended (criteria.ended()) before its first token."""
+        self.run_all([job])
+        return job.started
+
+    def run_all(self, jobs: list[Job]) -> None:
+        """Generate all `jobs` (they join the batch in this order as rows free up); the first error is raised
+        once every job has ended."""
         with self._cond:
-            self._pending.append(job)
-            self.stats["requests"] += 1
+            self._pending.extend(jobs)
+            self.stats["requests"] += len(jobs)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return job.started
+        for job in jobs:
+            job.done.wait()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
 
     def close(self, timeout: float = 120.0) -> None:
         """End the loop after its current step (the requests still in it get an error) and wait for it."""
@@ -296,6 +304,8 @@ class Batcher:
         logits = out.logits[:, -1].to(dtype=torch.float32)
         ended = [i for i, job in enumerate(self._rows) if not self._take(job, logits[i:i + 1])]
         self._drop(ended)
+        if self.on_step is not None:
+            self.on_step()
 
     def _prefill(self, job: Job) -> None:
         """The job's prompt on its own: its first token, then (unless that ended it) its cache joins the batch."""
@@ -306,11 +316,12 @@ class Batcher:
         ids = torch.tensor([job.ids], device=device)
         cache, reused = self._reuse(job)
         if cache is None:
-            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
         else:  # the new tokens on top of the saved prefix, at their own positions
             new = ids[:, reused:]
             out = self.model(input_ids=new, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
-                             position_ids=torch.arange(reused, ids.shape[1], device=device).unsqueeze(0))
+                             position_ids=torch.arange(reused, ids.shape[1], device=device).unsqueeze(0),
+                             logits_to_keep=1)
         self.stats["kv_prefilled_tokens"] += len(job.ids) - reused
         job.started = True
         if job.streamer is not None:

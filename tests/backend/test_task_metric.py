@@ -92,10 +92,12 @@ def test_eval_loss_metric_picks_the_lowest_with_full_finetuning(tiny_llama, tmp_
 
 
 def test_batched_generation_equals_one_row_at_a_time(tiny_llama):
-    """The left-padded batch (one generate() call, KV cache) gives each row the greedy answer it gets alone."""
+    """The left-padded batch (one generate() call, KV cache) gives each row the greedy answer it gets alone, and so
+    does the scorer's continuous batch (generate_rows: 2 rows at a time, a row leaving as its answer ends and the
+    next prompt joining; one row settled early)."""
     from backend.evaluation.evaluate import eval_examples
     from backend.training.models import load_model, load_tokenizer, resolve_model
-    from backend.evaluation.predict import generate, generation_kwargs, split_prompt
+    from backend.evaluation.predict import generate, generate_rows, generation_kwargs, split_prompt
     from backend.dataprep.resolve import pick_template
 
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "dataset": "extraction_demo", "max_samples": 12,
@@ -111,6 +113,16 @@ def test_batched_generation_equals_one_row_at_a_time(tiny_llama):
     alone = [generate(model, tokenizer, template, [p], kwargs)[0] for p in prompts]
     assert generate(model, tokenizer, template, prompts, kwargs) == alone
     assert all(alone)
+    assert generate_rows(model, tokenizer, template, prompts, spec.max_new_tokens, max_batch=2) == alone
+    i = next(i for i, a in enumerate(alone) if alone.count(a) == 1)  # settled once its answer is its own
+
+    def settled(text):
+        return len(text) >= 3 and alone[i].startswith(text) and not any(
+            a.startswith(text) for j, a in enumerate(alone) if j != i)
+
+    cut = generate_rows(model, tokenizer, template, prompts, spec.max_new_tokens, max_batch=2, settled=settled)
+    assert cut[i] != alone[i] and alone[i].startswith(cut[i])
+    assert cut[:i] + cut[i + 1:] == alone[:i] + alone[i + 1:]
 
 
 def test_scores_of_the_generation_metrics():

@@ -26,6 +26,8 @@ The decision:
 """
 from __future__ import annotations
 
+import json
+
 import ipaddress
 import os
 import re
@@ -227,3 +229,19 @@ def endpoint_refusals(url: str, key_env: str | None, key_file: str | None, prefi
         except allowed.PathRefused as exc:
             refused.append(exc)
     return refused
+
+
+def error_line(body: bytes | str, fallback: str) -> str:
+    """An endpoint's error body as one line of at most 300 characters: OpenAI's {"error": {"message"}} or
+    {"error": "..."}, FastAPI's {"detail"}, else the text itself; `fallback` (the reason phrase) when empty.
+    The teacher client, the judge's and the reward endpoint's callers name a refusal with it."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        found = err.get("message") if isinstance(err, dict) else err or data.get("detail")
+        text = str(found) if found else text
+    return " ".join(text.split())[:300] or fallback

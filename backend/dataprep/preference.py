@@ -37,6 +37,18 @@ def _fit(prompt: list[int], answers: list[list[int]], cutoff_len: int | None) ->
     return prompt, [a[:room] for a in answers], True
 
 
+def scored_ids(example: dict, completion: str, template, tokenizer, cutoff_len: int | None) -> list[int] | None:
+    """The token ids a reward model scores for `completion` as the assistant's answer to the row's conversation:
+    rendered and cut to cutoff_len as an rm run cuts its pairs; None where the template trains no answer token.
+    (The reward model in process, backend.evaluation.reward_score, and through an endpoint, reward_api.)"""
+    try:
+        prompt, answer = _split_answer(example, {"role": "assistant", "content": completion}, template, tokenizer)
+    except ValueError:
+        return None
+    prompt, (answer,), _ = _fit(prompt, [answer], cutoff_len)
+    return prompt + answer
+
+
 def _common_prompt(pairs: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[list[int]]]:
     """One prompt for several answers: their shared prefix; whatever differs after it joins each answer."""
     prompts = [p for p, _ in pairs]

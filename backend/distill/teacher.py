@@ -175,7 +175,7 @@ class Teacher:
                         "followed (the API key is only sent to the base URL it was given for): set teacher to "
                         "the final base URL"))
                 elif r.status_code in RETRY_STATUSES:
-                    last = f"HTTP {r.status_code}: {self._message(r, raw)}"
+                    last = f"HTTP {r.status_code}: {teacher_access.error_line(raw, r.reason_phrase)}"
                     retry_after = r.headers.get("retry-after")
                     if retry_after:
                         try:
@@ -189,25 +189,12 @@ class Teacher:
                             404: "unknown route or model: check teacher (the base URL, ending in /v1) and "
                                  "teacher_model"}.get(r.status_code, "the endpoint refused the request")
                     raise TeacherFatal(self.redact(f"teacher {self.base_url}: HTTP {r.status_code}: "
-                                                   f"{self._message(r, raw)} ({hint})"))
+                                                   f"{teacher_access.error_line(raw, r.reason_phrase)} ({hint})"))
             last = self.redact(last)
             if attempt < self.max_retries:
                 self.log(f"teacher: {last}; retry {attempt + 1}/{self.max_retries} in {wait:.1f} s")
                 self._sleep(wait)
         raise TeacherError(f"{last} (after {self.max_retries + 1} attempts)")
-
-    @staticmethod
-    def _message(r, raw: bytes) -> str:
-        """The error's message from a (capped) error body, one line of at most 300 characters."""
-        text = raw.decode("utf-8", errors="replace")
-        try:
-            data = json.loads(text)
-            err = data.get("error") if isinstance(data, dict) else None
-            text = err.get("message") if isinstance(err, dict) else str(err or text)
-        except ValueError:
-            pass
-        text = " ".join(str(text).split())
-        return text[:300] or r.reason_phrase
 
     @staticmethod
     def _parse(raw: bytes, attempts: int) -> Answer:

@@ -22,8 +22,9 @@ import json
 
 import httpx
 
+from backend.core import teacher_access
 from backend.core.rewards import RewardError
-from backend.dataprep.preference import _fit, _split_answer
+from backend.dataprep.preference import scored_ids
 
 SCORE_ROUTE = "/v1/score/evaluation"
 REQUEST_TIMEOUT_S = 300.0  # one request scores a whole rollout batch; a slow server is not a dead one
@@ -62,14 +63,8 @@ class ApiReward:
         """The text the reward model scores for each completion; None where the template renders no answer."""
         out: list[str | None] = []
         for row, completion in zip(conversation, completions):
-            try:
-                prompt, answer = _split_answer(json.loads(row), {"role": "assistant", "content": completion},
-                                               self.template, self.tokenizer)
-            except ValueError:
-                out.append(None)
-                continue
-            prompt, (answer,), _ = _fit(prompt, [answer], self.cutoff_len)
-            out.append(self.tokenizer.decode(prompt + answer, skip_special_tokens=False))
+            ids = scored_ids(json.loads(row), completion, self.template, self.tokenizer, self.cutoff_len)
+            out.append(None if ids is None else self.tokenizer.decode(ids, skip_special_tokens=False))
         return out
 
     def __call__(self, prompts, completions, conversation=None, **kwargs) -> list[float | None]:
@@ -92,7 +87,8 @@ class ApiReward:
         if r.status_code != 200:
             hint = {401: " (the key was refused: check reward_model_api_key_env or reward_model_api_key_file)",
                     404: " (no such route or model: is it a `tuneboard api --reward-model` server?)"}
-            raise RewardError(self._redact(f"{where}: HTTP {r.status_code}: {_message(r)}"
+            message = teacher_access.error_line(r.content, r.reason_phrase)
+            raise RewardError(self._redact(f"{where}: HTTP {r.status_code}: {message}"
                                            + hint.get(r.status_code, "")))
         try:
             scores = [float(s) for s in r.json()["scores"]]
@@ -104,16 +100,3 @@ class ApiReward:
 
     def _redact(self, text: str) -> str:
         return text.replace(self._secret, "***") if self._secret else text
-
-
-def _message(r: httpx.Response) -> str:
-    """The error's message (OpenAI-style JSON or plain text), on one line and short."""
-    try:
-        body = r.json()
-        error = body.get("error") if isinstance(body, dict) else None
-        text = error.get("message") if isinstance(error, dict) else (body.get("detail") if isinstance(body, dict)
-                                                                    else None)
-        text = text or r.text
-    except ValueError:
-        text = r.text
-    return " ".join(str(text).split())[:300] or "no message"

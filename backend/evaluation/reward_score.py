@@ -18,7 +18,7 @@ import yaml
 
 from backend.training.adapters import apply_finetuning
 from backend.training.models import load_model, load_tokenizer, model_folder, resolve_model
-from backend.dataprep.preference import _fit, _split_answer, build_preference_dataset
+from backend.dataprep.preference import build_preference_dataset, scored_ids
 from backend.dataprep.resolve import pick_template
 from backend.core.rundir import SPEC_FILE, is_reward_model_dir  # the one light check (the web UI uses it too)
 
@@ -209,15 +209,10 @@ class RewardModelReward:
         self._place()
         sequences_, where = [], []
         for i, (row, completion) in enumerate(zip(conversation, completions)):
-            example = json.loads(row)
-            try:
-                prompt, answer = _split_answer(example, {"role": "assistant", "content": completion}, self.template,
-                                               self.tokenizer)
-            except ValueError:
-                continue
-            prompt, (answer,), _ = _fit(prompt, [answer], self.cutoff_len)
-            sequences_.append(prompt + answer)
-            where.append(i)
+            ids = scored_ids(json.loads(row), completion, self.template, self.tokenizer, self.cutoff_len)
+            if ids is not None:
+                sequences_.append(ids)
+                where.append(i)
         out: list[float | None] = [None] * len(completions)
         for i, score in zip(where, score_sequences(self.model, self.tokenizer.pad_token_id, sequences_,
                                                    self.batch_size)):

@@ -169,3 +169,16 @@ def test_configure_reads_the_flags_and_normalizes_the_urls(monkeypatch):
     assert [r.what for r in ta.check_teacher("http://0.0.0.0:8000/v1", "", None)] == ["private"]
     assert [r.what for r in ta.check_teacher("http://[fd00::1]/v1", "", None)] == ["private"]
     assert [r.what for r in ta.check_teacher("http://2130706433/v1", "", None)] == ["private"]  # 127.0.0.1
+
+
+def test_an_endpoints_error_body_is_one_short_line():
+    """error_line reads OpenAI's, FastAPI's and plain error bodies alike (teacher, judge, reward endpoint)."""
+    from backend.core.teacher_access import error_line
+
+    assert error_line(b'{"error": {"message": "bad\\n  key"}}', "Unauthorized") == "bad key"
+    assert error_line('{"error": "over quota"}', "Too Many Requests") == "over quota"
+    assert error_line('{"detail": "Not Found"}', "Not Found") == "Not Found"
+    assert error_line("<html>\n oops </html>", "Bad Gateway") == "<html> oops </html>"
+    assert error_line(b"", "Bad Gateway") == "Bad Gateway"
+    assert error_line("x" * 1000, "") == "x" * 300
+    assert error_line(b"\xff{", "Bad Request") == "\ufffd{"

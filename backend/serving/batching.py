@@ -130,6 +130,63 @@ class KVStore:
         self.bytes -= self._items.pop(key)[1]
 
 
+def make_roomy(cache) -> None:
+    """Make the cache's plain layers grow in place (RoomyLayer) instead of by concatenation, from its next update."""
+    roomy = _roomy_layer_class()
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is roomy.__base__:
+            grown = roomy()
+            grown.__dict__.update(layer.__dict__)
+            cache.layers[i] = grown
+
+
+_ROOMY = None
+
+
+def _roomy_layer_class():
+    """RoomyLayer, made on first use (its base class is transformers', which the module top does not import).
+
+    transformers' DynamicLayer appends a step's keys and values with torch.cat, which copies the whole cache of
+    the layer every decode step: at 32 rows x 700 positions of a 30-layer model that is ~1 GB written per step, most
+    of a CPU decode step's time (bench/README.md, scoring). A RoomyLayer keeps its keys and values in a buffer with
+    spare positions and writes each step's into it; the layer's `keys` / `values` are views of the buffer. When the
+    batch replaces them (a row joins or leaves: Batcher._join, _drop) the next update copies them into a new buffer,
+    once. Same numbers as concatenation (the same values at the same positions)."""
+    global _ROOMY
+    if _ROOMY is None:
+        # heavy (transformers): the module top stays light
+        from transformers.cache_utils import DynamicLayer
+
+        class RoomyLayer(DynamicLayer):
+            SPARE = 256  # positions added beyond what is needed when the buffer grows (and a quarter more)
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                n = self.keys.shape[-2] if self.keys.numel() else 0
+                t = key_states.shape[-2]
+                buffers = getattr(self, "_buffers", None)
+                views = getattr(self, "_views", (None, None))
+                if buffers is None or views[0] is not self.keys or views[1] is not self.values \
+                        or buffers[0].shape[-2] < n + t or buffers[0].shape[:2] != key_states.shape[:2]:
+                    room = n + t + (n + t) // 4 + self.SPARE
+                    buffers = []
+                    for old, new in ((self.keys, key_states), (self.values, value_states)):
+                        buf = new.new_empty((*new.shape[:2], room, new.shape[-1]))
+                        if n:
+                            buf[:, :, :n] = old
+                        buffers.append(buf)
+                    self._buffers = buffers
+                self._buffers[0][:, :, n:n + t] = key_states
+                self._buffers[1][:, :, n:n + t] = value_states
+                self.keys, self.values = self._buffers[0][:, :, :n + t], self._buffers[1][:, :, :n + t]
+                self._views = (self.keys, self.values)
+                return self.keys, self.values
+
+        _ROOMY = RoomyLayer
+    return _ROOMY
+
+
 @dataclass
 class Job:
     """One request in the batcher. `criteria` (engine._Criteria) is called with the request's ids after each
@@ -396,6 +453,7 @@ class Batcher:
 
         mask = torch.ones((1, length), dtype=torch.long, device=self.model.device)
         if not self._rows:
+            make_roomy(cache)
             self._rows, self._cache, self._mask = [job], cache, mask
             return
         have = self._mask.shape[1]

@@ -78,3 +78,34 @@ def test_the_store_keeps_the_longest_turn_and_stays_bounded():
     assert store.bytes <= 10_000
     store.put("a", [6] * 1000, layers(1000))  # 32,000 bytes: over the cap, not kept
     assert store.get("a", [6] * 1000)[0] == 0
+
+
+def test_the_batch_cache_grows_in_place_with_the_same_numbers():
+    """make_roomy: the batch's cache layers write each step's keys and values into spare room (no copy of the whole
+    cache per step), hold what concatenation holds, and take a replaced tensor (a row left the batch) as it is."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    from backend.serving.batching import make_roomy
+
+    torch.manual_seed(0)
+    steps = [torch.randn(3, 2, n, 4) for n in (5, 1, 1, 2)]
+    plain, roomy = DynamicLayer(), DynamicLayer()
+    cache = DynamicCache()
+    cache.layers = [roomy]
+    make_roomy(cache)
+    grown = cache.layers[0]
+    assert type(grown).__name__ == "RoomyLayer"
+    storage = set()
+    for k in steps:
+        pk, pv = plain.update(k, -k)
+        gk, gv = grown.update(k, -k)
+        assert torch.equal(pk, gk) and torch.equal(pv, gv) and grown.get_seq_length() == pk.shape[-2]
+        storage.add(gk.untyped_storage().data_ptr())
+    assert len(storage) == 1  # one buffer: written in place, never copied
+    keep = torch.tensor([0, 2])
+    for layer in (plain, grown):  # a row leaves: Batcher._drop replaces the tensors
+        layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+    k = torch.randn(2, 2, 1, 4)
+    assert torch.equal(plain.update(k, k)[0], grown.update(k, k)[0])
+    assert torch.equal(plain.values, grown.values)

@@ -101,7 +101,7 @@ def test_batched_generation_equals_one_row_at_a_time(tiny_llama):
     from backend.dataprep.resolve import pick_template
 
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "dataset": "extraction_demo", "max_samples": 12,
-                          "max_new_tokens": 10, "template": "llama3"}, check_files=False)
+                          "max_new_tokens": 40, "template": "llama3"}, check_files=False)
     resolved = resolve_model(spec.model_name_or_path)
     tokenizer = load_tokenizer(resolved)
     template = pick_template(spec.template, resolved, tokenizer)

@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 from backend.core import metrics, rewards
 from backend.core.atomic import read_json_dict, write_json_atomic
 from backend.evaluation.judge import JudgeSettings, judge_win_rate
+from backend.evaluation.merged import merged_lora
 from backend.evaluation.predict import eval_loss, generate, generate_rows, generation_kwargs, split_prompt
 from backend.serving.batching import batchable
 from backend.dataprep.preprocess import build_sft_dataset
@@ -181,22 +182,26 @@ class TaskMetricCallback(TrainerCallback):
             kwargs["max_new_tokens"] = self.max_new_tokens
             settled = partial(answer_settled, stop_words=list(self.template.stop_words or []),
                               json_answer=self.metric in JSON_METRICS)
-            if batchable(model):  # a continuous batch: a row leaves as soon as its answer ends
-                predictions = generate_rows(model, self.tokenizer, self.template, self.prompts, self.max_new_tokens,
-                                            settled=settled, stop=stop, max_batch=self.batch_rows,
-                                            repetition_penalty=self.spec.repetition_penalty)
-                return self._score(predictions)
-            predictions = [""] * len(self.prompts)
-            for start in range(0, len(self.order), self.batch_rows):
-                rows = self.order[start:start + self.batch_rows]
-                answers = generate(model, self.tokenizer, self.template, [self.prompts[i] for i in rows], kwargs,
-                                   settled=settled)
-                for i, answer in zip(rows, answers):
-                    predictions[i] = answer
+            with merged_lora(model):  # one product per adapted layer, the weights exactly as before afterwards
+                predictions = self._answers(model, kwargs, settled, stop)
             return self._score(predictions)
         finally:
             if was_training:
                 model.train()
+
+    def _answers(self, model, kwargs: dict, settled, stop) -> list[str]:
+        if batchable(model):  # a continuous batch: a row leaves as soon as its answer ends
+            return generate_rows(model, self.tokenizer, self.template, self.prompts, self.max_new_tokens,
+                                 settled=settled, stop=stop, max_batch=self.batch_rows,
+                                 repetition_penalty=self.spec.repetition_penalty)
+        predictions = [""] * len(self.prompts)
+        for start in range(0, len(self.order), self.batch_rows):
+            rows = self.order[start:start + self.batch_rows]
+            answers = generate(model, self.tokenizer, self.template, [self.prompts[i] for i in rows], kwargs,
+                               settled=settled)
+            for i, answer in zip(rows, answers):
+                predictions[i] = answer
+        return predictions
 
     def _score(self, predictions: list[str]) -> float:
         if self.metric == "judge":  # the answers' win rate against the references, asked in both orders

@@ -125,6 +125,36 @@ def test_batched_generation_equals_one_row_at_a_time(tiny_llama):
     assert cut[:i] + cut[i + 1:] == alone[:i] + alone[i + 1:]
 
 
+def test_merged_lora_answers_as_the_adapter_and_leaves_the_weights_bit_equal(tiny_llama):
+    """merged_lora (the scorer's generation): inside, the LoRA model's logits with the adapter merged equal the
+    adapter's up to rounding; after, every weight is bit-equal to before and the adapter is on again; DoRA is left
+    as it is (not merged)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from backend.evaluation.merged import merged_lora
+
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    for dora in (False, True):
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                               LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=dora,
+                                          init_lora_weights=False)).eval()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits
+            with model.disable_adapter():
+                bare = model(input_ids=ids).logits
+            assert not torch.allclose(ref, bare, atol=1e-4)  # the adapter changes the answer
+            with merged_lora(model) as merged:
+                inside = model(input_ids=ids).logits
+            after = model(input_ids=ids).logits
+        assert merged is (not dora)
+        assert torch.allclose(inside, ref, atol=1e-5)
+        assert torch.equal(after, ref)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_scores_of_the_generation_metrics():
     from backend.evaluation.task_metric import TaskMetricError, check_rows, score
 

@@ -33,6 +33,8 @@ One request cannot hold the server:
 - max_tokens is bounded by the model's context (400 naming the field, code context_length_exceeded, when
   the prompt plus max_tokens do not fit), then by --max-tokens-per-request (400 naming the field and the
   cap, code max_tokens_exceeded); left out, it is the spec's max_new_tokens cut to what fits and the cap;
+  `fit_context: true` (TuneBoard's extension, the Chat tab sends it) makes a given max_tokens a ceiling that is
+  cut to what the context leaves instead of a 400 (the per-request cap still refuses);
 - a generation ends after --max-request-seconds (counted from when the request reaches the model, turns
   shared with others included) with finish_reason "time_limit", streamed or not: not "length" (that is
   max_tokens) and not "stop" (the answer did not end);
@@ -98,6 +100,7 @@ def _models():
         stream: bool = False
         stream_options: Optional[StreamOptions] = None
         seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.manual_seed's range
+        fit_context: Optional[bool] = None  # TuneBoard's: max_tokens is a ceiling, cut to what the context leaves
         # accepted for client compatibility, no effect here
         frequency_penalty: Optional[float] = None
         presence_penalty: Optional[float] = None
@@ -375,7 +378,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     def sampling_of(req) -> dict:
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         return dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
+                    repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop, fit_context=req.fit_context,
                     do_sample=(req.temperature > 0) if req.temperature is not None else None)
 
     limits = dict(max_tokens_cap=max_tokens_per_request or None, time_limit=max_request_seconds or None)

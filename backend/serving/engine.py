@@ -49,7 +49,8 @@ from backend.dataprep.templates import get_template
 
 Warn = Callable[[str], None]
 
-SAMPLING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
+SAMPLING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
+                 "fit_context")
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -135,6 +136,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    fit_context: bool = False  # max_new_tokens is a ceiling: cut to what the context leaves, never refused for it
 
     @property
     def greedy(self) -> bool:
@@ -523,7 +525,8 @@ class HFEngine:
 
     def _sampling(self, sampling: dict, prompt_tokens: int, cap: int | None = None) -> Sampling:
         s = make_sampling(self.defaults, sampling)
-        return fit_context(s, prompt_tokens, self.context_length, explicit=sampling.get("max_new_tokens") is not None,
+        return fit_context(s, prompt_tokens, self.context_length,
+                           explicit=sampling.get("max_new_tokens") is not None and not s.fit_context,
                            cap=cap)
 
     def chat(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,

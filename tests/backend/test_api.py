@@ -275,6 +275,11 @@ def test_max_tokens_is_bounded_by_the_models_context(client, server):
     reply = client.chat.completions.create(model="my-adapter", messages=[{"role": "user", "content": " hello" * 990}],
                                            temperature=0, stop=["never-seen-stop"])
     assert reply.usage.total_tokens == 1024 and reply.choices[0].finish_reason == "length", reply.usage
+    # fit_context (the Chat tab's slider): the max_tokens refused above runs to the end of the context instead
+    reply = client.chat.completions.create(model="my-adapter", messages=[{"role": "user", "content": " hello" * 990}],
+                                           max_tokens=1020, temperature=0, stop=["never-seen-stop"],
+                                           extra_body={"fit_context": True})
+    assert reply.usage.total_tokens == 1024 and reply.choices[0].finish_reason == "length", reply.usage
 
 
 def test_every_route_stops_generating_when_its_client_leaves(client, server):

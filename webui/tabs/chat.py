@@ -293,8 +293,10 @@ def use_probe(question):
 
 # ------------------------------------------------------------------------------------------- wire
 def _sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed) -> dict:
-    return {"max_tokens": int(max_new_tokens), "temperature": float(temperature), "top_p": float(top_p),
-            "top_k": int(top_k), "repetition_penalty": float(repetition_penalty),
+    # the slider is a ceiling: past what the model's context leaves after the prompt, the answer runs to the end of
+    # the context (fit_context) instead of the server refusing the request
+    return {"max_tokens": int(max_new_tokens), "fit_context": True, "temperature": float(temperature),
+            "top_p": float(top_p), "top_k": int(top_k), "repetition_penalty": float(repetition_penalty),
             "seed": int(seed) if seed not in (None, "") else None}
 
 

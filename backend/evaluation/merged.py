@@ -19,16 +19,13 @@ from contextlib import contextmanager
 
 import psutil
 import torch
+from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
 MERGE_SHARE = 0.25  # of the available memory, at most, for the merged weights (a copy of every adapted weight)
 
 
 def _plain_lora_layers(model) -> list | None:
     """The model's LoRA linear layers when all are plain, active and unmerged; None otherwise."""
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
-    except ImportError:
-        return None
     layers = []
     for module in model.modules():
         if not isinstance(module, LoraLayer):

@@ -26,9 +26,8 @@ The decision:
 """
 from __future__ import annotations
 
-import json
-
 import ipaddress
+import json
 import os
 import re
 import socket

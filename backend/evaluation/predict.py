@@ -139,13 +139,15 @@ def generate(model, tokenizer, template, prompts: list[str], kwargs: dict, settl
     finally:
         if threads:
             threads.restore()
-    texts = []
-    for row in out:
-        text = tokenizer.decode(row[width:], skip_special_tokens=True)
-        for word in template.stop_words:
-            text = text.split(word)[0]
-        texts.append(text.strip())
-    return texts
+    return [answer_text(tokenizer, template, row[width:]) for row in out]
+
+
+def answer_text(tokenizer, template, ids) -> str:
+    """A generated answer's text: decoded without special tokens, cut at the template's first stop word, stripped."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for word in template.stop_words:
+        text = text.split(word)[0]
+    return text.strip()
 
 
 class _RowEnd:
@@ -187,13 +189,7 @@ def generate_rows(model, tokenizer, template, prompts: list[str], max_new_tokens
         batcher.close()
         if threads:
             threads.restore()
-    texts = []
-    for job in jobs:
-        text = tokenizer.decode(job.tokens, skip_special_tokens=True)
-        for word in template.stop_words:
-            text = text.split(word)[0]
-        texts.append(text.strip())
-    return texts
+    return [answer_text(tokenizer, template, job.tokens) for job in jobs]
 
 
 def predict(model, tokenizer, template, examples: list[dict], out_file: Path, spec, progress=None,

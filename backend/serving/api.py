@@ -378,8 +378,8 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     def sampling_of(req) -> dict:
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         return dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop, fit_context=req.fit_context,
-                    do_sample=(req.temperature > 0) if req.temperature is not None else None)
+                    repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
+                    do_sample=(req.temperature > 0) if req.temperature is not None else None, fit_context=req.fit_context)
 
     limits = dict(max_tokens_cap=max_tokens_per_request or None, time_limit=max_request_seconds or None)
 

@@ -139,7 +139,7 @@ class _TokenizedDPOTrainer(DPOTrainer):
                 param.data = param.data.to(dtypes[name])
         # TRL's fused LM head -> ours: the same log-probabilities and logged metrics, answer tokens only, small tiles
         outputs = ("log_probs", "entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
-        self.run_log_lines = [install_on_trainer(self, outputs)]
+        self.run_log_lines = [install_on_trainer(self, outputs, pairs=True)]
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         # TRL's version extracts a prompt from text and tokenizes it with the tokenizer's chat template;

@@ -22,8 +22,11 @@ import torch
 from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput
 
+from backend.training import shared_prompt
+
 TILE_TOKENS = 1024
 TILE_VOCAB = 4096  # 1024 x 4096 fp32 logits = 16 MB a tile
+MODEL_KEYS = {"input_ids", "attention_mask", "use_cache"}  # what TRL's trainers pass (peft adds None-valued keys)
 # configs whose logits are scaled before the softmax: TRL's head handles them, this one keeps out
 SCALED = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
@@ -61,7 +64,16 @@ def install_lean_logprobs(model, outputs: tuple[str, ...] = ("log_probs",)) -> s
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        hidden = None
+        if (getattr(self, "_shared_prompt", None) and not args and shift_labels is None and "input_ids" in kwargs
+                and all(value is None for key, value in kwargs.items() if key not in MODEL_KEYS)):
+            layout = shared_prompt.pair_layout(kwargs["input_ids"], kwargs.get("attention_mask"), labels)
+            if layout is not None and shared_prompt.fits(text, layout):
+                hidden = shared_prompt.packed_hidden(self.base_model, layout, self._shared_prompt,
+                                                     *kwargs["input_ids"].shape)
+                self.packed_batches += 1
+        if hidden is None:
+            hidden = self.base_model(*args, **kwargs).last_hidden_state
         if shift_labels is None:
             hidden, shift_labels = hidden[:, :-1], labels[:, 1:]
         head = self.get_output_embeddings()
@@ -111,7 +123,51 @@ def _probe(model, trl_forward, outputs: tuple[str, ...]) -> str | None:
     return None
 
 
-def install_on_trainer(trainer, outputs: tuple[str, ...]) -> str:
+def share_prompts(model) -> str | None:
+    """Have the lean head of `model` (installed first) compute each DPO pair's prompt once
+    (backend/training/shared_prompt.py), after a probe that compares pairs packed and as rows. None when on, else why
+    not (the rows stay as TRL makes them)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not shared_prompt.enabled():
+        return "TUNEBOARD_SHARED_PROMPT=0"
+    kind = shared_prompt.mask_kind(lm.config)
+    if kind is None:
+        return f"attention '{getattr(lm.config, '_attn_implementation', None)}' takes no custom mask"
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    device = lm.get_output_embeddings().weight.device
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, min(int(config.vocab_size), 4096), (n,), generator=generator) for n in (3, 5)]
+    answers = [torch.randint(0, min(int(config.vocab_size), 4096), (n,), generator=generator) for n in (4, 2, 1, 5)]
+    rows = [torch.cat([prompts[i % 2], answers[i]]) for i in range(4)]  # chosen 0, 1; rejected 2, 3
+    ids = torch.zeros(4, 10, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        labels[i, len(prompts[i % 2]):len(row)] = row[len(prompts[i % 2]):]
+    batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device),
+             "fused_lm_head": True}
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            plain = model(**batch).log_probs
+            lm._shared_prompt, lm.packed_batches = kind, 0
+            shared = model(**batch).log_probs
+            if lm.packed_batches != 1:
+                raise RuntimeError("the probe's pairs were not packed")
+    except Exception as exc:  # a family whose backbone does not take position ids or a 4D mask this way
+        lm._shared_prompt = None
+        return f"the shared-prompt probe failed ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    half = lm.get_output_embeddings().weight.dtype != torch.float32
+    if not (shared - plain).abs().max().item() <= (2e-2 if half else 1e-4) * max(1.0, plain.abs().max().item()):
+        lm._shared_prompt = None
+        return "packed pairs' log-probabilities differ from the rows'"
+    return None
+
+
+def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False) -> str:
     """The lean head on a TRL preference trainer's policy (computing `outputs`, what the trainer logs) and on its
     separate reference model, if any; returns the run log's line saying which head computes the log-probabilities."""
     problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.model), outputs)
@@ -122,4 +178,10 @@ def install_on_trainer(trainer, outputs: tuple[str, ...]) -> str:
     if getattr(trainer, "ref_model", None) is not None:
         problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.ref_model))
         line += f"; the reference model: TRL's fused head ({problem})" if problem else ", the reference model too"
+        if pairs and not problem:
+            share_prompts(trainer.accelerator.unwrap_model(trainer.ref_model))
+    if pairs:
+        problem = share_prompts(trainer.accelerator.unwrap_model(trainer.model))
+        line += ("; each pair's prompt computed once for both answers" if problem is None
+                 else f"; each pair as two rows ({problem})")
     return line

@@ -1,6 +1,7 @@
 """backend.training.logprobs: DPO and KTO with the lean log-probability head (answer tokens only, small tiles) train
 exactly as with TRL's fused head over every position (TUNEBOARD_CHUNKED_LOSS=0): same per-step losses, rewards,
-logged metrics and gradient norms, on a tiny Llama, with tiles small enough that every batch spans several."""
+logged metrics and gradient norms, on a tiny Llama, with tiles small enough that every batch spans several; and DPO
+with each pair's prompt computed once (backend/training/shared_prompt.py) trains as with the pairs as two rows."""
 from __future__ import annotations
 
 import json
@@ -41,7 +42,8 @@ def pairs(tiny_llama, tmp_path_factory):
     return build_preference_dataset(examples, get_template("llama3", tokenizer), tokenizer, 128)[0]
 
 
-def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch) -> tuple[list[dict], list[str]]:
+def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: bool = True
+           ) -> tuple[list[dict], list[str]]:
     """2 steps of the stage's own trainer on `rows`: (log_history, the trainer's run-log lines)."""
     from datasets import Dataset
     from transformers import set_seed
@@ -52,6 +54,7 @@ def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch) -> tuple[
     from backend.training.models import load_tokenizer, resolve_model
 
     monkeypatch.setenv("TUNEBOARD_CHUNKED_LOSS", "1" if lean else "0")
+    monkeypatch.setenv("TUNEBOARD_SHARED_PROMPT", "1" if shared else "0")
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "stage": stage, "dataset": "unused",
                           "template": "llama3", "cutoff_len": 128, "lora_rank": 4, "per_device_train_batch_size": 4,
                           "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2, "lr_scheduler_type": "constant",
@@ -64,7 +67,7 @@ def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch) -> tuple[
     else:
         trainer_class, args_class = kto._kto_trainer_class(spec), KTOConfig
         config = {"beta": spec.pref_beta, "max_length": spec.cutoff_len}
-    args = training_arguments(spec, tmp_path / f"{stage}-{lean}", has_eval=False, args_class=args_class, extra=config)
+    args = training_arguments(spec, tmp_path / f"{stage}-{lean}-{shared}", has_eval=False, args_class=args_class, extra=config)
     trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(rows),
                             processing_class=load_tokenizer(resolved))
     trainer.train()
@@ -89,5 +92,25 @@ def test_lean_head_trains_as_trls_head(stage, tiny_llama, pairs, tmp_path, monke
         keys = [k for k in theirs if k.split("/")[0] in ("loss", "grad_norm", "rewards", "logps", "logits", "kl",
                                                            "entropy", "mean_token_accuracy")]
         assert "rewards/chosen" in keys or "rewards/chosen_sum" in keys
+        for key in keys:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), key
+
+
+def test_dpo_pairs_sharing_their_prompt_train_as_two_rows(tiny_llama, pairs, tmp_path, monkeypatch):
+    from backend.training import shared_prompt
+
+    packed = []
+    real = shared_prompt.packed_hidden
+    monkeypatch.setattr(shared_prompt, "packed_hidden", lambda *a: packed.append(a[1].input_ids.numel()) or real(*a))
+    shared, shared_lines = _train("dpo", tiny_llama, pairs, tmp_path, True, monkeypatch, shared=True)
+    calls = len(packed)
+    rows, rows_lines = _train("dpo", tiny_llama, pairs, tmp_path, True, monkeypatch, shared=False)
+    assert "prompt computed once" in shared_lines[0] and "two rows (TUNEBOARD_SHARED_PROMPT=0)" in rows_lines[0]
+    assert calls >= 5 and len(packed) == calls  # the probe + 2 steps x (policy + reference); none when off
+    assert abs(rows[1]["loss"] - rows[0]["loss"]) > 1e-3
+    for ours, theirs in zip(shared, rows):
+        keys = [k for k in theirs if k.split("/")[0] in ("loss", "grad_norm", "rewards", "logps", "logits",
+                                                           "entropy", "mean_token_accuracy")]
+        assert "rewards/chosen" in keys and "grad_norm" in keys
         for key in keys:
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), key

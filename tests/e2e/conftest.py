@@ -96,7 +96,7 @@ def base_url(app_url):
 def app_page(page, app_url):
     """The page with the app open; fails the test on a page error or a request to another host."""
     errors, foreign = [], []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("pageerror", lambda exc: errors.append(f"{exc}\n{getattr(exc, 'stack', '') or ''}"))
     host = urlparse(app_url).netloc
 
     def check(request):

@@ -23,6 +23,7 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput
 
 from backend.training import shared_prompt
+from backend.training.attention import use_varlen_attention
 
 TILE_TOKENS = 1024
 TILE_VOCAB = 4096  # 1024 x 4096 fp32 logits = 16 MB a tile
@@ -67,10 +68,9 @@ def install_lean_logprobs(model, outputs: tuple[str, ...] = ("log_probs",)) -> s
         hidden = None
         if (getattr(self, "_shared_prompt", None) and not args and shift_labels is None and "input_ids" in kwargs
                 and all(value is None for key, value in kwargs.items() if key not in MODEL_KEYS)):
-            layout = shared_prompt.pair_layout(kwargs["input_ids"], kwargs.get("attention_mask"), labels)
-            if layout is not None and shared_prompt.fits(text, layout):
-                hidden = shared_prompt.packed_hidden(self.base_model, layout, self._shared_prompt,
-                                                     *kwargs["input_ids"].shape)
+            pairs = shared_prompt.find_pairs(kwargs["input_ids"], kwargs.get("attention_mask"), labels)
+            if pairs is not None and shared_prompt.fits(text, pairs):
+                hidden = shared_prompt.packed_hidden(self.base_model, pairs, self._shared_prompt)
                 self.packed_batches += 1
         if hidden is None:
             hidden = self.base_model(*args, **kwargs).last_hidden_state
@@ -125,16 +125,26 @@ def _probe(model, trl_forward, outputs: tuple[str, ...]) -> str | None:
 
 def share_prompts(model) -> str | None:
     """Have the lean head of `model` (installed first) compute each DPO pair's prompt once
-    (backend/training/shared_prompt.py), after a probe that compares pairs packed and as rows. None when on, else why
-    not (the rows stay as TRL makes them)."""
+    (backend/training/shared_prompt.py), after a probe that compares pairs packed and as rows: one row of pairs on
+    the varlen SDPA where it switches on, else a padded row a pair. None when on, else why not (the rows stay as
+    TRL makes them)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not shared_prompt.enabled():
         return "TUNEBOARD_SHARED_PROMPT=0"
-    kind = shared_prompt.mask_kind(lm.config)
+    use_varlen_attention(model)
+    kind = shared_prompt.attention_kind(lm.config)
     if kind is None:
         return f"attention '{getattr(lm.config, '_attn_implementation', None)}' takes no custom mask"
+    problem = _probe_pairs(model, kind)
+    if problem and kind == "varlen":
+        problem = _probe_pairs(model, "bool")
+    return problem
+
+
+def _probe_pairs(model, kind: str) -> str | None:
+    """None (and the lean head packing pairs the `kind` way) when 2 random pairs packed give the rows' numbers."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    device = lm.get_output_embeddings().weight.device
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, min(int(config.vocab_size), 4096), (n,), generator=generator) for n in (3, 5)]
     answers = [torch.randint(0, min(int(config.vocab_size), 4096), (n,), generator=generator) for n in (4, 2, 1, 5)]
@@ -144,18 +154,20 @@ def share_prompts(model) -> str | None:
     for i, row in enumerate(rows):
         ids[i, :len(row)], mask[i, :len(row)] = row, 1
         labels[i, len(prompts[i % 2]):len(row)] = row[len(prompts[i % 2]):]
+    device = lm.get_output_embeddings().weight.device
     batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device),
              "fused_lm_head": True}
     was_training = model.training
     try:
         model.eval()
         with torch.no_grad():
+            lm._shared_prompt = None
             plain = model(**batch).log_probs
             lm._shared_prompt, lm.packed_batches = kind, 0
             shared = model(**batch).log_probs
             if lm.packed_batches != 1:
                 raise RuntimeError("the probe's pairs were not packed")
-    except Exception as exc:  # a family whose backbone does not take position ids or a 4D mask this way
+    except Exception as exc:  # a family whose backbone does not take position ids or masks this way
         lm._shared_prompt = None
         return f"the shared-prompt probe failed ({type(exc).__name__}: {exc})"
     finally:
@@ -182,6 +194,10 @@ def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False) -
             share_prompts(trainer.accelerator.unwrap_model(trainer.ref_model))
     if pairs:
         problem = share_prompts(trainer.accelerator.unwrap_model(trainer.model))
-        line += ("; each pair's prompt computed once for both answers" if problem is None
+        lm = trainer.accelerator.unwrap_model(trainer.model)
+        lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+        how = ("the batch's pairs in one row without padding" if lm._shared_prompt == "varlen"
+               else "a padded row a pair") if problem is None else ""
+        line += (f"; each pair's prompt computed once for both answers ({how})" if problem is None
                  else f"; each pair as two rows ({problem})")
     return line

@@ -9,6 +9,10 @@ and gradients (the prompt's gradient is the sum of what its two copies got). For
 prompt is ~40% of a row's tokens, so a step computes ~30% fewer tokens. The 2B rows' hidden states are gathered back
 from the packed rows, so the head and the trainer see the layout they expect.
 
+With the varlen SDPA of backend/training/attention.py (switched on for this), the pairs of a batch are one row
+without padding, each pair attending to itself through its own mask (`row_masks`): for the bench's pairs 48% of the
+padded rows' tokens. Where it cannot be switched on, each pair is a row of a padded batch with a 4D mask (72%).
+
 `pair_layout` checks a batch is such pairs (the two halves share each prompt's tokens; rows flush left, as TRL's
 collator makes them); anything else (KTO, eval rows that are not pairs, a model whose attention would not take the
 mask) keeps the rows as they are. TUNEBOARD_SHARED_PROMPT=0 switches it off (side-by-side measurements).
@@ -31,80 +35,77 @@ def enabled() -> bool:
 
 
 @dataclass
-class PairLayout:
-    input_ids: torch.Tensor  # [B, T]: prompt, chosen answer, rejected answer, padding
-    position_ids: torch.Tensor  # [B, T]
-    segment: torch.Tensor  # [B, T]: 0 prompt, 1 chosen, 2 rejected, -1 padding
-    gather: torch.Tensor  # [2B * L]: for each position of the 2B rows, its position in the flattened packed rows
+class Pairs:
+    """A [chosen rows; rejected rows] batch of 2B rows of width L, read as B pairs."""
+    input_ids: torch.Tensor  # [2B, L]
+    prompt: list[int]  # each pair's prompt length
+    chosen_end: list[int]  # prompt + chosen answer
+    rejected: list[int]  # the rejected answer's length
 
-    def attention_mask(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        """[B, 1, T, T]: causal within the packed row, a prompt token sees the prompt only, an answer token the
-        prompt and its own answer; padding sees itself only (no empty softmax row)."""
-        width = self.segment.shape[1]
-        order = torch.arange(width, device=self.segment.device)
-        causal = order[None, :] <= order[:, None]
-        query, key = self.segment[:, :, None], self.segment[:, None, :]
-        allowed = causal & ((key == 0) | (key == query)) & (key >= 0) & (query >= 0)
-        allowed |= torch.eye(width, dtype=torch.bool, device=allowed.device)
-        allowed = allowed[:, None]
-        if kind == "bool":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
+    def pieces(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pair i packed: (token ids, position ids, segment: 0 prompt, 1 chosen, 2 rejected)."""
+        b, p, end, r = len(self.prompt), self.prompt[i], self.chosen_end[i], self.rejected[i]
+        device = self.input_ids.device
+        ids = torch.cat([self.input_ids[i, :end], self.input_ids[b + i, p:p + r]])
+        positions = torch.cat([torch.arange(end, device=device), torch.arange(p, p + r, device=device)])
+        segment = torch.cat([torch.zeros(p, dtype=torch.long, device=device),
+                             torch.ones(end - p, dtype=torch.long, device=device),
+                             torch.full((r,), 2, dtype=torch.long, device=device)])
+        return ids, positions, segment
+
+    def gather(self, offsets: list[int]) -> torch.Tensor:
+        """[2B * L]: where each position of the 2B rows lives in the flattened packed tokens, pair i's starting at
+        offsets[i] (padding: the pair's first slot; it is unlabelled)."""
+        b, width = len(self.prompt), self.input_ids.shape[1]
+        index = torch.zeros(2 * b, width, dtype=torch.long, device=self.input_ids.device)
+        for i, (p, end, r, start) in enumerate(zip(self.prompt, self.chosen_end, self.rejected, offsets)):
+            index[i] = start
+            index[i, :end] = torch.arange(start, start + end)
+            index[b + i] = start
+            index[b + i, :p] = torch.arange(start, start + p)
+            index[b + i, p:p + r] = torch.arange(start + end, start + end + r)
+        return index.reshape(-1)
 
 
-def pair_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor) -> PairLayout | None:
-    """The packed layout of a [chosen rows; rejected rows] batch, or None when the batch is not such pairs."""
+def answer_mask(segment: torch.Tensor) -> torch.Tensor:
+    """[n, n] boolean (True = attend): causal, a prompt token sees the prompt only, an answer token the prompt and
+    its own answer."""
+    n = segment.shape[0]
+    order = torch.arange(n, device=segment.device)
+    query, key = segment[:, None], segment[None, :]
+    return (order[None, :] <= order[:, None]) & ((key == 0) | (key == query))
+
+
+def find_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor) -> Pairs | None:
+    """The pairs of a [chosen rows; rejected rows] batch, or None when the batch is not such pairs: each half's row i
+    with the same prompt tokens (the unlabelled start), rows flush left."""
     rows, length = input_ids.shape
     if rows == 0 or rows % 2 or labels is None or labels.shape != input_ids.shape:
         return None
-    pairs = rows // 2
-    device = input_ids.device
-    order = torch.arange(length, device=device)
+    b = rows // 2
+    order = torch.arange(length, device=input_ids.device)
     lengths = (attention_mask.long().sum(1) if attention_mask is not None
-               else torch.full((rows,), length, device=device))
+               else torch.full((rows,), length, device=input_ids.device))
     if attention_mask is not None and not torch.equal(attention_mask.bool(), order[None, :] < lengths[:, None]):
         return None  # not flush left
     labelled = labels != -100
     if not bool(labelled.any(1).all()):
         return None
     prompt = labelled.int().argmax(1)  # the first answer token: the prompt's length
-    if not torch.equal(prompt[:pairs], prompt[pairs:]) or int(prompt.min()) < 1:
+    if not torch.equal(prompt[:b], prompt[b:]) or int(prompt.min()) < 1:
         return None
-    in_prompt = order[None, :] < prompt[:pairs, None]
-    if not torch.equal(input_ids[:pairs][in_prompt], input_ids[pairs:][in_prompt]):
+    in_prompt = order[None, :] < prompt[:b, None]
+    if not torch.equal(input_ids[:b][in_prompt], input_ids[b:][in_prompt]):
         return None
-    p, chosen_end, rejected = prompt[:pairs], lengths[:pairs], lengths[pairs:] - prompt[pairs:]
-    width = int((chosen_end + rejected).max())
-
-    # packed index j of each packed slot: the prompt and chosen answer as in the chosen row, then the rejected answer
-    slot = torch.arange(width, device=device)[None, :].expand(pairs, width)
-    is_chosen_part = slot < chosen_end[:, None]
-    is_rejected = ~is_chosen_part & (slot < (chosen_end + rejected)[:, None])
-    source_row = torch.where(is_chosen_part, torch.arange(pairs, device=device)[:, None],
-                             torch.arange(pairs, rows, device=device)[:, None])
-    source_col = torch.where(is_chosen_part, slot, slot - chosen_end[:, None] + p[:, None])
-    valid = is_chosen_part | is_rejected
-    source_col = torch.where(valid, source_col, torch.zeros_like(source_col))
-    packed_ids = torch.where(valid, input_ids[source_row, source_col], input_ids[:pairs, :1].expand(pairs, width))
-    segment = torch.where(slot < p[:, None], 0, torch.where(is_chosen_part, 1, torch.where(is_rejected, 2, -1)))
-    positions = torch.where(valid, source_col, torch.zeros_like(source_col))
-
-    # where each of the 2B rows' positions lives in the flattened packed rows (padding: any slot, it is unlabelled)
-    pair_of_row = torch.arange(rows, device=device) % pairs
-    col = order[None, :].expand(rows, length)
-    rejected_answer = (torch.arange(rows, device=device)[:, None] >= pairs) & (col >= prompt[:, None])
-    packed_col = torch.where(rejected_answer, col - prompt[:, None] + chosen_end[pair_of_row][:, None], col)
-    inside = col < lengths[:, None]
-    packed_col = torch.where(inside, packed_col, torch.zeros_like(packed_col)).clamp(max=width - 1)
-    gather = (pair_of_row[:, None] * width + packed_col).reshape(-1)
-    return PairLayout(packed_ids, positions, segment, gather)
+    return Pairs(input_ids, prompt[:b].tolist(), lengths[:b].tolist(), (lengths[b:] - prompt[b:]).tolist())
 
 
-def mask_kind(config) -> str | None:
-    """'bool' or 'float': the 4D mask this model's attention takes as it is; None when it takes none (flash, flex)
-    or would not apply it the same way (a sliding window: checked per batch by `fits`)."""
+def attention_kind(config) -> str | None:
+    """How this model's attention takes the pairs: 'varlen' (one row, a mask a pair), 'bool' / 'float' (a padded
+    row a pair, a 4D mask of that kind); None when it takes none (flash, flex)."""
     attention = getattr(config, "_attn_implementation", None)
+    if attention == VARLEN_SDPA:
+        return "varlen"
     if attention in BOOL_MASK_ATTENTION:
         return "bool"
     if attention in FLOAT_MASK_ATTENTION:
@@ -112,16 +113,40 @@ def mask_kind(config) -> str | None:
     return None
 
 
-def fits(config, layout: PairLayout) -> bool:
-    """A sliding window narrower than the packed row would be ignored by the custom mask."""
+def fits(config, pairs: Pairs) -> bool:
+    """A sliding window narrower than a packed pair would be ignored by the custom masks."""
     window = getattr(config, "sliding_window", None)
-    return window is None or int(window) >= layout.input_ids.shape[1]
+    return window is None or int(window) >= max(e + r for e, r in zip(pairs.chosen_end, pairs.rejected))
 
 
-def packed_hidden(backbone, layout: PairLayout, kind: str, rows: int, length: int) -> torch.Tensor:
+def packed_hidden(backbone, pairs: Pairs, kind: str) -> torch.Tensor:
     """The backbone's last hidden states of the 2B rows, [2B, L, H], computed on the packed pairs."""
-    dtype = backbone.get_input_embeddings().weight.dtype
-    dtype = dtype if dtype.is_floating_point else torch.float32
-    hidden = backbone(input_ids=layout.input_ids, position_ids=layout.position_ids,
-                      attention_mask=layout.attention_mask(kind, dtype), use_cache=False).last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1])[layout.gather].view(rows, length, hidden.shape[-1])
+    pieces = [pairs.pieces(i) for i in range(len(pairs.prompt))]
+    sizes = [len(ids) for ids, _, _ in pieces]
+    if kind == "varlen":
+        bounds = torch.tensor([0] + sizes, device=pairs.input_ids.device).cumsum(0).to(torch.int32)
+        hidden = backbone(input_ids=torch.cat([ids for ids, _, _ in pieces])[None],
+                          position_ids=torch.cat([pos for _, pos, _ in pieces])[None], use_cache=False,
+                          cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes),
+                          max_length_k=max(sizes), row_masks=[answer_mask(seg) for _, _, seg in pieces]).last_hidden_state
+        offsets = bounds[:-1].tolist()
+    else:
+        width = max(sizes)
+        ids = torch.stack([torch.nn.functional.pad(piece[0], (0, width - n), value=int(piece[0][0]))
+                           for piece, n in zip(pieces, sizes)])
+        positions = torch.stack([torch.nn.functional.pad(piece[1], (0, width - n)) for piece, n in zip(pieces, sizes)])
+        allowed = torch.zeros(len(pieces), 1, width, width, dtype=torch.bool, device=ids.device)
+        for i, (piece, n) in enumerate(zip(pieces, sizes)):
+            allowed[i, 0, :n, :n] = answer_mask(piece[2])
+        allowed |= torch.eye(width, dtype=torch.bool, device=ids.device)  # padding sees itself: no empty softmax row
+        if kind == "float":
+            dtype = backbone.get_input_embeddings().weight.dtype
+            dtype = dtype if dtype.is_floating_point else torch.float32
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill(~allowed,
+                                                                                         torch.finfo(dtype).min)
+        else:
+            mask = allowed
+        hidden = backbone(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False).last_hidden_state
+        offsets = [i * width for i in range(len(pieces))]
+    rows, length = pairs.input_ids.shape
+    return hidden.reshape(-1, hidden.shape[-1])[pairs.gather(offsets)].view(rows, length, hidden.shape[-1])

@@ -97,20 +97,28 @@ def test_lean_head_trains_as_trls_head(stage, tiny_llama, pairs, tmp_path, monke
 
 
 def test_dpo_pairs_sharing_their_prompt_train_as_two_rows(tiny_llama, pairs, tmp_path, monkeypatch):
-    from backend.training import shared_prompt
+    """Both packings (one row of pairs on the varlen SDPA; a padded row a pair with a 4D mask, where the varlen
+    SDPA is not switched on) give the rows' losses, rewards and gradient norms."""
+    from backend.training import logprobs, shared_prompt
 
     packed = []
     real = shared_prompt.packed_hidden
-    monkeypatch.setattr(shared_prompt, "packed_hidden", lambda *a: packed.append(a[1].input_ids.numel()) or real(*a))
-    shared, shared_lines = _train("dpo", tiny_llama, pairs, tmp_path, True, monkeypatch, shared=True)
+    monkeypatch.setattr(shared_prompt, "packed_hidden", lambda *a: packed.append(a[2]) or real(*a))
+    one_row, one_row_lines = _train("dpo", tiny_llama, pairs, tmp_path / "a", True, monkeypatch, shared=True)
+    assert "(the batch's pairs in one row without padding)" in one_row_lines[0]
+    with monkeypatch.context() as patch:
+        patch.setattr(logprobs, "use_varlen_attention", lambda model: "off for the test")
+        padded, padded_lines = _train("dpo", tiny_llama, pairs, tmp_path / "b", True, monkeypatch, shared=True)
+    assert "(a padded row a pair)" in padded_lines[0]
+    assert packed.count("varlen") >= 5 and packed.count("bool") >= 5  # the probe + 2 steps x (policy + reference)
     calls = len(packed)
-    rows, rows_lines = _train("dpo", tiny_llama, pairs, tmp_path, True, monkeypatch, shared=False)
-    assert "prompt computed once" in shared_lines[0] and "two rows (TUNEBOARD_SHARED_PROMPT=0)" in rows_lines[0]
-    assert calls >= 5 and len(packed) == calls  # the probe + 2 steps x (policy + reference); none when off
+    rows, rows_lines = _train("dpo", tiny_llama, pairs, tmp_path / "c", True, monkeypatch, shared=False)
+    assert "two rows (TUNEBOARD_SHARED_PROMPT=0)" in rows_lines[0] and len(packed) == calls
     assert abs(rows[1]["loss"] - rows[0]["loss"]) > 1e-3
-    for ours, theirs in zip(shared, rows):
-        keys = [k for k in theirs if k.split("/")[0] in ("loss", "grad_norm", "rewards", "logps", "logits",
-                                                           "entropy", "mean_token_accuracy")]
-        assert "rewards/chosen" in keys and "grad_norm" in keys
-        for key in keys:
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), key
+    for shared in (one_row, padded):
+        for ours, theirs in zip(shared, rows):
+            keys = [k for k in theirs if k.split("/")[0] in ("loss", "grad_norm", "rewards", "logps", "logits",
+                                                               "entropy", "mean_token_accuracy")]
+            assert "rewards/chosen" in keys and "grad_norm" in keys
+            for key in keys:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), key

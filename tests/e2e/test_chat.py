@@ -121,14 +121,15 @@ def test_stop_keeps_the_exchange_in_both_panes_and_the_chat_goes_on(app_page, ti
     page.locator("#chat-compare input").check()
     load(page, " vs ")
     page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
-    # random weights: each side runs to the cap, the base pane long enough for Stop to land while it streams
-    set_number(page, "chat-max_new_tokens", 300)
+    # random weights: each side runs to the cap, the base pane long enough for Stop to land while it streams (300
+    # tokens, 20 s at the serving speed of 2026-12-03, ended before the browser showed them and the Stop landed)
+    set_number(page, "chat-max_new_tokens", 700)
     set_number(page, "chat-seed", 1)
     question = "Write a long story about a dragon."
     page.locator("#chat-message textarea").fill(question)
     page.locator("#chat-send").click()
     base = page.locator("#chat-chatbot_b [data-testid='bot']").last
-    expect(base).not_to_contain_text("waiting", timeout=120_000)  # the tuned answer is done, the base one streams
+    expect(base).not_to_contain_text("waiting", timeout=240_000)  # the tuned answer is done, the base one streams
     expect(base).not_to_have_text("")
     page.locator("#chat-stop").click()
     expect(page.locator("#chat-speed")).to_contain_text("Stopped (base: cut short)", timeout=30_000)

@@ -10,9 +10,10 @@ varlen kernels do on a GPU; this is the same idea in plain PyTorch, so it runs o
 
 The rows come from the collator's ``cu_seq_lens_q`` (its flash_attn_kwargs, which transformers passes down to
 the attention function with the other keyword arguments); ``row_masks``, when given, is one [n, n] boolean mask a
-row used instead of the causal one (backend/training/shared_prompt.py: a DPO pair's prompt + chosen + rejected). Any call without them (eval, generation, a padded
-batch) is plain SDPA with the mask transformers built for it: the implementation registers transformers'
-own SDPA mask function under its name, so everything but the padding-free training batch is unchanged.
+row used instead of the causal one (backend/training/shared_prompt.py: a DPO pair's prompt + chosen + rejected).
+Any call without them (eval, generation, a padded batch) is plain SDPA with the mask transformers built for it: the
+implementation registers transformers' own SDPA mask function under its name, so everything but the padding-free
+training batch is unchanged.
 """
 from __future__ import annotations
 
@@ -47,10 +48,11 @@ def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     # One split per tensor, not a slice per row: a slice's backward writes its gradient into a zeroed tensor of
     # the whole [B, H, T, D] input, so slicing n rows cost n full-size zero fills per layer (the guide's packed
     # recipe has ~80 rows in a 16k-token batch: 6x the attention time); split's backward is one concatenation.
-    outs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                             is_causal=mask is None, enable_gqa=groups > 1)
-            for q, k, v, n, mask in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), sizes, masks)
-            if n]
+    outs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                             scale=scaling, is_causal=mask is None,
+                                                             enable_gqa=groups > 1)
+            for q, k, v, n, mask in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), sizes,
+                                        masks) if n]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

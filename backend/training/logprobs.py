@@ -191,13 +191,14 @@ def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False) -
         problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.ref_model))
         line += f"; the reference model: TRL's fused head ({problem})" if problem else ", the reference model too"
         if pairs and not problem:
-            share_prompts(trainer.accelerator.unwrap_model(trainer.ref_model))
+            problem = share_prompts(trainer.accelerator.unwrap_model(trainer.ref_model))
+            line += f"; the reference model's pairs as two rows ({problem})" if problem else ""
     if pairs:
-        problem = share_prompts(trainer.accelerator.unwrap_model(trainer.model))
-        lm = trainer.accelerator.unwrap_model(trainer.model)
-        lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-        how = ("the batch's pairs in one row without padding" if lm._shared_prompt == "varlen"
-               else "a padded row a pair") if problem is None else ""
-        line += (f"; each pair's prompt computed once for both answers ({how})" if problem is None
-                 else f"; each pair as two rows ({problem})")
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        problem = share_prompts(policy)
+        if problem:
+            return line + f"; each pair as two rows ({problem})"
+        lm = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        how = "the batch's pairs in one row without padding" if lm._shared_prompt == "varlen" else "a padded row a pair"
+        line += f"; each pair's prompt computed once for both answers ({how})"
     return line

@@ -13,7 +13,7 @@ With the varlen SDPA of backend/training/attention.py (switched on for this), th
 without padding, each pair attending to itself through its own mask (`row_masks`): for the bench's pairs 48% of the
 padded rows' tokens. Where it cannot be switched on, each pair is a row of a padded batch with a 4D mask (72%).
 
-`pair_layout` checks a batch is such pairs (the two halves share each prompt's tokens; rows flush left, as TRL's
+`find_pairs` checks a batch is such pairs (the two halves share each prompt's tokens; rows flush left, as TRL's
 collator makes them); anything else (KTO, eval rows that are not pairs, a model whose attention would not take the
 mask) keeps the rows as they are. TUNEBOARD_SHARED_PROMPT=0 switches it off (side-by-side measurements).
 """
@@ -128,7 +128,8 @@ def packed_hidden(backbone, pairs: Pairs, kind: str) -> torch.Tensor:
         hidden = backbone(input_ids=torch.cat([ids for ids, _, _ in pieces])[None],
                           position_ids=torch.cat([pos for _, pos, _ in pieces])[None], use_cache=False,
                           cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes),
-                          max_length_k=max(sizes), row_masks=[answer_mask(seg) for _, _, seg in pieces]).last_hidden_state
+                          max_length_k=max(sizes),
+                          row_masks=[answer_mask(seg) for _, _, seg in pieces]).last_hidden_state
         offsets = bounds[:-1].tolist()
     else:
         width = max(sizes)

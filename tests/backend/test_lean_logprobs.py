@@ -67,7 +67,8 @@ def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: b
     else:
         trainer_class, args_class = kto._kto_trainer_class(spec), KTOConfig
         config = {"beta": spec.pref_beta, "max_length": spec.cutoff_len}
-    args = training_arguments(spec, tmp_path / f"{stage}-{lean}-{shared}", has_eval=False, args_class=args_class, extra=config)
+    args = training_arguments(spec, tmp_path / f"{stage}-{lean}-{shared}", has_eval=False, args_class=args_class,
+                              extra=config)
     trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(rows),
                             processing_class=load_tokenizer(resolved))
     trainer.train()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import psutil
 
 from backend.core.paths import REPO_ROOT
 from backend.core.rundir import STATUS_FILE, RunDir, mark_ended, read_status
@@ -94,7 +95,7 @@ def test_a_stale_status_from_an_earlier_process_is_not_taken_for_the_new_ones(tm
 def test_a_stop_file_left_by_an_earlier_abort_is_removed_at_start_a_new_one_is_kept(tmp_path):
     stop = tmp_path / "STOP"
     stop.write_text("stop requested\n")
-    past = time.time() - 3600  # written before this process started: an earlier run's
+    past = psutil.Process().create_time() - 60  # written before this process started: an earlier run's
     os.utime(stop, (past, past))
     run = RunDir(tmp_path)
     run.start()

@@ -7,8 +7,41 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# `make test` runs the non-browser tests in two pytest-xdist workers on the 2 cores: each worker and every
+# process it starts (training runs, servers) computes on one thread, so two runs side by side share the
+# cores instead of oversubscribing them (OpenMP threads spinning against each other slow both far more).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs in two pytest-xdist workers (-n 2 --dist loadgroup --no-loadscope-reorder): the browser
+    tests are one unit, queued first, so one worker drives the browser from the start while the other takes the
+    rest; every other module is a unit of its own (its module fixtures, e.g. the distributed runs, run once)."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("e2e" if module.startswith("tests/e2e/") else module))
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/e2e/"))
+
+
+def built_once(tmp_path_factory, name: str, build):
+    """A folder that `build(folder)` fills once per test session, shared by the pytest-xdist workers (each worker
+    has its own session: a trained fixture would otherwise be trained once per worker). The first worker builds
+    it under a file lock in the folder the workers' temp folders share; the others wait and reuse it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / f"shared-{name}"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not (folder / ".built").exists():
+            folder.mkdir(exist_ok=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
 
 # ======================================================================== tiny model fixtures (models)
 # Tiny random Llama / Qwen2 / Gemma2 / Mistral models (hidden 64, 2 layers, 4 heads, 2 kv heads), built
@@ -82,8 +115,12 @@ def _build_tiny(family: str, base_tokenizer_dir, out_dir):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, default_model_dir):
     """{family: folder} for llama, qwen2, gemma2, mistral."""
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {family: _build_tiny(family, default_model_dir, root / f"tiny_{family}") for family in TINY_FAMILIES}
+    def build(root):
+        for family in TINY_FAMILIES:
+            _build_tiny(family, default_model_dir, root / f"tiny_{family}")
+
+    root = built_once(tmp_path_factory, "tiny_models", build)  # one path per model for every worker
+    return {family: root / f"tiny_{family}" for family in TINY_FAMILIES}
 
 
 @pytest.fixture(scope="session")
@@ -139,11 +176,13 @@ def identity_adapter(tmp_path_factory):
 
     from backend.core.paths import REPO_ROOT
 
-    run = tmp_path_factory.mktemp("identity") / "run"
-    proc = subprocess.run([sys.executable, "-m", "backend.cli", "train", "examples/sft_lora_identity.yaml",
-                           f"output_dir={run}", "plot_loss=false"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    def build(folder):
+        proc = subprocess.run([sys.executable, "-m", "backend.cli", "train", "examples/sft_lora_identity.yaml",
+                               f"output_dir={folder / 'run'}", "plot_loss=false"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    run = built_once(tmp_path_factory, "identity", build) / "run"
     assert (run / "adapter_config.json").is_file()
     return run
 
@@ -173,11 +212,13 @@ def lora_checkpoints_run(tiny_qwen2, tmp_path_factory):
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("ckpt_run") / "lora"
-    proc = subprocess.run([sys.executable, "-m", "backend.cli", "train", f"model_name_or_path={tiny_qwen2}",
-                           f"output_dir={out}", "dataset=identity", "cutoff_len=64", "per_device_train_batch_size=2",
-                           "gradient_accumulation_steps=1", "logging_steps=1", "learning_rate=0.01", "max_steps=4",
-                           "save_steps=2", "lora_rank=4", "plot_loss=false"],
-                          cwd="/tmp", capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    def build(folder):
+        proc = subprocess.run(
+            [sys.executable, "-m", "backend.cli", "train", f"model_name_or_path={tiny_qwen2}",
+             f"output_dir={folder / 'lora'}", "dataset=identity", "cutoff_len=64", "per_device_train_batch_size=2",
+             "gradient_accumulation_steps=1", "logging_steps=1", "learning_rate=0.01", "max_steps=4",
+             "save_steps=2", "lora_rank=4", "plot_loss=false"],
+            cwd="/tmp", capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "ckpt_run", build) / "lora"

@@ -182,18 +182,13 @@ def test_sigterm_aborts_gracefully(tiny_llama, tmp_path):
     assert list(out.glob("checkpoint-*"))
 
 
-def test_default_model_loss_goes_down(tmp_path):
-    """The real SmolLM2-135M-Instruct (bundled GGUF) learns the identity set: the mean loss of the
-    last logged steps is clearly below that of the first ones."""
-    out = tmp_path / "default"
-    proc = train(f"output_dir={out}", "dataset=identity", "max_steps=12", "logging_steps=1",
-                 "learning_rate=0.001", "per_device_train_batch_size=4", "gradient_accumulation_steps=1",
-                 "cutoff_len=256", "lora_rank=8", "save_steps=1000", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = [r["loss"] for r in log_rows(out)]
-    assert len(losses) == 12
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < 0.7 * first, losses
+def test_default_model_loss_goes_down(identity_adapter):
+    """The real SmolLM2-135M-Instruct (bundled GGUF) learns the identity set: in the `make demo` run
+    (examples/sft_lora_identity.yaml, 30 steps, a loss logged every 5), trained once per session for the slow
+    tests, the last logged loss is clearly below the first."""
+    losses = [r["loss"] for r in log_rows(identity_adapter) if r.get("loss") is not None]
+    assert len(losses) == 6
+    assert losses[-1] < 0.7 * losses[0], losses
 
 
 def test_eval_during_training_and_predictions(tiny_llama, tmp_path):

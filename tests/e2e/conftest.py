@@ -92,6 +92,16 @@ def base_url(app_url):
     return app_url
 
 
+# On a page error, which element had the focus and which dropdowns had their option list open (a stack from
+# Gradio's bundle names neither).
+WHERE_ON_ERROR = """window.addEventListener('error', () => {
+  const id = el => el && el.closest('[id]') ? el.closest('[id]').id : null;
+  (window.__tbWhere = window.__tbWhere || []).push({
+    focus: id(document.activeElement),
+    open_lists: [...document.querySelectorAll('ul.options')].map(u => id(u.parentElement))});
+});"""
+
+
 @pytest.fixture
 def app_page(page, app_url):
     """The page with the app open; fails the test on a page error or a request to another host."""
@@ -106,9 +116,12 @@ def app_page(page, app_url):
 
     page.on("request", check)
     page.set_default_timeout(20_000)
+    page.add_init_script(WHERE_ON_ERROR)
     page.goto(app_url)
     page.locator("#tb-header").wait_for()
     yield page
+    if errors:
+        errors.append(f"where: {page.evaluate('() => window.__tbWhere || []')}")
     assert not errors, f"page errors: {errors}"
     assert not foreign, f"requests to other hosts: {foreign}"
 

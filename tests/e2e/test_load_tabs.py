@@ -44,7 +44,9 @@ logging_steps: 5
 save_steps: 100000
 plot_loss: false
 """)
-    pid = jobs.launch(run, jobs.train_argv(spec))
+    # on one thread: it trains all along, and the other core is left to the five windows and the app (the test
+    # is about the UI staying responsive beside a run, not about the run's speed)
+    pid = jobs.launch(run, jobs.train_argv(spec), env={"OMP_NUM_THREADS": "1"})
     yield run
     jobs.abort(run, term_after_s=30, kill_after_s=10, wait=True)
     wait_for(lambda: not in_group(pid), timeout=60, what="the run's processes to end")

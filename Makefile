@@ -84,7 +84,7 @@ browser:
 # Two pytest-xdist workers on the 2 cores (tests/conftest.py: the browser tests one unit queued first, each other
 # module a unit; every process a worker starts computes on one thread).
 test: setup browser
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=30 -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=30 -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e"

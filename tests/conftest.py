@@ -18,13 +18,26 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """`make test` runs in two pytest-xdist workers (-n 2 --dist loadgroup --no-loadscope-reorder): the browser
-    tests are one unit, queued first, so one worker drives the browser from the start while the other takes the
-    rest; every other module is a unit of its own (its module fixtures, e.g. the distributed runs, run once)."""
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("e2e" if module.startswith("tests/e2e/") else module))
+    """The browser tests first: under `make test` they are the first unit of work (see below)."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/e2e/"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs in two pytest-xdist workers (-n 2 --dist loadfile --no-loadscope-reorder): the browser
+    tests are one unit, queued first, so one worker drives the one browser from the start while the other takes
+    the rest; every other module is a unit of its own (its module fixtures, e.g. the distributed runs, run once).
+    (xdist's own --dist loadgroup would do this with marks, but with pytest 9 it no longer reads them.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class BrowserTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/e2e" if module.startswith("tests/e2e/") else module
+
+    return BrowserTestsTogether(config, log)
 
 
 def built_once(tmp_path_factory, name: str, build):

@@ -5,9 +5,20 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 from playwright.sync_api import expect
 
 from ui_actions import open_tab, set_dropdown, set_number
+
+
+@pytest.fixture(autouse=True)
+def default_serving_threads(monkeypatch):
+    """The chat servers of these tests (started by the in-process app, inheriting its environment) compute on
+    torch's default threads, as a user's do. Under `make test` every process has one thread (tests/conftest.py),
+    and on one thread the tiny models answered 700-900 tokens (48-67 tok/s) before the page could see the reply
+    grow or a Stop could land."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
 
 
 def api_servers() -> list[int]:

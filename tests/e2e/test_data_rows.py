@@ -43,7 +43,7 @@ def test_check_fix_and_edit_a_row(app_page, data_dir, tiny_llama, shot):
     shot("data-check")
     page.locator("#data-fix").click()
     expect(page.locator("#data-fix_md")).to_contain_text("safe fixes applied", timeout=120_000)
-    expect(page.locator("#data-dataset input")).to_have_value("e2e_lint_v2")
+    expect(page.locator("#data-dataset input")).to_have_value("e2e_lint_v2", timeout=120_000)
     assert json.loads((data_dir / "e2e_lint_v2.json").read_text()) == rows
     assert (data_dir / "e2e_lint.json").read_text() == original
     assert json.loads((data_dir / "dataset_info.json").read_text())["e2e_lint_v2"] == {"file_name": "e2e_lint_v2.json"}
@@ -61,15 +61,15 @@ def test_check_fix_and_edit_a_row(app_page, data_dir, tiny_llama, shot):
     page.keyboard.insert_text(json.dumps(edited, indent=2))
     trained = page.locator("#data-preview .tb-trained")
     expect(trained.filter(has_text="Purple, edited in the browser.")).to_have_count(1, timeout=120_000)
-    expect(page.locator("#data-summary")).to_contain_text("not saved")
+    expect(page.locator("#data-summary")).to_contain_text("not saved", timeout=120_000)
     shot("data-edit-row")
     page.locator("#data-edit_save").click()
     expect(page.locator("#data-edit_message")).to_contain_text("saved e2e_lint_v2_v2", timeout=60_000)
-    expect(page.locator("#data-dataset input")).to_have_value("e2e_lint_v2_v2")
+    expect(page.locator("#data-dataset input")).to_have_value("e2e_lint_v2_v2", timeout=120_000)
     assert json.loads((data_dir / "e2e_lint_v2_v2.json").read_text())[2] == edited
     page.locator("#data-edit_undo").click()
-    expect(page.locator("#data-edit_message")).to_contain_text("removed e2e_lint_v2_v2")
-    expect(page.locator("#data-dataset input")).to_have_value("e2e_lint_v2")
+    expect(page.locator("#data-edit_message")).to_contain_text("removed e2e_lint_v2_v2", timeout=120_000)
+    expect(page.locator("#data-dataset input")).to_have_value("e2e_lint_v2", timeout=120_000)
     assert not (data_dir / "e2e_lint_v2_v2.json").exists()
     assert "e2e_lint_v2_v2" not in json.loads((data_dir / "dataset_info.json").read_text())
 

@@ -17,6 +17,8 @@ def test_grpo_from_the_form_shows_rewards_and_completions_live(app_page, tiny_ll
     dataset = page.locator("#train-dataset textarea, #train-dataset input").first
     dataset.fill("identity")
     dataset.press("Tab")
+    dataset.press("Escape")  # its option list closed (the screenshots showed it open over the form all run long)
+    page.locator("#tb-header").click()
     set_number(page, "train-max_steps", 4)
     set_number(page, "train-cutoff_len", 128)
     set_number(page, "train-per_device_train_batch_size", 4)

@@ -17,9 +17,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 
 
+BROWSER_TESTS = "tests/e2e/"
+
+
 def pytest_collection_modifyitems(config, items):
     """The browser tests first: under `make test` they are the first unit of work (see below)."""
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/e2e/"))
+    items.sort(key=lambda item: not item.nodeid.startswith(BROWSER_TESTS))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -35,7 +38,7 @@ def pytest_xdist_make_scheduler(config, log):
     class BrowserTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "tests/e2e" if module.startswith("tests/e2e/") else module
+            return BROWSER_TESTS if module.startswith(BROWSER_TESTS) else module
 
     return BrowserTestsTogether(config, log)
 

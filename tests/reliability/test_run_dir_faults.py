@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import psutil
+import pytest
 
 from backend.core.paths import REPO_ROOT
 from backend.core.rundir import STATUS_FILE, RunDir, mark_ended, read_status

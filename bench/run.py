@@ -116,7 +116,7 @@ LEVERS = {
     "padded": ([], {"TUNEBOARD_PADDING_FREE": "0"}),
     "no-varlen": ([], {"TUNEBOARD_VARLEN": "0"}),
     "plain-loss": ([], {"TUNEBOARD_CHUNKED_LOSS": "0"}),
-    "rows": ([], {"TUNEBOARD_SHARED_PROMPT": "0"}),  # DPO: each pair as two rows (backend/training/shared_prompt.py)
+    "rows": ([], {"TUNEBOARD_SHARED_PROMPT": "0"}),  # DPO: each pair as two rows; KTO: padded rows (shared_prompt.py)
     "padded+plain-loss": ([], {"TUNEBOARD_PADDING_FREE": "0", "TUNEBOARD_CHUNKED_LOSS": "0"}),
     "no-ckpt": (["gradient_checkpointing=false"], {}),
     "bf16": (["bf16=true"], {}),

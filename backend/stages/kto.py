@@ -5,8 +5,13 @@ Reads top to bottom: tokenizer/template -> rows -> model (+adapter) -> reference
 
 Settings: pref_beta -> beta, kto_chosen_weight / kto_rejected_weight -> desirable_weight / undesirable_weight,
 cutoff_len -> max_length. TRL's KTO has no SFT term, so pref_ftx > 0 is refused at validate (backend/stages/rules.py),
-as is per_device_train_batch_size 1: the KL estimate pairs each prompt with another row's answer of the
-same batch, and with one row per batch it would equal the reward itself.
+as is per_device_train_batch_size 1 (TRL's trainer refuses it: its KL estimate wants several rows a batch).
+
+The KL rows are LLaMA-Factory's: each prompt paired with the previous row's answer in the dataset's order, in
+chunks of preprocessing_batch_size rows (its preprocessing batches), fixed before training; so the rows are then
+sampled as every stage samples them (shuffled by seed, or train_sampling_strategy), and a recipe trains on the same
+batches with the same KL terms as in LLaMA-Factory. (TRL pairs neighbours within each batch and so reads the rows in
+order, unshuffled.)
 
 Reference model: one rule with DPO's, `stages.base.reference_model` (ref_model; for LoRA the policy training
 starts from on the shared base weights, no second copy; for full / freeze a frozen copy of the base).
@@ -18,6 +23,7 @@ from pathlib import Path
 
 from accelerate.utils import is_peft_model
 from datasets import Dataset
+from transformers import Trainer
 from trl import KTOConfig, KTOTrainer
 
 from backend.training.adapters import _upcast_trainable
@@ -52,7 +58,9 @@ def run(spec, run_dir, stop) -> StageResult:
                  eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
                  trainer_class=_kto_trainer_class(spec), args_class=KTOConfig,
                  config={"beta": spec.pref_beta, "desirable_weight": spec.kto_chosen_weight,
-                         "undesirable_weight": spec.kto_rejected_weight, "max_length": spec.cutoff_len},
+                         "undesirable_weight": spec.kto_rejected_weight, "max_length": spec.cutoff_len,
+                         # what TRL's check wants; the sampler the spec asks for is _KTOTrainer._get_train_sampler's
+                         "train_sampling_strategy": "sequential"},
                  ref_model=ref_model)
 
     # 5. predictions on the held-out rows (do_predict), streamed to generated_predictions.jsonl
@@ -68,8 +76,9 @@ def _kto_trainer_class(spec):
             # TRL casts a quantized model's trainable weights to bf16 (the QLoRA paper's choice); we keep them
             # in fp32 as every stage does (backend.training.models: trained weights not in bf16 unless pure_bf16).
             _upcast_trainable(self.model, spec)
-            # TRL's fused LM head -> ours (backend.training.logprobs): same numbers, answer tokens only, small tiles
-            self.run_log_lines = [install_on_trainer(self, ("log_probs", "entropy", "mean_logits"))]
+            # TRL's fused LM head -> ours (backend.training.logprobs): same numbers, answer tokens only, small tiles,
+            # each batch's rows in one row without their padding (backend.training.shared_prompt.find_rows)
+            self.run_log_lines = [install_on_trainer(self, ("log_probs", "entropy", "mean_logits"), rows=True)]
             # TRL copies a PeftModel's adapter as the reference ("ref"). A fresh LoRA adapter (B = 0) changes
             # nothing yet, so disabling it gives the same reference without the copy.
             model = self.accelerator.unwrap_model(self.model)
@@ -82,15 +91,18 @@ def _kto_trainer_class(spec):
             # Our rows are already tokenized by our templates (backend.dataprep.preference): TRL's own preparation would
             # look for text prompt / completion columns and tokenize them with the tokenizer's chat template.
             # Keep the one step it adds to tokenized rows: the KL completions, each prompt paired with the
-            # previous row's answer within a batch (sequential sampling keeps those batches together).
+            # previous row's answer, as LLaMA-Factory pairs them (per preprocessing batch, not per training batch).
             if not self.calculate_KL:
                 return dataset
+            return dataset.map(kl_completions, batched=True, batch_size=spec.preprocessing_batch_size)
 
-            def add_kl_completion_ids(batch):
-                batch["KL_completion_ids"] = [batch["completion_ids"][-1]] + batch["completion_ids"][:-1]
-                return batch
-
-            return dataset.map(add_kl_completion_ids, batched=True, batch_size=args.per_device_train_batch_size)
+        def _get_train_sampler(self, train_dataset=None):
+            # The KL pairs are fixed above, so the rows can be shuffled like any stage's (TRL reads them in order)
+            asked, self.args.train_sampling_strategy = self.args.train_sampling_strategy, sampling(spec)
+            try:
+                return Trainer._get_train_sampler(self, train_dataset)
+            finally:
+                self.args.train_sampling_strategy = asked
 
         def _save(self, output_dir=None, state_dict=None):
             super()._save(output_dir, state_dict)
@@ -101,3 +113,14 @@ def _kto_trainer_class(spec):
                 shutil.rmtree(ref)
 
     return _KTOTrainer
+
+
+def kl_completions(batch: dict) -> dict:
+    """A chunk of rows -> each row's KL completion: the previous row's answer (the first row takes the last's)."""
+    batch["KL_completion_ids"] = [batch["completion_ids"][-1]] + batch["completion_ids"][:-1]
+    return batch
+
+
+def sampling(spec) -> str:
+    """The order the training rows are read in: the spec's train_sampling_strategy, else shuffled ("random")."""
+    return spec.passthrough.get("train_sampling_strategy", "random")

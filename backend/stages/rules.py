@@ -25,23 +25,18 @@ def _split(value: str | None) -> list[str]:
 
 
 def kto_batches(spec, stage, check_files: bool = True) -> Errors:
-    """KTO's KL term pairs rows within a batch: two or more rows, in fixed batches; TRL's KTO has no SFT term."""
+    """KTO's KL term: two or more rows a batch (TRL's trainer refuses one); TRL's KTO has no SFT term."""
     errors: Errors = []
 
     def err(field: str, message: str, *involved: str) -> None:
         errors.append((field, message, frozenset((field,) + involved)))
 
     if spec.per_device_train_batch_size < 2:
-        err("per_device_train_batch_size", "KTO estimates its KL term by pairing each prompt with another row's "
-            "answer of the same batch: it needs 2 or more rows per batch (with 1 the KL term equals the reward)",
-            "stage")
+        err("per_device_train_batch_size", "KTO estimates its KL term from the batch's prompts paired with other "
+            "rows' answers: TRL's KTO trainer needs 2 or more rows per batch for it", "stage")
     if spec.pref_ftx > 0:
         err("pref_ftx", "TRL's KTO trainer has no SFT loss term: set pref_ftx to 0 for stage kto "
             "(stage dpo takes it)", "stage")
-    sampling = spec.passthrough.get("train_sampling_strategy", "sequential")
-    if sampling != "sequential":
-        err("train_sampling_strategy", f"KTO needs sequential sampling (got {sampling}): its KL pairs are built "
-            "within fixed batches of neighbouring rows", "stage")
     return errors
 
 

@@ -66,11 +66,15 @@ def install_lean_logprobs(model, outputs: tuple[str, ...] = ("log_probs",)) -> s
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
         hidden = None
-        if (getattr(self, "_shared_prompt", None) and not args and shift_labels is None and "input_ids" in kwargs
+        pairs_kind, rows = getattr(self, "_shared_prompt", None), getattr(self, "_pack_rows", False)
+        if ((pairs_kind or rows) and not args and shift_labels is None and "input_ids" in kwargs
                 and all(value is None for key, value in kwargs.items() if key not in MODEL_KEYS)):
-            pairs = shared_prompt.find_pairs(kwargs["input_ids"], kwargs.get("attention_mask"), labels)
-            if pairs is not None and shared_prompt.fits(text, pairs):
-                hidden = shared_prompt.packed_hidden(self.base_model, pairs, self._shared_prompt)
+            ids, mask, kind = kwargs["input_ids"], kwargs.get("attention_mask"), pairs_kind
+            packed = shared_prompt.find_pairs(ids, mask, labels) if pairs_kind else None
+            if packed is None and rows:
+                packed, kind = shared_prompt.find_rows(ids, mask), "varlen"
+            if packed is not None and shared_prompt.fits(text, packed):
+                hidden = shared_prompt.packed_hidden(self.base_model, packed, kind)
                 self.packed_batches += 1
         if hidden is None:
             hidden = self.base_model(*args, **kwargs).last_hidden_state
@@ -135,14 +139,27 @@ def share_prompts(model) -> str | None:
     kind = shared_prompt.attention_kind(lm.config)
     if kind is None:
         return f"attention '{getattr(lm.config, '_attn_implementation', None)}' takes no custom mask"
-    problem = _probe_pairs(model, kind)
+    problem = _probe_packing(model, kind)
     if problem and kind == "varlen":
-        problem = _probe_pairs(model, "bool")
+        problem = _probe_packing(model, "bool")
     return problem
 
 
-def _probe_pairs(model, kind: str) -> str | None:
-    """None (and the lean head packing pairs the `kind` way) when 2 random pairs packed give the rows' numbers."""
+def pack_rows(model) -> str | None:
+    """Have the lean head of `model` (installed first) run a padded batch's rows as one row without padding on the
+    varlen SDPA (KTO's single answers: backend/training/shared_prompt.py `find_rows`), after a probe that compares
+    them packed and padded. None when on, else why not (the padded rows stay)."""
+    if not shared_prompt.enabled():
+        return "TUNEBOARD_SHARED_PROMPT=0"
+    problem = use_varlen_attention(model)
+    if problem:
+        return problem
+    return _probe_packing(model, "rows")
+
+
+def _probe_packing(model, kind: str) -> str | None:
+    """None (and the lean head packing the `kind` way: 'rows', or pairs as 'varlen' / 'bool' / 'float') when 4 random
+    rows, 2 pairs sharing their prompts, give the padded rows' numbers packed."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     generator = torch.Generator().manual_seed(0)
@@ -157,31 +174,39 @@ def _probe_pairs(model, kind: str) -> str | None:
     device = lm.get_output_embeddings().weight.device
     batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device),
              "fused_lm_head": True}
+    what = "rows" if kind == "rows" else "pairs"
     was_training = model.training
     try:
         model.eval()
         with torch.no_grad():
-            lm._shared_prompt = None
+            _set_packing(lm, None)
             plain = model(**batch).log_probs
-            lm._shared_prompt, lm.packed_batches = kind, 0
-            shared = model(**batch).log_probs
+            _set_packing(lm, kind)
+            lm.packed_batches = 0
+            packed = model(**batch).log_probs
             if lm.packed_batches != 1:
-                raise RuntimeError("the probe's pairs were not packed")
+                raise RuntimeError(f"the probe's {what} were not packed")
     except Exception as exc:  # a family whose backbone does not take position ids or masks this way
-        lm._shared_prompt = None
-        return f"the shared-prompt probe failed ({type(exc).__name__}: {exc})"
+        _set_packing(lm, None)
+        return f"the {'packed-rows' if what == 'rows' else 'shared-prompt'} probe failed ({type(exc).__name__}: {exc})"
     finally:
         model.train(was_training)
     half = lm.get_output_embeddings().weight.dtype != torch.float32
-    if not (shared - plain).abs().max().item() <= (2e-2 if half else 1e-4) * max(1.0, plain.abs().max().item()):
-        lm._shared_prompt = None
-        return "packed pairs' log-probabilities differ from the rows'"
+    if not (packed - plain).abs().max().item() <= (2e-2 if half else 1e-4) * max(1.0, plain.abs().max().item()):
+        _set_packing(lm, None)
+        return f"packed {what}' log-probabilities differ from the padded rows'"
     return None
 
 
-def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False) -> str:
+def _set_packing(lm, kind: str | None) -> None:
+    lm._shared_prompt = None if kind in (None, "rows") else kind
+    lm._pack_rows = kind == "rows"
+
+
+def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False, rows: bool = False) -> str:
     """The lean head on a TRL preference trainer's policy (computing `outputs`, what the trainer logs) and on its
-    separate reference model, if any; returns the run log's line saying which head computes the log-probabilities."""
+    separate reference model, if any, with each pair's prompt computed once (`pairs`: DPO) or a batch's rows without
+    padding (`rows`: KTO); returns the run log's line saying which head computes the log-probabilities."""
     problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.model), outputs)
     if problem:
         return f"log-probabilities: TRL's fused head over every position ({problem})"
@@ -193,6 +218,12 @@ def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False) -
         if pairs and not problem:
             problem = share_prompts(trainer.accelerator.unwrap_model(trainer.ref_model))
             line += f"; the reference model's pairs as two rows ({problem})" if problem else ""
+        if rows and not problem:
+            problem = pack_rows(trainer.accelerator.unwrap_model(trainer.ref_model))
+            line += f"; the reference model's rows padded ({problem})" if problem else ""
+    if rows:
+        problem = pack_rows(trainer.accelerator.unwrap_model(trainer.model))
+        return line + (f"; the rows padded ({problem})" if problem else "; a batch's rows in one row without padding")
     if pairs:
         policy = trainer.accelerator.unwrap_model(trainer.model)
         problem = share_prompts(policy)

@@ -14,8 +14,12 @@ without padding, each pair attending to itself through its own mask (`row_masks`
 padded rows' tokens. Where it cannot be switched on, each pair is a row of a padded batch with a 4D mask (72%).
 
 `find_pairs` checks a batch is such pairs (the two halves share each prompt's tokens; rows flush left, as TRL's
-collator makes them); anything else (KTO, eval rows that are not pairs, a model whose attention would not take the
+collator makes them); anything else (eval rows that are not pairs, a model whose attention would not take the
 mask) keeps the rows as they are. TUNEBOARD_SHARED_PROMPT=0 switches it off (side-by-side measurements).
+
+KTO's batches are single answers, not pairs: `find_rows` reads any padded batch of flush-left rows as its rows, and
+the varlen SDPA runs them as one row without padding, each attending to itself causally (for the bench's KTO rows
+a quarter to a third of the padded tokens are padding, in each of the step's four forwards).
 """
 from __future__ import annotations
 
@@ -42,6 +46,12 @@ class Pairs:
     chosen_end: list[int]  # prompt + chosen answer
     rejected: list[int]  # the rejected answer's length
 
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def longest(self) -> int:
+        return max(e + r for e, r in zip(self.chosen_end, self.rejected))
+
     def pieces(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pair i packed: (token ids, position ids, segment: 0 prompt, 1 chosen, 2 rejected)."""
         b, p, end, r = len(self.prompt), self.prompt[i], self.chosen_end[i], self.rejected[i]
@@ -64,6 +74,33 @@ class Pairs:
             index[b + i] = start
             index[b + i, :p] = torch.arange(start, start + p)
             index[b + i, p:p + r] = torch.arange(start + end, start + end + r)
+        return index.reshape(-1)
+
+
+@dataclass
+class Rows:
+    """A padded batch of B flush-left rows of width L, read as B sequences without their padding."""
+    input_ids: torch.Tensor  # [B, L]
+    lengths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    def pieces(self, i: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """Row i without its padding: (token ids, position ids, None: causal)."""
+        n = self.lengths[i]
+        return self.input_ids[i, :n], torch.arange(n, device=self.input_ids.device), None
+
+    def gather(self, offsets: list[int]) -> torch.Tensor:
+        """[B * L]: where each position of the rows lives in the flattened packed tokens (padding: the row's first
+        slot; it is unlabelled)."""
+        index = torch.zeros(self.input_ids.shape, dtype=torch.long, device=self.input_ids.device)
+        for i, (n, start) in enumerate(zip(self.lengths, offsets)):
+            index[i] = start
+            index[i, :n] = torch.arange(start, start + n)
         return index.reshape(-1)
 
 
@@ -100,6 +137,20 @@ def find_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, lab
     return Pairs(input_ids, prompt[:b].tolist(), lengths[:b].tolist(), (lengths[b:] - prompt[b:]).tolist())
 
 
+def find_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Rows | None:
+    """The rows of a padded batch, or None when there is no padding to drop or the rows are not flush left."""
+    rows, length = input_ids.shape
+    if rows == 0 or attention_mask is None:
+        return None
+    lengths = attention_mask.long().sum(1)
+    order = torch.arange(length, device=input_ids.device)
+    if int(lengths.min()) < 1 or bool((lengths == length).all()):
+        return None  # an empty row, or nothing padded
+    if not torch.equal(attention_mask.bool(), order[None, :] < lengths[:, None]):
+        return None
+    return Rows(input_ids, lengths.tolist())
+
+
 def attention_kind(config) -> str | None:
     """How this model's attention takes the pairs: 'varlen' (one row, a mask a pair), 'bool' / 'float' (a padded
     row a pair, a 4D mask of that kind); None when it takes none (flash, flex)."""
@@ -113,15 +164,16 @@ def attention_kind(config) -> str | None:
     return None
 
 
-def fits(config, pairs: Pairs) -> bool:
-    """A sliding window narrower than a packed pair would be ignored by the custom masks."""
+def fits(config, pairs: Pairs | Rows) -> bool:
+    """A sliding window narrower than a packed pair (or row) would be ignored by the custom masks."""
     window = getattr(config, "sliding_window", None)
-    return window is None or int(window) >= max(e + r for e, r in zip(pairs.chosen_end, pairs.rejected))
+    return window is None or int(window) >= pairs.longest()
 
 
-def packed_hidden(backbone, pairs: Pairs, kind: str) -> torch.Tensor:
-    """The backbone's last hidden states of the 2B rows, [2B, L, H], computed on the packed pairs."""
-    pieces = [pairs.pieces(i) for i in range(len(pairs.prompt))]
+def packed_hidden(backbone, pairs: Pairs | Rows, kind: str) -> torch.Tensor:
+    """The backbone's last hidden states of the batch's rows, [rows, L, H], computed on the packed pairs (or rows:
+    the varlen kind only)."""
+    pieces = [pairs.pieces(i) for i in range(len(pairs))]
     sizes = [len(ids) for ids, _, _ in pieces]
     if kind == "varlen":
         bounds = torch.tensor([0] + sizes, device=pairs.input_ids.device).cumsum(0).to(torch.int32)
@@ -129,7 +181,8 @@ def packed_hidden(backbone, pairs: Pairs, kind: str) -> torch.Tensor:
                           position_ids=torch.cat([pos for _, pos, _ in pieces])[None], use_cache=False,
                           cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes),
                           max_length_k=max(sizes),
-                          row_masks=[answer_mask(seg) for _, _, seg in pieces]).last_hidden_state
+                          row_masks=[None if seg is None else answer_mask(seg) for _, _, seg in pieces]
+                          ).last_hidden_state
         offsets = bounds[:-1].tolist()
     else:
         width = max(sizes)

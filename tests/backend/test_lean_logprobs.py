@@ -77,16 +77,23 @@ def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: b
 
 @pytest.mark.parametrize("stage", ["dpo", "kto"])
 def test_lean_head_trains_as_trls_head(stage, tiny_llama, pairs, tmp_path, monkeypatch):
-    from backend.training import logprobs
+    """KTO's lean head also runs each padded batch as one row without padding (shared_prompt.find_rows): TRL's head
+    computes the padded rows, so the same numbers show the packing changes nothing but the work."""
+    from backend.training import logprobs, shared_prompt
 
     monkeypatch.setattr(logprobs, "TILE_TOKENS", 16)  # several tiles a batch, and tiles narrower than the vocabulary
     monkeypatch.setattr(logprobs, "TILE_VOCAB", 96)
+    packed = []
+    real = shared_prompt.packed_hidden
+    monkeypatch.setattr(shared_prompt, "packed_hidden", lambda *a: packed.append(type(a[1]).__name__) or real(*a))
     rows = pairs if stage == "dpo" else [
         {"prompt_ids": r["prompt_ids"], "completion_ids": r[answer], "label": answer == "chosen_ids"}
         for r in pairs for answer in ("chosen_ids", "rejected_ids")]
     lean, lean_lines = _train(stage, tiny_llama, rows, tmp_path, True, monkeypatch)
     plain, plain_lines = _train(stage, tiny_llama, rows, tmp_path, False, monkeypatch)
     assert "answer tokens only" in lean_lines[0] and "TRL's fused head" in plain_lines[0]
+    if stage == "kto":  # the probe, then 2 steps x 4 forwards (policy and reference, rows and KL rows)
+        assert "a batch's rows in one row without padding" in lean_lines[0] and packed.count("Rows") >= 9
     assert len(lean) == len(plain) == 2
     assert abs(plain[1]["loss"] - plain[0]["loss"]) > 1e-3  # the first step moved the policy: step 2 tells heads apart
     for ours, theirs in zip(lean, plain):

@@ -41,8 +41,8 @@ def scores(path: Path) -> list[tuple[float, float]]:
 # ------------------------------------------------------------------------------------------------ KTO
 @pytest.fixture(scope="module")
 def kto_run(tiny_qwen2, tmp_path_factory):
-    """LoRA KTO on the first 16 rows of kto_en_demo: 4 batches of 4 per epoch, 3 epochs. KTO samples in order,
-    so step s and step s + 4 see the same rows: the epochs compare like for like."""
+    """LoRA KTO on the first 16 rows of kto_en_demo: 4 batches of 4 per epoch, 3 epochs. Every epoch sees the same
+    16 rows (shuffled), so the epochs' means compare like for like."""
     out = tmp_path_factory.mktemp("kto") / "run"
     cli("train", f"model_name_or_path={tiny_qwen2}", f"output_dir={out}", "stage=kto", "dataset=kto_en_demo",
         "max_samples=16", "cutoff_len=128", "per_device_train_batch_size=4", "gradient_accumulation_steps=1",
@@ -57,9 +57,11 @@ def test_kto_trains_and_logs_exactly_trls_metrics(kto_run):
     rows = log_rows(kto_run)
     assert [r["step"] for r in rows] == list(range(1, 13))
     declared = set(get_stage("kto").metrics)
-    for row in rows:  # what TRL's KTOTrainer logs is what the stage declares (aux_loss: MoE models only)
-        assert set(row) - COMMON_KEYS == declared - {"aux_loss"}, sorted(set(row) - COMMON_KEYS)
-    assert rows[0]["rewards/chosen"] == 0 and rows[0]["rewards/rejected"] == 0  # reference = the starting policy
+    # what TRL's KTOTrainer logs is what the stage declares (aux_loss: MoE models only); a shuffled batch of only
+    # desirable (or only undesirable) rows logs no metrics of the other kind, nor margins
+    logged = [set(row) - COMMON_KEYS for row in rows]
+    assert all(keys <= declared for keys in logged) and set().union(*logged) == declared - {"aux_loss"}, logged
+    assert rows[0].get("rewards/chosen", 0) == 0 and rows[0].get("rewards/rejected", 0) == 0  # reference = start
     assert any(r["kl"] > 0 for r in rows)
     assert (kto_run / "adapter_config.json").is_file() and (kto_run / "adapter_model.safetensors").is_file()
     assert not (kto_run / "ref").exists()  # no reference adapter copy saved next to the trained one
@@ -71,11 +73,12 @@ def test_kto_raises_chosen_over_rejected_rewards(kto_run):
     rows = log_rows(kto_run)
     first, last = rows[:4], rows[8:]  # epoch 1 and epoch 3: the same four batches
 
-    def mean(key, part):
-        return sum(r[key] for r in part) / len(part)
+    def mean(key, part):  # over the steps whose batch had both kinds of rows
+        values = [r[key] for r in part if key in r]
+        return sum(values) / len(values)
 
     assert mean("rewards/chosen", last) > mean("rewards/rejected", last)
-    assert mean("rewards/margins", last) > mean("rewards/margins", first) + 0.1, [r["rewards/margins"] for r in rows]
+    assert mean("rewards/margins", last) > mean("rewards/margins", first) + 0.1, [r.get("rewards/margins") for r in rows]
 
 
 @slow
@@ -193,7 +196,44 @@ def test_kto_settings_it_cannot_run_are_refused():
                   "train_sampling_strategy": "random"})
     assert "2 or more rows per batch" in m["per_device_train_batch_size"]
     assert "no SFT loss term" in m["pref_ftx"]
-    assert "sequential sampling" in m["train_sampling_strategy"]
+    assert "train_sampling_strategy" not in m  # the KL pairs are fixed before sampling: any order works
+
+
+def test_kto_pairs_kl_rows_as_llama_factory_and_shuffles_the_rows(tiny_qwen2, tmp_path):
+    """Each prompt's KL completion is the previous row's answer within chunks of preprocessing_batch_size rows
+    (LLaMA-Factory's preprocessing batches), not within training batches as TRL pairs them; so the rows are shuffled
+    as every stage's are, or read in order with train_sampling_strategy: sequential."""
+    from datasets import Dataset
+    from torch.utils.data import RandomSampler, SequentialSampler
+    from trl import KTOConfig
+
+    from backend.stages import kto
+    from backend.stages.base import trainable_model, training_arguments
+    from backend.training.models import load_tokenizer, resolve_model
+
+    rows = [{"prompt_ids": [5, 6], "completion_ids": [10 + i], "label": i % 2 == 0} for i in range(7)]
+    samplers = {}
+    for order in ("default", "sequential"):
+        spec = validate_spec({"model_name_or_path": str(tiny_qwen2), "stage": "kto", "dataset": "kto_en_demo",
+                              "preprocessing_batch_size": 3, "per_device_train_batch_size": 2, "max_steps": 1,
+                              "report_to": "none", "save_strategy": "no", "lora_rank": 2,
+                              **({} if order == "default" else {"train_sampling_strategy": order})},
+                             check_files=False)
+        model = trainable_model(spec, _Quiet(), resolve_model(spec.model_name_or_path))
+        args = training_arguments(spec, tmp_path / order, has_eval=False, args_class=KTOConfig,
+                                  extra={"max_length": 64, "train_sampling_strategy": "sequential"})
+        trainer = kto._kto_trainer_class(spec)(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                                               processing_class=load_tokenizer(resolve_model(str(tiny_qwen2))))
+        assert trainer.train_dataset["KL_completion_ids"] == [[12], [10], [11], [15], [13], [14], [16]]
+        samplers[order] = type(trainer._get_train_sampler())
+    assert samplers == {"default": RandomSampler, "sequential": SequentialSampler}
+
+
+class _Quiet:
+    def log(self, message):
+        pass
+
+    warn = log
 
 
 @pytest.mark.parametrize("stage, dataset", [("kto", "kto_en_demo"), ("rm", "dpo_en_demo")])

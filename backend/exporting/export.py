@@ -36,16 +36,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import gguf
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from backend.serving.engine import stop_token_ids
 from backend.exporting.gguf_export import GGUFExportError, check_supported, vocab_metadata, write_gguf
 from backend.exporting import imatrix, llamacpp_check
 from backend.core import llamacpp
 from backend.core.methods import method
+from backend.exporting.verify import GREEDY_TOKENS, greedy, logits
 from backend.exporting.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
 from backend.training.adapters import _split
 from backend.training.models import load_tokenizer, model_folder, resize_vocab, resolve_model
@@ -65,7 +65,8 @@ MODELFILE = "Modelfile"
 REFERENCE_F16 = "reference-f16.gguf.tmp"  # in the staging folder only: removed before it takes export_dir's place
 IMATRIX_TMP = "imatrix.npz.tmp"  # the importance matrix the quantizer reads (export_imatrix), staging folder only
 STEPS = 6
-GREEDY_TOKENS = 12
+PPL_ROWS = 48  # alpaca_en_demo rows in a GGUF export's perplexity check in llama.cpp (~3,000 tokens: 3,374 with the
+#                probe and written rows on the default model)
 PROBE_CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a helpful assistant."},
@@ -272,26 +273,6 @@ def _device(spec) -> str:
     return "cuda" if spec.export_device == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def _logits(model, prompts: list[list[int]]):
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids], device=model.device)
-            out.append(model(input_ids=x).logits[0].float().cpu())
-    return out
-
-
-def _greedy(model, prompts: list[list[int]], stop_ids: list[int], pad_id: int | None) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids], device=model.device)
-            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=GREEDY_TOKENS,
-                                 do_sample=False, eos_token_id=stop_ids, pad_token_id=pad_id)
-            out.append(gen[0][len(ids):].tolist())
-    return out
-
-
 def chat_template_for(template, tokenizer) -> str:
     """The jinja chat template to ship: the tokenizer's own for `auto`, our named template converted."""
     if template.name == "auto":
@@ -301,79 +282,13 @@ def chat_template_for(template, tokenizer) -> str:
 
 
 # ============================================================================ 3. verification (fresh process)
-def _verify_main(request_path: str) -> int:
-    """Child process: load the export, compute what the parent compares, torch.save it."""
-    req = json.loads(Path(request_path).read_text(encoding="utf-8"))
-    if req.get("reward"):
-        return _verify_reward_main(req)
-    folder, gguf_file = req["dir"], req.get("gguf_file")
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    dtype = torch.float32 if gguf_file else getattr(torch, req["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(req["device"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    result = {
-        "logits": _logits(model, req["prompts"]),
-        "greedy": _greedy(model, req["prompts"], req["stop_ids"], tokenizer.pad_token_id),
-        "renders": [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                    for m in req["conversations"]],
-        "ids": [tokenizer(t, add_special_tokens=False).input_ids for t in req["rendered"]],
-        "eos_ids": _eos_ids(model.generation_config),
-        "shards": sorted(p.name for p in Path(folder).glob("*.safetensors")),
-    }
-    if gguf_file:
-        result["gguf"] = read_gguf_metadata(Path(folder) / gguf_file)
-    torch.save(result, req["out"])
-    return 0
-
-
-def _verify_reward_main(req: dict) -> int:
-    """Child process, reward model export: reload it as a sequence classifier and score the probe pairs."""
-    folder = req["dir"]
-    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=getattr(torch, req["dtype"]))
-    model = model.to(req["device"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    result = {
-        # one batch, right-padded: the score must be read at each sequence's last non-pad token
-        "scores": score_pairs(model, tokenizer, req["rows"], batch_size=len(req["rows"])),
-        "architecture": type(model).__name__, "num_labels": model.config.num_labels,
-        "pad_token_id": model.config.pad_token_id, "tokenizer_pad_id": tokenizer.pad_token_id,
-        "renders": [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                    for m in req["conversations"]],
-        "ids": [tokenizer(t, add_special_tokens=False).input_ids for t in req["rendered"]],
-        "shards": sorted(p.name for p in Path(folder).glob("*.safetensors")),
-    }
-    torch.save(result, req["out"])
-    return 0
-
-
-def _eos_ids(generation_config) -> list[int]:
-    eos = getattr(generation_config, "eos_token_id", None)
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-
-def read_gguf_metadata(path: Path) -> dict:
-    """The tokenizer and chat keys of a GGUF file (what llama.cpp / Ollama read to template and stop)."""
-    reader = gguf.GGUFReader(str(path))
-    out = {}
-    for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "general.file_type"):
-        field = reader.fields.get(key)
-        if field is None:
-            continue
-        value = field.contents() if hasattr(field, "contents") else field.parts[-1].tolist()
-        out[key] = value
-    out["tensor_count"] = len(reader.tensors)
-    return out
-
-
 def _run_verifier(request: dict, log) -> dict:
     with tempfile.TemporaryDirectory(prefix="tuneboard-verify-") as tmp:
         req_path = Path(tmp) / "request.json"
         request = dict(request, out=str(Path(tmp) / "result.pt"))
         req_path.write_text(json.dumps(request), encoding="utf-8")
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-m", "backend.exporting.export", "--verify", str(req_path)],
+        proc = subprocess.run([sys.executable, "-m", "backend.exporting.verify", str(req_path)],
                               cwd=str(REPO_ROOT), env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
@@ -541,14 +456,14 @@ def export(spec) -> dict:
             f"on {len(prompts)} prompts")
     src: dict = {"prompts": prompts}
     if adapters:
-        src["base_logits"] = _logits(model, prompts)
+        src["base_logits"] = logits(model, prompts)
         for i, adapter in enumerate(adapters):
             model = PeftModel.from_pretrained(model, str(adapter))
             if i < len(adapters) - 1:
                 model = model.merge_and_unload()
         model.eval()
-    src["logits"] = _logits(model, prompts)
-    src["greedy"] = _greedy(model, prompts, stop_ids, tokenizer.pad_token_id)
+    src["logits"] = logits(model, prompts)
+    src["greedy"] = greedy(model, prompts, stop_ids, tokenizer.pad_token_id)
     if adapters:
         src["adapter_effect"] = _max_abs(src["base_logits"], src["logits"])
         if src["adapter_effect"] < 1e-6:
@@ -635,6 +550,9 @@ def export(spec) -> dict:
     if kind == "gguf" and llamacpp.available():  # held-out rows for llama.cpp's perplexity, answers included
         ppl_rows = [tokenizer(template.render_text(c), add_special_tokens=False).input_ids for c in
                     [p["messages"] + [p["chosen"]] for p in PROBE_PAIRS] + llamacpp_check.HELD_OUT]
+        # and enough text for a delta of a few percent to stand out of the noise (7 short rows, ~370 tokens, moved
+        # by +-2%): alpaca rows after the importance matrix's
+        ppl_rows += imatrix.calibration_rows(template, tokenizer, n=PPL_ROWS, start=imatrix.CALIBRATION_ROWS)
     del model
     files = sorted(p.name for p in out.iterdir() if p.name != REFERENCE_F16)
 
@@ -769,8 +687,6 @@ def _write_report(out: Path, report: dict) -> None:
 # ============================================================================ CLI
 def main(args: list[str]) -> int:
     """`tuneboard export SPEC.yaml [key=value ...]`; exit 0 only when every check passed."""
-    if args[:1] == ["--verify"]:
-        return _verify_main(args[1])
     if not args or args[0] in ("-h", "--help"):
         print("usage: tuneboard export SPEC.yaml [key=value ...]\n\n"
               "keys: model_name_or_path, adapter_name_or_path, template, finetuning_type, export_dir, export_size (GB "

@@ -27,9 +27,10 @@ CALIBRATION_ROWS = 64
 MAX_ROW_TOKENS = 512
 
 
-def calibration_rows(template, tokenizer, n: int = CALIBRATION_ROWS) -> list[list[int]]:
-    """Token ids of the first n alpaca_en_demo rows as chat turns (instruction [+ input] -> output)."""
-    rows = json.loads(CALIBRATION_FILE.read_text(encoding="utf-8"))[:n]
+def calibration_rows(template, tokenizer, n: int = CALIBRATION_ROWS, start: int = 0) -> list[list[int]]:
+    """Token ids of n alpaca_en_demo rows from row `start` as chat turns (instruction [+ input] -> output): the
+    first CALIBRATION_ROWS for the importance matrix, the next ones for the exports' perplexity check."""
+    rows = json.loads(CALIBRATION_FILE.read_text(encoding="utf-8"))[start:start + n]
     out = []
     for r in rows:
         user = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from backend.exporting.export import ExportError, compare, export, main, read_gguf_metadata
+from backend.exporting.export import ExportError, compare, export, main
+from backend.exporting.verify import read_gguf_metadata
 from backend.core.spec import validate_spec
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]

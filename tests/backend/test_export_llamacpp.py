@@ -46,7 +46,7 @@ def q4_export(wide_llama, tmp_path_factory):
 @pytest.mark.slow
 @needs_llamacpp
 def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export):
-    from backend.exporting.export import read_gguf_metadata
+    from backend.exporting.verify import read_gguf_metadata
 
     out, report = q4_export
     assert report["ok"], report["checks"]

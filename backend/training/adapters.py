@@ -11,6 +11,7 @@ config of a new adapter) or TRAIN_IN_PLACE (a method that marks the model's own 
 from __future__ import annotations
 
 import logging
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -94,6 +95,9 @@ def apply_finetuning(model, spec: Any, *, for_training: bool = True, warn: Warn 
     declared = method(_get(spec, "finetuning_type", None))
     if declared.adapter:
         model = _with_adapters(model, spec, declared.id, for_training)
+        if for_training and (_get(spec, "bf16", False) or _get(spec, "fp16", False)) \
+                and not _get(spec, "pure_bf16", False):
+            lora_sums_in_fp32(model)
     else:
         if _get(spec, "adapter_name_or_path", None):
             raise ValueError(f"adapter_name_or_path needs an adapter method (finetuning_type "
@@ -105,6 +109,34 @@ def apply_finetuning(model, spec: Any, *, for_training: bool = True, warn: Warn 
         logger.info("trainable params: %s || all params: %s || trainable%%: %.4f", f"{trainable:,}", f"{total:,}",
                     100 * trainable / max(total, 1))
     return model
+
+
+def lora_sums_in_fp32(model) -> int:
+    """Under bf16 / fp16 autocast a LoRA layer returns base(x) + B(A(x)) * scaling summed in half precision, where
+    the adapter's contribution in the first steps (~1e-3 of base(x)) is below the rounding step (2^-8 for bf16): it
+    is rounded away and the updates barely reach the loss (bench/README.md: steps 2-30 of the recipe 8-40% above
+    fp32's losses). Each plain LoRA Linear layer adds its branch in fp32 instead, its output then fp32. Returns how
+    many layers; variants (DoRA and the like) keep peft's forward."""
+    from peft.tuners.lora.layer import Linear as LoraLinear  # peft's LoRA layer class, only where LoRA trains
+
+    layers = [m for m in model.modules() if type(m) is LoraLinear]
+    for layer in layers:
+        layer.forward = types.MethodType(_lora_forward_fp32_sum, layer)
+    return len(layers)
+
+
+def _lora_forward_fp32_sum(self, x, *args, **kwargs):
+    names = [n for n in self.active_adapters if n in self.lora_A]
+    if (self.disable_adapters or self.merged or not names or kwargs.get("adapter_names") is not None
+            or not torch.is_autocast_enabled(x.device.type)
+            or any(self.use_dora.get(n) or n in getattr(self, "lora_variant", {}) for n in names)):
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
+    with torch.autocast(x.device.type, enabled=False):
+        out = result.float()
+        for n in names:
+            out = out + self.lora_B[n](self.lora_A[n](self.lora_dropout[n](x).float())) * self.scaling[n]
+    return out
 
 
 def _is_quantized(model) -> bool:

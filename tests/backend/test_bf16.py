@@ -83,3 +83,35 @@ def test_bf16_loss_drift_against_fp32(default_model_dir, capsys):
     assert drift < 1e-2
     assert cosine > 0.98
     assert loss16 != loss32  # really computed in bf16
+
+
+def test_a_small_lora_update_reaches_the_output_under_bf16_autocast(tiny_llama):
+    """The adapter's contribution in the first steps is ~1e-3 of a layer's output: summed with it in bf16 it was
+    rounded away (bench/README.md, bf16 over 30 steps). Under bf16 autocast, what a small LoRA B changes in an adapted
+    layer's output must be what it changes in fp32 (apply_finetuning's LoRA layers add their branch in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(0))
+
+    def lora_effect(dtype) -> torch.Tensor:
+        spec = SimpleNamespace(model_name_or_path=str(tiny_llama), bf16=dtype == torch.bfloat16, lora_rank=8,
+                               lora_target="all", gradient_checkpointing=False)
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dtype)
+        torch.manual_seed(0)  # the same LoRA A in both
+        model = apply_finetuning(base, spec).eval()
+        layer = model.get_base_model().model.layers[0].mlp.up_proj
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for name, param in layer.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 2e-4)
+            inputs = x[..., :layer.in_features].to(dtype)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                tuned = layer(inputs).float()
+                with model.disable_adapter():
+                    plain = layer(inputs).float()
+        return (tuned - plain).flatten()
+
+    fp32, bf16 = lora_effect(torch.float32), lora_effect(torch.bfloat16)
+    assert fp32.abs().max() > 0
+    assert torch.nn.functional.cosine_similarity(fp32, bf16, dim=0) > 0.99

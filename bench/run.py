@@ -120,6 +120,7 @@ LEVERS = {
     "padded+plain-loss": ([], {"TUNEBOARD_PADDING_FREE": "0", "TUNEBOARD_CHUNKED_LOSS": "0"}),
     "no-ckpt": (["gradient_checkpointing=false"], {}),
     "bf16": (["bf16=true"], {}),
+    "fp32": (["bf16=false"], {}),  # bf16 is the default on a CPU with native bf16 matmul (bf16_by_default)
     "full-recompute": ([], {"TUNEBOARD_SELECTIVE_CHECKPOINT": "0"}),  # plain checkpointing (backend/core/checkpointing.py)
     "glibc": ([], {"TUNEBOARD_ALLOCATOR": "glibc"}),  # no jemalloc: glibc with a 1 MiB mmap threshold (backend.training.train)
     "jemalloc-decay": ([], {"MALLOC_CONF": ""}),  # jemalloc's own decay (freed pages returned after 10 s)

@@ -195,7 +195,7 @@ def training_arguments(spec, out: Path, *, has_eval: bool, args_class=None, extr
         kwargs["dataloader_pin_memory"] = torch.cuda.is_available()
     # Mixed precision only where the model loader kept it (it already warned about the fallback).
     dtype = compute_dtype(spec)
-    kwargs["bf16"] = bool(kwargs.get("bf16")) and dtype == torch.bfloat16
+    kwargs["bf16"] = dtype == torch.bfloat16 and not spec.pure_bf16  # asked, or the default (bf16_by_default)
     kwargs["fp16"] = bool(kwargs.get("fp16")) and dtype == torch.float16
     if kwargs["bf16"] and not torch.cuda.is_available():
         kwargs["use_cpu"] = True  # bf16 autocast on a CPU with native bf16 matmul: transformers wants it said
@@ -452,10 +452,13 @@ def trainable_model(spec, run_dir: RunDir, resolved, *, chunked_loss: bool = Fal
     this model; TUNEBOARD_CHUNKED_LOSS=0 in the environment keeps the plain loss (for bench/)."""
     # heavy (torch, transformers, datasets): the module top stays light, see the docstring
     from backend.training.adapters import apply_finetuning, count_parameters
-    from backend.training.models import describe_model, gradient_checkpointing_on, install_chunked_loss, load_model  # heavy: loaded on use, so importing this module stays light
+    from backend.training.models import (BF16_DEFAULT_NOTE, bf16_by_default, describe_model,  # heavy: loaded on use
+                                         gradient_checkpointing_on, install_chunked_loss, load_model)
 
     model = load_model(spec, resolved, for_training=True, warn=run_dir.warn, **load_kwargs)
     run_dir.log(f"model: {describe_model(model)}")
+    if bf16_by_default(spec):
+        run_dir.log(BF16_DEFAULT_NOTE)
     if paths.weights_note(spec.model_name_or_path):
         run_dir.log(f"model: {paths.weights_note(spec.model_name_or_path)}")
     if gradient_checkpointing_on(spec):

@@ -95,8 +95,7 @@ def apply_finetuning(model, spec: Any, *, for_training: bool = True, warn: Warn 
     declared = method(_get(spec, "finetuning_type", None))
     if declared.adapter:
         model = _with_adapters(model, spec, declared.id, for_training)
-        if for_training and (_get(spec, "bf16", False) or _get(spec, "fp16", False)) \
-                and not _get(spec, "pure_bf16", False):
+        if for_training and _half_frozen(model) and not _get(spec, "pure_bf16", False):
             lora_sums_in_fp32(model)
     else:
         if _get(spec, "adapter_name_or_path", None):
@@ -109,6 +108,11 @@ def apply_finetuning(model, spec: Any, *, for_training: bool = True, warn: Warn 
         logger.info("trainable params: %s || all params: %s || trainable%%: %.4f", f"{trainable:,}", f"{total:,}",
                     100 * trainable / max(total, 1))
     return model
+
+
+def _half_frozen(model) -> bool:
+    """Mixed precision: the frozen weights were loaded in bf16 / fp16 (bf16 asked, or its default: compute_dtype)."""
+    return any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters() if not p.requires_grad)
 
 
 def lora_sums_in_fp32(model) -> int:

@@ -323,11 +323,27 @@ def bf16_supported() -> bool:
     return cpu_bf16_supported()
 
 
-def compute_dtype(spec: Any, warn: Warn | None = None) -> torch.dtype:
+BF16_DEFAULT_NOTE = ("bf16: on, the default for training on a CPU with native bf16 matmul (the model in bf16, the "
+                     "trained weights and optimizer state fp32, autocast; it learns like fp32: bench/README.md); "
+                     "bf16: false keeps fp32")
+
+
+def bf16_by_default(spec: Any) -> bool:
+    """bf16 left unset turns on for training where the CPU has native bf16 matmul (not on a GPU, not with fp16 or a
+    quantized base). TUNEBOARD_BF16_AUTO=0 keeps fp32 there (the test suite's exactness checks; bench lever fp32)."""
+    return (_get(spec, "bf16", None) is None and os.environ.get("TUNEBOARD_BF16_AUTO", "1") != "0"
+            and not _get(spec, "fp16", False) and not _get(spec, "quantization_bit", None)
+            and not torch.cuda.is_available() and cpu_bf16_supported())
+
+
+def compute_dtype(spec: Any, warn: Warn | None = None, *, training: bool = True) -> torch.dtype:
     """bf16 / fp16 where the spec asks and the machine runs it fast, else fp32: bf16 on a GPU that supports it
     or a CPU with native bf16 matmul (the model loads in bf16, trained weights stay fp32, and the Trainer's
     bf16=True runs the steps under autocast); fp16 on a GPU only. Elsewhere the request falls back to fp32 and
-    the stage must pass bf16=False to the Trainer: call this without `warn` to ask again silently."""
+    the stage must pass bf16=False to the Trainer: call this without `warn` to ask again silently. bf16 left unset
+    is on for training where bf16_by_default says so (inference keeps fp32 then)."""
+    if training and bf16_by_default(spec):
+        return torch.bfloat16
     if _get(spec, "bf16", False) or _get(spec, "pure_bf16", False):
         if bf16_supported():
             return torch.bfloat16
@@ -440,7 +456,7 @@ def load_model(spec: Any, resolved: ResolvedModel, *, for_training: bool = True,
     warn = warn or _default_warn
     folder = model_folder(resolved)
     remote = bool(_get(spec, "trust_remote_code", False))
-    dtype = compute_dtype(spec, warn)
+    dtype = compute_dtype(spec, warn, training=for_training)
     attn = attention_implementation(spec, warn, supports_sdpa=_supports_sdpa(folder, remote))
     quant = quantization_config(spec, dtype)
     if quant is not None and not method(_get(spec, "finetuning_type", None)).quantized_base and for_training:

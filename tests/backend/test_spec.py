@@ -246,10 +246,11 @@ def test_range_messages_name_field_and_range(files):
 
 
 def test_type_messages(files):
-    m = messages({"lora_rank": "big", "bf16": "maybe", "learning_rate": "fast", "max_samples": [1],
+    m = messages({"lora_rank": "big", "fp16": "maybe", "bf16": "maybe", "learning_rate": "fast", "max_samples": [1],
                   "resume_from_checkpoint": [1], "freeze_trainable_layers": 0})
     assert m["lora_rank"] == "must be an integer >= 1 (got 'big')"
-    assert m["bf16"] == "must be true or false (got 'maybe')"
+    assert m["bf16"] == "must be true or false or null (got 'maybe')"
+    assert m["fp16"] == "must be true or false (got 'maybe')"
     assert m["learning_rate"] == "must be a number > 0 (got 'fast')"
     assert m["max_samples"] == "must be an integer or null >= 1 (got [1])"
     assert m["resume_from_checkpoint"] == "must be true/false or a string or null (got [1])"

@@ -234,6 +234,13 @@ def spawn_measured(argv: list[str], env: dict, stdout: Path, tick=None) -> tuple
     return os.waitstatus_to_exitcode(status), usage.ru_maxrss, max(tree_peak, usage.ru_maxrss)
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict:
     """One run: spawn, watch its trainer_log.jsonl for step lines, wait4 for its peak RSS."""
     if out_dir.exists():
@@ -262,7 +269,9 @@ def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict
     steps = sorted(seen)
     result = {"tool": name, "returncode": returncode, "losses": [loss for _, loss in losses_of(log)],
               "metrics": metrics_of(out_dir),
-              "peak_rss_mib": peak_kib / 1024, "wall_s": end - start}
+              "peak_rss_mib": peak_kib / 1024, "wall_s": end - start,
+              # the dtype the steps ran in, for the MFU: TuneBoard's log names it (bf16 by default on native bf16 CPUs)
+              "bf16": "dtype torch.bfloat16" in _read(out_dir / "bench_stdout.txt")}
     if returncode == 0 and len(steps) >= 2:
         result["first_step_s"] = seen[steps[0]] - start
         result["steady_s"] = seen[steps[-1]] - seen[steps[0]]
@@ -376,16 +385,18 @@ def summarize(results: list[dict], facts: dict, peaks: dict) -> str:
         if ok:
             med[tool] = {k: statistics.median(r[k] for r in ok) for k in ("tokens_per_s", "first_step_s", "peak_rss_mib")}
             med[tool]["losses"] = ok[0]["losses"]
+            med[tool]["bf16"] = ok[0].get("bf16", False)
             med[tool]["metrics"] = ok[0].get("metrics", {})
     base = "llamafactory" if "llamafactory" in med else "trl" if "trl" in med else None
-    lines = [f"| tool | useful tokens/s | vs {base} | first step (s) | peak RSS (MiB) | vs {base} | MFU fp32 |",
+    lines = [f"| tool | useful tokens/s | vs {base} | first step (s) | peak RSS (MiB) | vs {base} | MFU |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for tool, m in med.items():
         speed = m["tokens_per_s"] / med[base]["tokens_per_s"] if base else float("nan")
         memory = m["peak_rss_mib"] / med[base]["peak_rss_mib"] if base else float("nan")
-        mfu = 6 * facts["params"] * m["tokens_per_s"] / (peaks["fp32"] * 1e9)
+        dtype = "bf16" if m.get("bf16") and peaks.get("bf16") else "fp32"  # against the peak of what it ran in
+        mfu = 6 * facts["params"] * m["tokens_per_s"] / (peaks[dtype] * 1e9)
         lines.append(f"| {tool} | {m['tokens_per_s']:.1f} | {speed:.2f}x | {m['first_step_s']:.0f} | "
-                     f"{m['peak_rss_mib']:,.0f} | {memory:.2f}x | {100 * mfu:.1f}% |")
+                     f"{m['peak_rss_mib']:,.0f} | {memory:.2f}x | {100 * mfu:.1f}% {dtype} |")
     lines.append("")
     lines.append("per-step losses (first round):")
     for tool, m in med.items():

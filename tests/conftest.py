@@ -9,8 +9,8 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # bf16 left unset trains in fp32 here on every CPU (on one with native bf16 matmul it is on by default:
 # backend.training.models.bf16_by_default), so the exactness checks compare fp32 with fp32 on any machine;
-# tests/backend/test_bf16.py takes the default path itself.
-os.environ["TUNEBOARD_BF16_AUTO"] = "0"
+# tests/backend/test_bf16.py takes the default path itself; TUNEBOARD_BF16_AUTO=1 runs any test under the default.
+os.environ.setdefault("TUNEBOARD_BF16_AUTO", "0")
 # `make test` runs the non-browser tests in two pytest-xdist workers on the 2 cores: each worker and every
 # process it starts (training runs, servers) computes on one thread, so two runs side by side share the
 # cores instead of oversubscribing them (OpenMP threads spinning against each other slow both far more).

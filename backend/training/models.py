@@ -329,11 +329,11 @@ BF16_DEFAULT_NOTE = ("bf16: on, the default for training on a CPU with native bf
 
 
 def bf16_by_default(spec: Any) -> bool:
-    """bf16 left unset turns on for training where the CPU has native bf16 matmul (not on a GPU, not with fp16 or a
-    quantized base). TUNEBOARD_BF16_AUTO=0 keeps fp32 there (the test suite's exactness checks; bench lever fp32)."""
+    """bf16 left unset turns on for training where the CPU has native bf16 matmul (not on a GPU, not with fp16,
+    pure_bf16 or a quantized base). TUNEBOARD_BF16_AUTO=0 keeps fp32 there (the test suite's exactness checks; bench lever fp32)."""
     return (_get(spec, "bf16", None) is None and os.environ.get("TUNEBOARD_BF16_AUTO", "1") != "0"
-            and not _get(spec, "fp16", False) and not _get(spec, "quantization_bit", None)
-            and not torch.cuda.is_available() and cpu_bf16_supported())
+            and not _get(spec, "fp16", False) and not _get(spec, "pure_bf16", False)
+            and not _get(spec, "quantization_bit", None) and not torch.cuda.is_available() and cpu_bf16_supported())
 
 
 def compute_dtype(spec: Any, warn: Warn | None = None, *, training: bool = True) -> torch.dtype:

@@ -214,5 +214,6 @@ def test_bf16_is_the_default_for_training_where_the_cpu_has_it(monkeypatch, tmp_
     assert compute_dtype(RunSpec(bf16=False)) == torch.float32
     assert training_arguments(RunSpec(bf16=False), tmp_path, has_eval=False).bf16 is False
     assert not bf16_by_default(RunSpec(quantization_bit=4, finetuning_type="lora"))
+    assert not bf16_by_default(RunSpec(pure_bf16=True))
     monkeypatch.setenv("TUNEBOARD_BF16_AUTO", "0")
     assert compute_dtype(RunSpec()) == torch.float32

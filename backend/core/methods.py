@@ -34,11 +34,13 @@ class Method:
     form_group: str | None  # the spec field group holding its own keys (shown in the form when picked)
     trainable_share: float = 1.0  # rough share of the weights trained (the memory preflight's optimizer state)
     peft_type: str | None = None  # adapter_config.json's peft_type for an adapter method
+    bf16_by_default: bool = False  # bf16 left unset trains in bf16 on a native-bf16 CPU (with a stage that says so)
 
 
 METHODS: dict[str, Method] = {m.id: m for m in (
     Method("lora", "LoRA", adapter=True, trains="low-rank adapters beside the chosen linear layers",
-           quantized_base=True, full_weights=False, form_group="lora", trainable_share=0.02, peft_type="LORA"),
+           quantized_base=True, full_weights=False, form_group="lora", trainable_share=0.02, peft_type="LORA",
+           bf16_by_default=True),  # measured to learn like fp32 (bench/README.md 2026-12-04); frozen weights stay bf16
     Method("oft", "OFT", adapter=True, trains="orthogonal rotations of the chosen linear layers' outputs",
            quantized_base=False, full_weights=False, form_group="oft", trainable_share=0.02, peft_type="OFT"),
     Method("freeze", "Freeze", adapter=False, trains="the last (or first) N decoder layers, the rest frozen",

@@ -274,7 +274,7 @@ class RunSpec(*key_order(GROUPS, _ModelKeys, _MethodKeys, *STAGE_KEYS, *METHOD_K
     weight_decay: float = _f(0.0, "Weight decay.", "train", ge=0)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 = off).", "train", ge=0)
     optim: str = _f("adamw_torch", "Optimizer name, as in transformers (adamw_torch, adamw_8bit, sgd, ...).", "train")
-    bf16: Optional[bool] = _f(None, "bfloat16 mixed precision: the model loads in bf16, trained weights and optimizer state stay fp32, the steps run under autocast (empty = on for training where the CPU has native bf16 matmul, avx512_bf16 or AMX: faster, learns like fp32; off elsewhere; false keeps fp32; true falls back to fp32 with a warning where unsupported).", "train")
+    bf16: Optional[bool] = _f(None, "bfloat16 mixed precision: the model loads in bf16, trained weights and optimizer state stay fp32, the steps run under autocast (empty = on for LoRA SFT / PT training where the CPU has native bf16 matmul, avx512_bf16 or AMX: faster, learns like fp32; off elsewhere and for the other stages and methods; false keeps fp32; true falls back to fp32 with a warning where unsupported).", "train")
     fp16: bool = _f(False, "float16 mixed precision.", "train")
     pure_bf16: bool = _f(False, "Train in pure bfloat16, without mixed precision.", "train")
     seed: int = _f(42, "Random seed.", "train", ge=0, le=2**32 - 1)

@@ -21,6 +21,9 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
   pairs, its run folder is a reward model), `packs_by_default` (packing is on unless the spec says),
   `generates` (it generates while it trains: use_vllm applies), `task_metric` (its rows are a prompt and one
   reference answer: eval_metric scores the answer generated at each save; `task_metric_refusal` says why not).
+- `bf16_by_default`: bf16 left unset trains in bf16 on a CPU with native bf16 matmul (with a method that says the
+  same): the stages where bf16 was measured to learn like fp32 (bench/README.md, 2026-12-04); the others stay fp32
+  unless `bf16: true`.
 - `plots_when_logged`: plots shown only once the run has logged one of their keys (sft's task metric plot: only
   a run with an eval_metric logs it).
 
@@ -70,6 +73,7 @@ class Stage:
     generates: bool = False
     task_metric: bool = False
     plots_when_logged: tuple[str, ...] = ()
+    bf16_by_default: bool = False
 
     @property
     def module(self) -> str:
@@ -189,8 +193,8 @@ _ONLINE_PLOTS = (("reward", ("reward", "reward_std")), ("rewards per function", 
                  ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")))
 
 STAGES: dict[str, Stage] = {s.id: s for s in (
-    Stage("pt", "Pre-training", "text", packs_by_default=True),
-    Stage("sft", "Supervised fine-tuning", "plain", task_metric=True, plots=_TASK_PLOTS,
+    Stage("pt", "Pre-training", "text", packs_by_default=True, bf16_by_default=True),
+    Stage("sft", "Supervised fine-tuning", "plain", task_metric=True, plots=_TASK_PLOTS, bf16_by_default=True,
           plots_when_logged=tuple(name for name, _ in _TASK_PLOTS)),
     Stage("rm", "Reward model", "ranking", is_reward_model=True, rules=(rules.whole_sequences, rules.no_prompt_loss),
           # TRL's RewardTrainer logs accuracy .. num_tokens; the rm stage adds the mean chosen / rejected scores

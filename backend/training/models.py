@@ -45,6 +45,7 @@ from backend.core.methods import method, quantizable_methods
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
 from backend.core.registry import lookup_registry
+from backend.stages import STAGES  # light: the stage declarations (bf16_by_default)
 
 logger = logging.getLogger("tuneboard.models")
 Warn = Callable[[str], None]
@@ -323,15 +324,20 @@ def bf16_supported() -> bool:
     return cpu_bf16_supported()
 
 
-BF16_DEFAULT_NOTE = ("bf16: on, the default for training on a CPU with native bf16 matmul (the model in bf16, the "
+BF16_DEFAULT_NOTE = ("bf16: on, the default for LoRA SFT / PT on a CPU with native bf16 matmul (the model in bf16, the "
                      "trained weights and optimizer state fp32, autocast; it learns like fp32: bench/README.md); "
                      "bf16: false keeps fp32")
 
 
 def bf16_by_default(spec: Any) -> bool:
-    """bf16 left unset turns on for training where the CPU has native bf16 matmul (not on a GPU, not with fp16,
-    pure_bf16 or a quantized base). TUNEBOARD_BF16_AUTO=0 keeps fp32 there (the test suite's exactness checks; bench lever fp32)."""
+    """bf16 left unset turns on for training where the CPU has native bf16 matmul, for a stage and a method whose
+    declarations say so (bf16_by_default: LoRA SFT / PT, where it was measured to learn like fp32; not DoRA), not on
+    a GPU, not with fp16, pure_bf16 or a quantized base. TUNEBOARD_BF16_AUTO=0 keeps fp32 there (the test suite's
+    exactness checks; bench lever fp32)."""
+    declared = STAGES.get(str(_get(spec, "stage", None) or "sft"))
     return (_get(spec, "bf16", None) is None and os.environ.get("TUNEBOARD_BF16_AUTO", "1") != "0"
+            and declared is not None and declared.bf16_by_default
+            and method(_get(spec, "finetuning_type", None)).bf16_by_default and not _get(spec, "use_dora", False)
             and not _get(spec, "fp16", False) and not _get(spec, "pure_bf16", False)
             and not _get(spec, "quantization_bit", None) and not torch.cuda.is_available() and cpu_bf16_supported())
 

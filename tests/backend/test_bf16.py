@@ -199,8 +199,9 @@ def test_bf16_learns_like_fp32_read_by_the_same_forward(default_model_dir, capsy
 
 
 def test_bf16_is_the_default_for_training_where_the_cpu_has_it(monkeypatch, tmp_path):
-    """Issue 26 item 3: bf16 left unset trains in bf16 on a CPU with native bf16 matmul (the run log says so:
-    BF16_DEFAULT_NOTE), fp32 elsewhere; `bf16: false` keeps fp32; inference keeps fp32."""
+    """Issue 26 item 3: bf16 left unset trains LoRA SFT / PT in bf16 on a CPU with native bf16 matmul (the run log
+    says so: BF16_DEFAULT_NOTE), fp32 elsewhere and for the other stages and methods; `bf16: false` keeps fp32;
+    inference keeps fp32."""
     from backend.core.spec import RunSpec
     from backend.stages.base import training_arguments
     from backend.training.models import bf16_by_default
@@ -215,5 +216,10 @@ def test_bf16_is_the_default_for_training_where_the_cpu_has_it(monkeypatch, tmp_
     assert training_arguments(RunSpec(bf16=False), tmp_path, has_eval=False).bf16 is False
     assert not bf16_by_default(RunSpec(quantization_bit=4, finetuning_type="lora"))
     assert not bf16_by_default(RunSpec(pure_bf16=True))
+    # only where it was measured to learn like fp32: LoRA (not DoRA), stages sft and pt (their declarations say so)
+    assert bf16_by_default(SimpleNamespace(stage="pt", finetuning_type="lora")) is native
+    for other in ({"stage": "dpo"}, {"stage": "grpo"}, {"stage": "rm"}, {"finetuning_type": "freeze"},
+                  {"finetuning_type": "full"}, {"use_dora": True}):
+        assert not bf16_by_default(SimpleNamespace(**{"stage": "sft", "finetuning_type": "lora", **other})), other
     monkeypatch.setenv("TUNEBOARD_BF16_AUTO", "0")
     assert compute_dtype(RunSpec()) == torch.float32

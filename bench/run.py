@@ -234,13 +234,6 @@ def spawn_measured(argv: list[str], env: dict, stdout: Path, tick=None) -> tuple
     return os.waitstatus_to_exitcode(status), usage.ru_maxrss, max(tree_peak, usage.ru_maxrss)
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
 def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict:
     """One run: spawn, watch its trainer_log.jsonl for step lines, wait4 for its peak RSS."""
     if out_dir.exists():
@@ -271,7 +264,7 @@ def run_once(name: str, argv: list[str], env_extra: dict, out_dir: Path) -> dict
               "metrics": metrics_of(out_dir),
               "peak_rss_mib": peak_kib / 1024, "wall_s": end - start,
               # the dtype the steps ran in, for the MFU: TuneBoard's log names it (bf16 by default on native bf16 CPUs)
-              "bf16": "dtype torch.bfloat16" in _read(out_dir / "bench_stdout.txt")}
+              "bf16": "dtype torch.bfloat16" in (out_dir / "bench_stdout.txt").read_text(errors="replace")}
     if returncode == 0 and len(steps) >= 2:
         result["first_step_s"] = seen[steps[0]] - start
         result["steady_s"] = seen[steps[-1]] - seen[steps[0]]

@@ -118,9 +118,10 @@ def _half_frozen(model) -> bool:
 def lora_sums_in_fp32(model) -> int:
     """Under bf16 / fp16 autocast a LoRA layer returns base(x) + B(A(x)) * scaling summed in half precision, where
     the adapter's contribution in the first steps (~1e-3 of base(x)) is below the rounding step (2^-8 for bf16): it
-    is rounded away and the updates barely reach the loss (bench/README.md: steps 2-30 of the recipe 8-40% above
-    fp32's losses). Each plain LoRA Linear layer adds its branch in fp32 instead, its output then fp32. Returns how
-    many layers; variants (DoRA and the like) keep peft's forward."""
+    is rounded away in what the forward computes, so the run's logged losses, its evaluation and a chat under autocast
+    see little of what the adapter learned (bench/README.md: logged losses 8-40% above fp32's; the adapter itself
+    learns the same, read by an fp32 forward). Each plain LoRA Linear layer adds its branch in fp32 instead, its
+    output then fp32. Returns how many layers; variants (DoRA and the like) keep peft's forward."""
     from peft.tuners.lora.layer import Linear as LoraLinear  # peft's LoRA layer class, only where LoRA trains
 
     layers = [m for m in model.modules() if type(m) is LoraLinear]

@@ -379,9 +379,19 @@ def _failure_text(rank_id: int, failure, status: dict) -> str:
     return f"{who} failed: {message or where}"
 
 
+# The reasons a worker gives (backend.training.train.failure_message) when a write failed: the disk is the cause
+# then, and a peer's error in the same second (a shared checkpoint folder half written) is its consequence.
+WRITE_FAILURES = ("no space left on device", "file too large", "could not write a file")
+
+
 def root_failures(failures: dict) -> list[tuple[int, object]]:
-    """The failures that started it: a rank killed by a signal is the cause when there is one (its peers then
-    fail on a closed connection); else the earliest."""
+    """The failures that started it: a rank whose write failed (disk full) when there is one; else a rank killed
+    by a signal (its peers then fail on a closed connection); else the earliest (the timestamps are whole seconds:
+    ties go to the lower rank)."""
+    full = sorted((r, f) for r, f in failures.items()
+                  if f.exitcode > 0 and f.error_file != "<N/A>" and str(f.message).startswith(WRITE_FAILURES))
+    if full:
+        return full[:1]
     killed = sorted((r, f) for r, f in failures.items() if f.exitcode < 0)
     if killed:
         return killed

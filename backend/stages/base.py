@@ -97,6 +97,9 @@ def save_checkpoints_atomically(trainer) -> None:
                 rotate_checkpoints(output_dir=str(out), save_total_limit=trainer.args.save_total_limit,
                                    best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
         except Exception as exc:
+            if not staging.exists():  # removed under this rank's feet: another rank's save failed first
+                raise CheckpointSaveError(name, RuntimeError(
+                    f"{staging.name} was removed while this rank wrote into it (another rank's save failed)")) from exc
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointSaveError(name, exc) from exc
         finally:

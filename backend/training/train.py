@@ -106,12 +106,13 @@ def _write_failure(exc: BaseException) -> str | None:
         seen.add(id(exc))
         code = getattr(exc, "errno", None)
         text = str(exc)
+        no_space, too_large, unwritten = launch.WRITE_FAILURES  # the launcher reads these as the root cause
         if code in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in text:
-            return "no space left on device"
+            return no_space
         if code == errno.EFBIG or "File too large" in text:
-            return "file too large for this file system or process limit"
+            return f"{too_large} for this file system or process limit"
         if "unexpected pos" in text or "PytorchStreamWriter failed" in text:  # torch.save on a full disk
-            return "could not write a file (disk full?)"
+            return f"{unwritten} (disk full?)"
         exc = exc.__cause__ or exc.__context__
     return None
 

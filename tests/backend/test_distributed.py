@@ -191,3 +191,24 @@ def test_trainer_arguments_of_a_launched_cpu_run(no_gpu):
                                                                                      "finetuning_type=full"]))
     zero = distributed_arguments(load_spec(None, ["deepspeed=examples/deepspeed/ds_z3_config.json"]))
     assert zero["use_cpu"] and zero["deepspeed"] == str(REPO / "examples/deepspeed/ds_z3_config.json")
+
+
+def test_a_full_disk_is_named_as_the_cause_over_a_peer_failing_in_the_same_second(tmp_path, monkeypatch):
+    """ZeRO-3 on a full disk: the rank whose write failed removes the shared checkpoint folder and its peer then
+    fails on the missing folder, often in the same second (the error files' timestamps are whole seconds); the
+    launcher names the full disk, not the peer's consequence, even though the peer is rank 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from backend.core.launch import record_worker_failure, root_failures
+
+    def failed(rank: int, message: str) -> ProcessFailure:
+        error_file = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        record_worker_failure(message)
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=str(error_file))
+
+    peer = failed(0, "error while saving checkpoint-2 (could not save checkpoint-2: RuntimeError: .saving-2 was removed "
+                     "while this rank wrote into it (another rank's save failed))")
+    full = failed(1, "no space left on device while saving checkpoint-2 (could not save checkpoint-2: OSError: ...)")
+    assert [r for r, _ in root_failures({0: peer, 1: full})] == [1]
+    other = failed(1, "ValueError: something else")
+    assert [r for r, _ in root_failures({0: peer, 1: other})] == [0]  # no write failure: the earliest, then rank

@@ -8,6 +8,7 @@ them to `fit()`.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -97,6 +98,32 @@ def seed_everything(spec) -> None:
         enable_full_determinism(spec.seed)
     else:
         set_seed(spec.seed)
+
+
+# transformers' optimizers that are bitsandbytes' (OptimizerNames: adamw_bnb_8bit, paged_adamw_32bit, lion_8bit, ...)
+_BNB_OPTIMIZER_WORDS = ("bnb", "8bit", "32bit", "paged", "lion", "ademamix")
+
+
+def leave_out_bitsandbytes(spec) -> bool:
+    """Keep bitsandbytes out of a training process that does not use it. peft imports it at its own import whenever
+    it is installed (~50 MiB of peak RSS in every run, its CPU kernels loaded); only QLoRA (quantization_bit, or a
+    model saved quantized), bitsandbytes' optimizers and GaLore (galore_torch imports it) use it. It is marked absent
+    (None in sys.modules: importlib's find_spec then says not installed, so transformers and peft take their paths
+    without it). Returns whether it was left out; TUNEBOARD_BITSANDBYTES=1 keeps it."""
+    if "bitsandbytes" in sys.modules or os.environ.get("TUNEBOARD_BITSANDBYTES") == "1":
+        return False
+    optim = str(getattr(spec, "optim", "") or "").lower()
+    if (getattr(spec, "quantization_bit", None) or getattr(spec, "use_galore", False)
+            or any(word in optim for word in _BNB_OPTIMIZER_WORDS)):
+        return False
+    config = Path(str(getattr(spec, "model_name_or_path", "") or "")).expanduser() / "config.json"
+    try:
+        if config.is_file() and "quantization_config" in json.loads(config.read_text()):
+            return False
+    except (OSError, ValueError):
+        return False
+    sys.modules["bitsandbytes"] = None
+    return True
 
 
 def _write_failure(exc: BaseException) -> str | None:
@@ -214,6 +241,7 @@ def run(spec, args: list[str] | None = None) -> int:
 def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = False) -> int:
     """The stage, from a started run directory to its final status (rank 0 writes it; other ranks only
     train). Returns the exit code."""
+    leave_out_bitsandbytes(spec)  # before anything imports peft (the callbacks import transformers' Trainer parts)
     from backend.training.callbacks import StopSwitch  # heavy: loaded on use, so importing this module stays light
 
     threshold = None if allocator.loaded() else return_freed_memory()

@@ -1,8 +1,9 @@
-"""backend.training.train.return_freed_memory: with it, big freed blocks go back to the OS (glibc), so a training
-step's peak RSS is its live tensors, not the heap's high-water mark. Measured in fresh subprocesses (the
-setting is process-wide)."""
+"""The training process's memory: backend.training.train.return_freed_memory (with it, big freed blocks go back to
+the OS (glibc), so a training step's peak RSS is its live tensors, not the heap's high-water mark) and
+leave_out_bitsandbytes. Measured in fresh subprocesses (the settings are process-wide)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -61,3 +62,36 @@ def test_threshold_can_be_turned_off(monkeypatch):
 
     monkeypatch.setenv("TUNEBOARD_MMAP_THRESHOLD", "0")
     assert return_freed_memory() is None
+
+
+LEAVE_OUT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {repo!r})
+    from backend.core.spec import load_spec
+    from backend.training.train import leave_out_bitsandbytes
+    left_out = leave_out_bitsandbytes(load_spec(None, sys.argv[1:]))
+    import peft  # imports bitsandbytes at its own import when it can
+    from peft.import_utils import is_bnb_available
+    from transformers.utils import is_bitsandbytes_available
+    print(json.dumps([left_out, "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is not None,
+                      is_bnb_available(), is_bitsandbytes_available()]))
+""")
+
+
+@pytest.mark.parametrize("overrides, kept", [
+    ([], False),
+    (["finetuning_type=full", "optim=adamw_torch_fused"], False),
+    (["quantization_bit=4"], True),
+    (["optim=paged_adamw_8bit"], True),
+    (["finetuning_type=full", "use_galore=true", "optim=adamw_torch"], True),
+])
+def test_bitsandbytes_is_loaded_only_by_runs_that_use_it(overrides, kept):
+    """peft imports bitsandbytes whenever it is installed (~50 MiB of a run's peak RSS); a training process leaves
+    it out unless the spec uses it (QLoRA, its optimizers, GaLore), and then transformers and peft see it absent."""
+    pytest.importorskip("bitsandbytes")
+    out = subprocess.run([sys.executable, "-c", LEAVE_OUT.format(repo=str(REPO)), *overrides],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    left_out, loaded, peft_sees, transformers_sees = json.loads(out.stdout.strip().splitlines()[-1])
+    assert left_out is (not kept)
+    assert loaded is kept and peft_sees is kept and transformers_sees is kept

@@ -29,6 +29,7 @@ from backend import stages
 from backend.core import checkpointing, launch
 from backend.core.atomic import write_text_atomic
 from backend.core.methods import METHODS, is_adapter
+from backend.core.precision import bf16_default_applies, native_bf16_cpu
 from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.rewards import is_model_name, split_names
 from backend.core.spec import RunSpec
@@ -48,7 +49,7 @@ CHECKPOINTED_SHARE = 1 / 4.4  # activations kept with gradient checkpointing (wa
 FIELDS = ("model_name_or_path", "finetuning_type", "quantization_bit", "stage", "pref_loss", "ref_model",
           "per_device_train_batch_size", "cutoff_len", "gradient_checkpointing", "bf16", "fp16",
           "nproc_per_node", "nnodes", "deepspeed", "eval_metric", "eval_samples", "max_steps",
-          "save_steps", "save_strategy", "teacher_model_name_or_path", "teacher_quantization_bit")
+          "save_steps", "save_strategy", "teacher_model_name_or_path", "teacher_quantization_bit", "use_dora", "pure_bf16")
 
 
 def _checkpointing(flat: dict) -> bool:
@@ -174,6 +175,13 @@ def shard(weights: float, state: float, world: int, stage: int | None) -> tuple[
     return weights / world, state / world
 
 
+def _half(flat: dict) -> bool:
+    """The run holds its frozen weights and activations in 16 bits: bf16 / fp16 asked, or bf16 left unset where the
+    training process turns it on (backend.core.precision: LoRA SFT / PT on a CPU with native bf16 matmul)."""
+    return bool(flat.get("bf16") or flat.get("fp16")) or (
+        bf16_default_applies(flat) and not launch.visible_accelerators() and native_bf16_cpu())
+
+
 def estimate(flat: dict) -> dict:
     """Bytes needed, by part. Full fine-tuning keeps fp32 weights + grads + 2 Adam moments (16 B/param);
     LoRA/freeze keep frozen weights at their dtype and ~1-5% trainable state; activations ~ batch x
@@ -182,7 +190,7 @@ def estimate(flat: dict) -> dict:
     if n is None:
         return {"known": False}
     qbit = flat.get("quantization_bit")
-    half = bool(flat.get("bf16") or flat.get("fp16"))
+    half = _half(flat)
     weight_b = {4: 0.55, 8: 1.05}.get(qbit, 2.0 if half else 4.0)
     trainable = METHODS.get(flat.get("finetuning_type") or "lora", METHODS["full"]).trainable_share
     weights = n * weight_b

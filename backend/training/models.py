@@ -45,7 +45,7 @@ from backend.core.methods import method, quantizable_methods
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
 from backend.core.registry import lookup_registry
-from backend.stages import STAGES  # light: the stage declarations (bf16_by_default)
+from backend.core.precision import bf16_default_applies, native_bf16_cpu
 
 logger = logging.getLogger("tuneboard.models")
 Warn = Callable[[str], None]
@@ -294,16 +294,6 @@ def load_tokenizer(resolved: ResolvedModel, *, trust_remote_code: bool = False, 
     return tokenizer
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_supported() -> bool:
     """A CPU whose bf16 matmuls are native (avx512_bf16 or AMX, used by torch's oneDNN): there a 2048^3 bf16
@@ -314,7 +304,7 @@ def cpu_bf16_supported() -> bool:
             return False
     except (AttributeError, RuntimeError):
         return False
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return native_bf16_cpu()
 
 
 def bf16_supported() -> bool:
@@ -330,16 +320,10 @@ BF16_DEFAULT_NOTE = ("bf16: on, the default for LoRA SFT / PT on a CPU with nati
 
 
 def bf16_by_default(spec: Any) -> bool:
-    """bf16 left unset turns on for training where the CPU has native bf16 matmul, for a stage and a method whose
-    declarations say so (bf16_by_default: LoRA SFT / PT, where it was measured to learn like fp32; not DoRA), not on
-    a GPU, not with fp16, pure_bf16 or a quantized base. TUNEBOARD_BF16_AUTO=0 keeps fp32 there (the test suite's
-    exactness checks; bench lever fp32)."""
-    declared = STAGES.get(str(_get(spec, "stage", None) or "sft"))
-    return (_get(spec, "bf16", None) is None and os.environ.get("TUNEBOARD_BF16_AUTO", "1") != "0"
-            and declared is not None and declared.bf16_by_default
-            and method(_get(spec, "finetuning_type", None)).bf16_by_default and not _get(spec, "use_dora", False)
-            and not _get(spec, "fp16", False) and not _get(spec, "pure_bf16", False)
-            and not _get(spec, "quantization_bit", None) and not torch.cuda.is_available() and cpu_bf16_supported())
+    """bf16 left unset turns on for training where backend.core.precision says the spec takes the default (LoRA
+    SFT / PT, from the stage and method declarations) and this machine is a CPU with native bf16 matmul that
+    torch's oneDNN uses (not a GPU)."""
+    return bf16_default_applies(spec) and not torch.cuda.is_available() and cpu_bf16_supported()
 
 
 def compute_dtype(spec: Any, warn: Warn | None = None, *, training: bool = True) -> torch.dtype:

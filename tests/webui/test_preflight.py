@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from backend.core.paths import DEFAULT_MODEL_ID
 from webui import preflight
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,3 +46,34 @@ def test_a_reward_model_in_reward_funcs_counts_its_frozen_weights(tmp_path):
     assert preflight.estimate(flat)["reward_models"] == (1000 + 10 + 10) * 4
     assert "reward models 0.0" in preflight.summary_md(flat)
     assert preflight.reward_model_bytes({**flat, "reward_funcs": "json_valid"}) == 0
+
+
+def test_bf16_left_unset_is_counted_as_the_run_will_hold_it(monkeypatch):
+    """The default model's LoRA SFT form with bf16 unset: on a CPU with native bf16 matmul the run trains in bf16
+    (backend.core.precision), so its weights and activations count 2 bytes, as with bf16 asked; with
+    TUNEBOARD_BF16_AUTO=0, under oneDNN held to AVX2, for DPO (not declared) or with bf16: false, 4 bytes. The
+    training process's own rule (backend.training.models.bf16_by_default, with torch's check) agrees on this
+    machine."""
+    from backend.core import precision
+    from backend.core.spec import load_spec
+    from backend.training.models import bf16_by_default
+
+    monkeypatch.setattr(preflight.launch, "visible_accelerators", lambda: 0)
+    base = {"model_name_or_path": DEFAULT_MODEL_ID, "finetuning_type": "lora", "stage": "sft",
+            "per_device_train_batch_size": 4, "cutoff_len": 512}
+    weights = lambda **more: preflight.estimate({**base, **more})["weights"]  # noqa: E731
+    monkeypatch.setenv(precision.AUTO_ENV, "1")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert preflight._half(base) is bf16_by_default(load_spec(None, ["finetuning_type=lora"]))  # this machine
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert weights() == weights(bf16=True) == weights(bf16=False) / 2
+    assert weights(stage="dpo") == weights(bf16=False) and weights(use_dora=True) == weights(bf16=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert weights() == weights(bf16=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv(precision.AUTO_ENV, "0")
+    assert weights() == weights(bf16=False)
+    monkeypatch.setenv(precision.AUTO_ENV, "1")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert weights() == weights(bf16=False)

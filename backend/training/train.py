@@ -102,25 +102,40 @@ def seed_everything(spec) -> None:
 
 # transformers' optimizers that are bitsandbytes' (OptimizerNames: adamw_bnb_8bit, paged_adamw_32bit, lion_8bit, ...)
 _BNB_OPTIMIZER_WORDS = ("bnb", "8bit", "32bit", "paged", "lion", "ademamix")
+_MODEL_KEYS = ("model_name_or_path", "ref_model", "teacher_model_name_or_path", "reward_model")
+
+
+def _plain_model(name: str) -> bool:
+    """A model that loads without bitsandbytes: the embedded default, a GGUF file, or a local folder whose
+    config.json holds no quantization_config. A hub id is not read here (it may be saved quantized)."""
+    from backend.core.paths import DEFAULT_MODEL_ID
+
+    folder = Path(name).expanduser()
+    if name.lower() == DEFAULT_MODEL_ID.lower() or name.lower().endswith(".gguf"):
+        return True
+    try:
+        return folder.is_dir() and "quantization_config" not in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def leave_out_bitsandbytes(spec) -> bool:
     """Keep bitsandbytes out of a training process that does not use it. peft imports it at its own import whenever
-    it is installed (~50 MiB of peak RSS in every run, its CPU kernels loaded); only QLoRA (quantization_bit, or a
-    model saved quantized), bitsandbytes' optimizers and GaLore (galore_torch imports it) use it. It is marked absent
-    (None in sys.modules: importlib's find_spec then says not installed, so transformers and peft take their paths
-    without it). Returns whether it was left out; TUNEBOARD_BITSANDBYTES=1 keeps it."""
+    it is installed (~45 MiB of peak RSS in every run, its CPU kernels loaded); only 4/8-bit loading (QLoRA, a KD
+    teacher, a model saved quantized), bitsandbytes' optimizers and GaLore (galore_torch imports it) use it. It is
+    marked absent (None in sys.modules: importlib's find_spec then says not installed, so transformers and peft take
+    their paths without it) only where every model the spec names is known to load without it. Returns whether it was
+    left out; TUNEBOARD_BITSANDBYTES=1 keeps it."""
     if "bitsandbytes" in sys.modules or os.environ.get("TUNEBOARD_BITSANDBYTES") == "1":
         return False
-    optim = str(getattr(spec, "optim", "") or "").lower()
-    if (getattr(spec, "quantization_bit", None) or getattr(spec, "use_galore", False)
-            or any(word in optim for word in _BNB_OPTIMIZER_WORDS)):
+    fields = spec.model_dump() if hasattr(spec, "model_dump") else dict(vars(spec))
+    if any(value for key, value in fields.items() if key.endswith("quantization_bit")):
         return False
-    config = Path(str(getattr(spec, "model_name_or_path", "") or "")).expanduser() / "config.json"
-    try:
-        if config.is_file() and "quantization_config" in json.loads(config.read_text()):
-            return False
-    except (OSError, ValueError):
+    optim = str(fields.get("optim") or "").lower()
+    if fields.get("use_galore") or any(word in optim for word in _BNB_OPTIMIZER_WORDS):
+        return False
+    models = [str(fields[k]) for k in _MODEL_KEYS if fields.get(k)]
+    if "/" in str(fields.get("reward_funcs") or "") or not all(_plain_model(m) for m in models):
         return False
     sys.modules["bitsandbytes"] = None
     return True

@@ -84,10 +84,12 @@ LEAVE_OUT = textwrap.dedent("""
     (["quantization_bit=4"], True),
     (["optim=paged_adamw_8bit"], True),
     (["finetuning_type=full", "use_galore=true", "optim=adamw_torch"], True),
+    (["model_name_or_path=someorg/some-model-bnb-4bit"], True),  # a hub id may be saved quantized: not read here
 ])
 def test_bitsandbytes_is_loaded_only_by_runs_that_use_it(overrides, kept):
     """peft imports bitsandbytes whenever it is installed (~50 MiB of a run's peak RSS); a training process leaves
-    it out unless the spec uses it (QLoRA, its optimizers, GaLore), and then transformers and peft see it absent."""
+    it out unless the spec uses it (QLoRA, its optimizers, GaLore) or names a model it cannot tell loads without it,
+    and then transformers and peft see it absent."""
     pytest.importorskip("bitsandbytes")
     out = subprocess.run([sys.executable, "-c", LEAVE_OUT.format(repo=str(REPO)), *overrides],
                          capture_output=True, text=True, timeout=300)

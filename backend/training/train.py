@@ -17,6 +17,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.rundir import DEBUG_LOG, LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
 from backend.dataprep.preprocess import tokenizing
 from backend.stages import stage_module
@@ -108,8 +109,6 @@ _MODEL_KEYS = ("model_name_or_path", "ref_model", "teacher_model_name_or_path", 
 def _plain_model(name: str) -> bool:
     """A model that loads without bitsandbytes: the embedded default, a GGUF file, or a local folder whose
     config.json holds no quantization_config. A hub id is not read here (it may be saved quantized)."""
-    from backend.core.paths import DEFAULT_MODEL_ID
-
     folder = Path(name).expanduser()
     if name.lower() == DEFAULT_MODEL_ID.lower() or name.lower().endswith(".gguf"):
         return True

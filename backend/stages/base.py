@@ -97,7 +97,8 @@ def save_checkpoints_atomically(trainer) -> None:
                 rotate_checkpoints(output_dir=str(out), save_total_limit=trainer.args.save_total_limit,
                                    best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
         except Exception as exc:
-            if not staging.exists():  # removed under this rank's feet: another rank's save failed first
+            if trainer.args.world_size > 1 and not staging.exists() and not isinstance(exc, OSError):
+                # removed under this rank's feet (torch: "Parent directory ... does not exist"): a peer's save failed
                 raise CheckpointSaveError(name, RuntimeError(
                     f"{staging.name} was removed while this rank wrote into it (another rank's save failed)")) from exc
             shutil.rmtree(staging, ignore_errors=True)

@@ -17,6 +17,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from backend.core.optim_names import uses_bitsandbytes
 from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.rundir import DEBUG_LOG, LOG_FILE, SPEC_FILE, RunDir, checkpoints, is_complete_checkpoint
 from backend.dataprep.preprocess import tokenizing
@@ -101,8 +102,6 @@ def seed_everything(spec) -> None:
         set_seed(spec.seed)
 
 
-# transformers' optimizers that are bitsandbytes' (OptimizerNames: adamw_bnb_8bit, paged_adamw_32bit, lion_8bit, ...)
-_BNB_OPTIMIZER_WORDS = ("bnb", "8bit", "32bit", "paged", "lion", "ademamix")
 _MODEL_KEYS = ("model_name_or_path", "ref_model", "teacher_model_name_or_path", "reward_model")
 
 
@@ -130,8 +129,7 @@ def leave_out_bitsandbytes(spec) -> bool:
     fields = spec.model_dump() if hasattr(spec, "model_dump") else dict(vars(spec))
     if any(value for key, value in fields.items() if key.endswith("quantization_bit")):
         return False
-    optim = str(fields.get("optim") or "").lower()
-    if fields.get("use_galore") or any(word in optim for word in _BNB_OPTIMIZER_WORDS):
+    if fields.get("use_galore") or uses_bitsandbytes(fields.get("optim")):
         return False
     models = [str(fields[k]) for k in _MODEL_KEYS if fields.get(k)]
     if "/" in str(fields.get("reward_funcs") or "") or not all(_plain_model(m) for m in models):
@@ -142,12 +140,12 @@ def leave_out_bitsandbytes(spec) -> bool:
 
 def _write_failure(exc: BaseException) -> str | None:
     """'no space left on device' / 'file too large' when `exc` (or what caused it) is a failed write."""
+    no_space, too_large, unwritten = launch.WRITE_FAILURES  # the launcher reads these as the root cause
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         code = getattr(exc, "errno", None)
         text = str(exc)
-        no_space, too_large, unwritten = launch.WRITE_FAILURES  # the launcher reads these as the root cause
         if code in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in text:
             return no_space
         if code == errno.EFBIG or "File too large" in text:

@@ -18,13 +18,20 @@ starts from on the shared base weights, no second copy; for full / freeze a froz
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from accelerate.utils import is_peft_model
 from datasets import Dataset
 from transformers import Trainer
 from trl import KTOConfig, KTOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import use_adapter
+
+from backend.training import shared_prompt
 
 from backend.training.adapters import _upcast_trainable
 from backend.training.logprobs import install_on_trainer
@@ -67,6 +74,11 @@ def run(spec, run_dir, stop) -> StageResult:
     return predict_held_out(spec, run_dir, result, model, tokenizer, template, val_examples)
 
 
+# what TRL's KTO collator gives for text rows (anything more, e.g. images, takes TRL's two reference forwards)
+KTO_BATCH_KEYS = {"input_ids", "attention_mask", "completion_mask", "KL_input_ids", "KL_attention_mask",
+                  "KL_completion_mask", "label"}
+
+
 def _kto_trainer_class(spec):
     class _KTOTrainer(KTOTrainer):
         """TRL's KTOTrainer on our pre-tokenized rows, and with no copy of an adapter that is still the identity."""
@@ -77,8 +89,10 @@ def _kto_trainer_class(spec):
             # in fp32 as every stage does (backend.training.models: trained weights not in bf16 unless pure_bf16).
             _upcast_trainable(self.model, spec)
             # TRL's fused LM head -> ours (backend.training.logprobs): same numbers, answer tokens only, small tiles,
-            # each batch's rows in one row without their padding (backend.training.shared_prompt.find_rows)
-            self.run_log_lines = [install_on_trainer(self, ("log_probs", "entropy", "mean_logits"), rows=True)]
+            # each batch's rows in one row without their padding (backend.training.shared_prompt.find_rows), and
+            # the reference's rows and KL rows as pairs sharing their prompts (reference_log_probs)
+            self.run_log_lines = [install_on_trainer(self, ("log_probs", "entropy", "mean_logits"), pairs=True,
+                                                     rows=True)]
             # TRL copies a PeftModel's adapter as the reference ("ref"). A fresh LoRA adapter (B = 0) changes
             # nothing yet, so disabling it gives the same reference without the copy.
             model = self.accelerator.unwrap_model(self.model)
@@ -86,6 +100,20 @@ def _kto_trainer_class(spec):
                     and adapter_is_identity(model):
                 model.delete_adapter("ref")
                 model.set_adapter("default")
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            # TRL runs the reference twice a batch, on the rows and on their KL rows; each KL row is its row's prompt
+            # with another row's answer, so one forward of the pairs computes each prompt once for both, and TRL's
+            # own path for reference log-probabilities a batch carries (precompute_ref_log_probs) takes the sums.
+            reference = None if self.precompute_ref_logps else reference_log_probs(self, inputs)
+            if reference is None:
+                return super()._compute_loss(model, inputs, return_outputs)
+            self.precompute_ref_logps = True
+            try:
+                return super()._compute_loss(model, {**inputs, "ref_logps": reference[0],
+                                                     "ref_KL_logps": reference[1]}, return_outputs)
+            finally:
+                self.precompute_ref_logps = False
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             # Our rows are already tokenized by our templates (backend.dataprep.preference): TRL's own preparation would
@@ -113,6 +141,35 @@ def _kto_trainer_class(spec):
                 shutil.rmtree(ref)
 
     return _KTOTrainer
+
+
+def reference_log_probs(trainer, inputs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's summed answer log-probabilities of a KTO batch's rows and of their KL rows, from ONE forward of
+    [rows; KL rows] that the lean head packs as pairs sharing each prompt (backend/training/shared_prompt.py
+    find_pairs: the same numbers as two forwards); None where that does not apply: no KL rows, a batch with more
+    than text rows (images), or a reference whose head does not pack pairs."""
+    if not trainer.calculate_KL or set(inputs) - KTO_BATCH_KEYS or not shared_prompt.enabled():
+        return None
+    reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
+    unwrapped = trainer.accelerator.unwrap_model(reference)
+    lm = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    if not getattr(lm, "_shared_prompt", None):
+        return None
+    device = trainer.accelerator.device
+    width = max(inputs["input_ids"].shape[1], inputs["KL_input_ids"].shape[1])
+    ids, mask, answer = (
+        torch.cat([F.pad(inputs[prefix + key].to(device), (0, width - inputs[prefix + key].shape[1]))
+                   for prefix in ("", "KL_")])
+        for key in ("input_ids", "attention_mask", "completion_mask"))
+    adapter = contextlib.nullcontext()
+    if trainer.ref_model is None and is_peft_model(unwrapped):
+        adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs), \
+            adapter:
+        sums = reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(answer == 0, -100),
+                         fused_lm_head=True, use_cache=False).log_probs.sum(-1)
+    rows = inputs["input_ids"].shape[0]
+    return sums[:rows], sums[rows:]
 
 
 def kl_completions(batch: dict) -> dict:

@@ -175,57 +175,72 @@ def _probe_packing(model, kind: str) -> str | None:
     batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device),
              "fused_lm_head": True}
     what = "rows" if kind == "rows" else "pairs"
+    kept = (getattr(lm, "_shared_prompt", None), getattr(lm, "_pack_rows", False))  # the other packing, if on
     was_training = model.training
     try:
         model.eval()
         with torch.no_grad():
-            _set_packing(lm, None)
+            _set_packing(lm, None, False)
             plain = model(**batch).log_probs
-            _set_packing(lm, kind)
+            _set_packing(lm, None if kind == "rows" else kind, kind == "rows")
             lm.packed_batches = 0
             packed = model(**batch).log_probs
             if lm.packed_batches != 1:
                 raise RuntimeError(f"the probe's {what} were not packed")
     except Exception as exc:  # a family whose backbone does not take position ids or masks this way
-        _set_packing(lm, None)
+        _set_packing(lm, *kept)
         return f"the {'packed-rows' if what == 'rows' else 'shared-prompt'} probe failed ({type(exc).__name__}: {exc})"
     finally:
         model.train(was_training)
+    _set_packing(lm, *kept)
     half = lm.get_output_embeddings().weight.dtype != torch.float32
     if not (packed - plain).abs().max().item() <= (2e-2 if half else 1e-4) * max(1.0, plain.abs().max().item()):
-        _set_packing(lm, None)
         return f"packed {what}' log-probabilities differ from the padded rows'"
+    if kind == "rows":
+        lm._pack_rows = True
+    else:
+        lm._shared_prompt = kind
     return None
 
 
-def _set_packing(lm, kind: str | None) -> None:
-    lm._shared_prompt = None if kind in (None, "rows") else kind
-    lm._pack_rows = kind == "rows"
+def _set_packing(lm, pairs_kind: str | None, rows: bool) -> None:
+    lm._shared_prompt, lm._pack_rows = pairs_kind, rows
 
 
 def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False, rows: bool = False) -> str:
     """The lean head on a TRL preference trainer's policy (computing `outputs`, what the trainer logs) and on its
     separate reference model, if any, with each pair's prompt computed once (`pairs`: DPO) or a batch's rows without
-    padding (`rows`: KTO); returns the run log's line saying which head computes the log-probabilities."""
-    problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.model), outputs)
+    padding (`rows`: KTO; with `pairs` too, the model that computes the reference also packs KTO's rows and KL rows as
+    pairs, each prompt once: backend/stages/kto.py `reference_log_probs`); returns the run log's line saying which head
+    computes the log-probabilities."""
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    problem = install_lean_logprobs(policy, outputs)
     if problem:
         return f"log-probabilities: TRL's fused head over every position ({problem})"
     line = (f"log-probabilities: answer tokens only, in tiles of {TILE_TOKENS} tokens x {TILE_VOCAB} vocabulary "
             "entries (no full logits)")
+    reference = None
     if getattr(trainer, "ref_model", None) is not None:
-        problem = install_lean_logprobs(trainer.accelerator.unwrap_model(trainer.ref_model))
+        reference = trainer.accelerator.unwrap_model(trainer.ref_model)
+        problem = install_lean_logprobs(reference)
         line += f"; the reference model: TRL's fused head ({problem})" if problem else ", the reference model too"
-        if pairs and not problem:
-            problem = share_prompts(trainer.accelerator.unwrap_model(trainer.ref_model))
-            line += f"; the reference model's pairs as two rows ({problem})" if problem else ""
-        if rows and not problem:
-            problem = pack_rows(trainer.accelerator.unwrap_model(trainer.ref_model))
+        if problem:
+            reference = None
+        elif rows:
+            problem = pack_rows(reference)
             line += f"; the reference model's rows padded ({problem})" if problem else ""
+        elif pairs:
+            problem = share_prompts(reference)
+            line += f"; the reference model's pairs as two rows ({problem})" if problem else ""
     if rows:
-        problem = pack_rows(trainer.accelerator.unwrap_model(trainer.model))
-        return line + (f"; the rows padded ({problem})" if problem else "; a batch's rows in one row without padding")
+        problem = pack_rows(policy)
+        line += f"; the rows padded ({problem})" if problem else "; a batch's rows in one row without padding"
+        if pairs and (reference is not None or getattr(trainer, "ref_model", None) is None):
+            problem = share_prompts(reference if reference is not None else policy)
+            line += (f"; the reference's rows and KL rows in two forwards ({problem})" if problem else
+                     "; the reference's rows and KL rows in one forward, each prompt computed once")
+        return line
     if pairs:
-        policy = trainer.accelerator.unwrap_model(trainer.model)
         problem = share_prompts(policy)
         if problem:
             return line + f"; each pair as two rows ({problem})"

@@ -42,7 +42,7 @@ def pairs(tiny_llama, tmp_path_factory):
     return build_preference_dataset(examples, get_template("llama3", tokenizer), tokenizer, 128)[0]
 
 
-def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: bool = True
+def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: bool = True, method: str = "lora"
            ) -> tuple[list[dict], list[str]]:
     """2 steps of the stage's own trainer on `rows`: (log_history, the trainer's run-log lines)."""
     from datasets import Dataset
@@ -50,7 +50,7 @@ def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: b
     from trl import KTOConfig
 
     from backend.stages import dpo, kto
-    from backend.stages.base import trainable_model, training_arguments
+    from backend.stages.base import reference_model, trainable_model, training_arguments
     from backend.training.models import load_tokenizer, resolve_model
 
     monkeypatch.setenv("TUNEBOARD_CHUNKED_LOSS", "1" if lean else "0")
@@ -58,10 +58,12 @@ def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: b
     spec = validate_spec({"model_name_or_path": str(tiny_llama), "stage": stage, "dataset": "unused",
                           "template": "llama3", "cutoff_len": 128, "lora_rank": 4, "per_device_train_batch_size": 4,
                           "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2, "lr_scheduler_type": "constant",
-                          "save_strategy": "no", "report_to": "none"}, check_files=False)
+                          "save_strategy": "no", "report_to": "none", "finetuning_type": method},
+                         check_files=False)
     set_seed(0)  # the same LoRA initialisation for both heads
     resolved = resolve_model(spec.model_name_or_path)
     model = trainable_model(spec, _QuietRunDir(), resolved)
+    ref_model = reference_model(spec, _QuietRunDir(), resolved, model)  # full: a frozen copy; LoRA: None
     if stage == "dpo":
         trainer_class, args_class, config = dpo.trainer_for(spec, "sigmoid")
     else:
@@ -69,16 +71,17 @@ def _train(stage, tiny_llama, rows, tmp_path, lean: bool, monkeypatch, shared: b
         config = {"beta": spec.pref_beta, "max_length": spec.cutoff_len}
     args = training_arguments(spec, tmp_path / f"{stage}-{lean}-{shared}", has_eval=False, args_class=args_class,
                               extra=config)
-    trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(rows),
+    trainer = trainer_class(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
                             processing_class=load_tokenizer(resolved))
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h], trainer.run_log_lines
 
 
-@pytest.mark.parametrize("stage", ["dpo", "kto"])
-def test_lean_head_trains_as_trls_head(stage, tiny_llama, pairs, tmp_path, monkeypatch):
-    """KTO's lean head also runs each padded batch as one row without padding (shared_prompt.find_rows): TRL's head
-    computes the padded rows, so the same numbers show the packing changes nothing but the work."""
+@pytest.mark.parametrize("stage, method", [("dpo", "lora"), ("kto", "lora"), ("kto", "full")])
+def test_lean_head_trains_as_trls_head(stage, method, tiny_llama, pairs, tmp_path, monkeypatch):
+    """KTO's lean head also runs each padded batch as one row without padding (shared_prompt.find_rows), and the
+    reference's rows and KL rows as one forward of pairs: TRL's head computes the padded rows in two reference
+    forwards, so the same numbers show the packing changes nothing but the work."""
     from backend.training import logprobs, shared_prompt
 
     monkeypatch.setattr(logprobs, "TILE_TOKENS", 16)  # several tiles a batch, and tiles narrower than the vocabulary
@@ -89,11 +92,16 @@ def test_lean_head_trains_as_trls_head(stage, tiny_llama, pairs, tmp_path, monke
     rows = pairs if stage == "dpo" else [
         {"prompt_ids": r["prompt_ids"], "completion_ids": r[answer], "label": answer == "chosen_ids"}
         for r in pairs for answer in ("chosen_ids", "rejected_ids")]
-    lean, lean_lines = _train(stage, tiny_llama, rows, tmp_path, True, monkeypatch)
-    plain, plain_lines = _train(stage, tiny_llama, rows, tmp_path, False, monkeypatch)
+    lean, lean_lines = _train(stage, tiny_llama, rows, tmp_path, True, monkeypatch, method=method)
+    plain, plain_lines = _train(stage, tiny_llama, rows, tmp_path, False, monkeypatch, method=method)
     assert "answer tokens only" in lean_lines[0] and "TRL's fused head" in plain_lines[0]
-    if stage == "kto":  # the probe, then 2 steps x 4 forwards (policy and reference, rows and KL rows)
-        assert "a batch's rows in one row without padding" in lean_lines[0] and packed.count("Rows") >= 9
+    if stage == "kto":  # the two probes, then 3 forwards a micro-batch: the reference's rows and KL rows as one
+        # forward of pairs sharing their prompts (kto.reference_log_probs), then the policy's KL rows and rows
+        assert "a batch's rows in one row without padding" in lean_lines[0]
+        assert "the reference's rows and KL rows in one forward, each prompt computed once" in lean_lines[0]
+        probes = ["Rows", "Pairs"] if method == "lora" else ["Rows", "Rows", "Pairs"]  # full: the reference's own
+        assert packed[:len(probes)] == probes and len(packed) >= len(probes) + 6, packed
+        assert packed[len(probes):] == ["Pairs", "Rows", "Rows"] * ((len(packed) - len(probes)) // 3), packed
     assert len(lean) == len(plain) == 2
     assert abs(plain[1]["loss"] - plain[0]["loss"]) > 1e-3  # the first step moved the policy: step 2 tells heads apart
     for ours, theirs in zip(lean, plain):

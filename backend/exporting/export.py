@@ -51,6 +51,7 @@ from backend.training.adapters import _split
 from backend.training.models import load_tokenizer, model_folder, resize_vocab, resolve_model
 from backend.core.paths import REPO_ROOT, weights_note
 from backend.dataprep.preference import build_preference_dataset
+from backend.dataprep.preprocess import encode_segments
 from backend.core.promote import promoted_checkpoint
 from backend.core.refusals import reward_gguf_refusal
 from backend.dataprep.resolve import pick_template
@@ -65,8 +66,22 @@ MODELFILE = "Modelfile"
 REFERENCE_F16 = "reference-f16.gguf.tmp"  # in the staging folder only: removed before it takes export_dir's place
 IMATRIX_TMP = "imatrix.npz.tmp"  # the importance matrix the quantizer reads (export_imatrix), staging folder only
 STEPS = 6
-PPL_ROWS = 48  # alpaca_en_demo rows in a GGUF export's perplexity check in llama.cpp (~3,000 tokens: 3,374 with the
-#                probe and written rows on the default model)
+PPL_ROWS = 136  # alpaca_en_demo rows in a GGUF export's perplexity check in llama.cpp: all after the importance
+#                 matrix's 64 (with the probe and written rows ~2,900 answer tokens on the default model)
+
+
+def perplexity_rows(template, tokenizer) -> list[dict]:
+    """The rows llama.cpp's perplexity check scores, {"ids", "labels"} as training encodes them (labels -100 but on
+    the answer): the probe pairs' chosen answers, llamacpp_check.HELD_OUT and alpaca_en_demo rows after the
+    importance matrix's. Only answer tokens are scored, each given its prompt, as eval_loss scores them: the tokens
+    before an answer (a template's default system prompt, the same in every row, read with no context) would
+    otherwise weigh a third of the score and swing the deltas by several points (bench/README.md, k-quants)."""
+    convs = ([p["messages"] + [p["chosen"]] for p in PROBE_PAIRS] + llamacpp_check.HELD_OUT
+             + imatrix.calibration_conversations(n=PPL_ROWS, start=imatrix.CALIBRATION_ROWS))
+    encoded = [encode_segments(template.render(c), tokenizer, imatrix.MAX_ROW_TOKENS) for c in convs]
+    return [{"ids": e.input_ids, "labels": e.labels} for e in encoded if e.num_trained]
+
+
 PROBE_CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a helpful assistant."},
@@ -547,12 +562,8 @@ def export(spec) -> dict:
             modelfile_problems = [f"cannot express the chat template as an Ollama template: {exc}"]
         request_extra = {"gguf_file": name, "dtype": "float32"}
     ppl_rows = []
-    if kind == "gguf" and llamacpp.available():  # held-out rows for llama.cpp's perplexity, answers included
-        ppl_rows = [tokenizer(template.render_text(c), add_special_tokens=False).input_ids for c in
-                    [p["messages"] + [p["chosen"]] for p in PROBE_PAIRS] + llamacpp_check.HELD_OUT]
-        # and enough text for a delta of a few percent to stand out of the noise (7 short rows, ~370 tokens, moved
-        # by +-2%): alpaca rows after the importance matrix's
-        ppl_rows += imatrix.calibration_rows(template, tokenizer, n=PPL_ROWS, start=imatrix.CALIBRATION_ROWS)
+    if kind == "gguf" and llamacpp.available():  # held-out rows for llama.cpp's perplexity of their answers
+        ppl_rows = perplexity_rows(template, tokenizer)
     del model
     files = sorted(p.name for p in out.iterdir() if p.name != REFERENCE_F16)
 

@@ -27,16 +27,19 @@ CALIBRATION_ROWS = 64
 MAX_ROW_TOKENS = 512
 
 
-def calibration_rows(template, tokenizer, n: int = CALIBRATION_ROWS, start: int = 0) -> list[list[int]]:
-    """Token ids of n alpaca_en_demo rows from row `start` as chat turns (instruction [+ input] -> output): the
-    first CALIBRATION_ROWS for the importance matrix, the next ones for the exports' perplexity check."""
+def calibration_conversations(n: int = CALIBRATION_ROWS, start: int = 0) -> list[list[dict]]:
+    """n alpaca_en_demo rows from row `start` as chat turns (instruction [+ input] -> output): the first
+    CALIBRATION_ROWS for the importance matrix, the rest for the exports' perplexity check."""
     rows = json.loads(CALIBRATION_FILE.read_text(encoding="utf-8"))[start:start + n]
-    out = []
-    for r in rows:
-        user = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-        text = template.render_text([{"role": "user", "content": user}, {"role": "assistant", "content": r["output"]}])
-        out.append(tokenizer(text, add_special_tokens=False).input_ids[:MAX_ROW_TOKENS])
-    return out
+    return [[{"role": "user", "content": r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")},
+             {"role": "assistant", "content": r["output"]}] for r in rows]
+
+
+def calibration_rows(template, tokenizer, n: int = CALIBRATION_ROWS, start: int = 0) -> list[list[int]]:
+    """Token ids of calibration_conversations(n, start) rendered with the training template (every token: the
+    matrix wants the activations of whole rows)."""
+    return [tokenizer(template.render_text(c), add_special_tokens=False).input_ids[:MAX_ROW_TOKENS]
+            for c in calibration_conversations(n, start)]
 
 
 @torch.no_grad()

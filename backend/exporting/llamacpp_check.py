@@ -3,8 +3,8 @@ backend/core/llamacpp.py says whether it is installed).
 
 - quantize(): llama.cpp's quantizer (llama_model_quantize) turns the f16 file our writer made into a k-quant,
   weighted by an importance matrix when the export computed one (export_imatrix, backend/exporting/imatrix.py).
-- verify(): the exported file is loaded by llama.cpp and measured against the f16 file: perplexity on held-out
-  chat rows (a file that does not load or gives no finite perplexity fails the export; a rise above the
+- verify(): the exported file is loaded by llama.cpp and measured against the f16 file: perplexity of the answers
+  of held-out chat rows, each given its prompt (a file that does not load or gives no finite perplexity fails the export; a rise above the
   type's share of the f16 perplexity, backend.core.llamacpp.PPL_WARN, is a warning), greedy answers to the
   probe prompts against the adapter's (reported), the chat template, the end-of-turn tokens and the
   tokenization of the rendered prompts as llama.cpp reads them back (required), tokens/s of greedy decoding.
@@ -92,11 +92,12 @@ def measure(path: Path, request: dict) -> dict:
         return json.loads((Path(tmp) / "result.json").read_text(encoding="utf-8"))
 
 
-def verify(path: Path, reference: Path | None, stored: str, *, rows: list[list[int]], prompts: list[list[int]],
+def verify(path: Path, reference: Path | None, stored: str, *, rows: list[dict], prompts: list[list[int]],
            rendered: list[str], greedy: list[list[int]], stop_ids: list[int], chat_template: str,
            max_new_tokens: int, warn) -> tuple[list[dict], dict]:
     """The llama.cpp checks of the exported file `path` (a `stored` GGUF) against `reference` (the f16 file; None
-    when the export is the f16 file). Returns (checks, the report's row: size, perplexity, delta, tokens/s)."""
+    when the export is the f16 file). `rows`: {"ids", "labels"} (-100: not scored; export.perplexity_rows).
+    Returns (checks, the report's row: size, perplexity, delta, tokens/s)."""
     request = {"rows": rows, "prompts": prompts, "rendered": rendered, "stop_ids": stop_ids,
                "max_new_tokens": max_new_tokens}
     size = path.stat().st_size
@@ -129,7 +130,8 @@ def verify(path: Path, reference: Path | None, stored: str, *, rows: list[list[i
     checks.append({"name": "llamacpp_perplexity", "ok": finite, "ppl": ppl, "ppl_f16": ppl_f16,
                    "delta_pct": 100 * delta, "warn_above_pct": None if limit is None else 100 * limit,
                    "size_mb": row["size_mb"], "tokens_per_s": got["tokens_per_s"],
-                   "detail": (f"perplexity in llama.cpp on {len(rows)} held-out rows ({got['ppl_tokens']} tokens): "
+                   "detail": (f"perplexity in llama.cpp of the answers of {len(rows)} held-out rows "
+                              f"({got['ppl_tokens']} answer tokens, each given its prompt): "
                               f"{ppl:.4g}" + (f" vs {ppl_f16:.4g} for the f16 file ({100 * delta:+.2f}%)"
                                               if reference is not None else " (the f16 file itself)")
                               + f"; {got['tokens_per_s']:.1f} tokens/s greedy")
@@ -209,12 +211,14 @@ def _quantize_main(src: str, dst: str, gguf_type: str, imatrix: str | None = Non
     return 0
 
 
-def _nll(scores: np.ndarray, ids: list[int]) -> float:
-    """Summed negative log-likelihood of ids[1:] given the logits of each previous position."""
-    logits = scores[: len(ids) - 1].astype(np.float64)
+def _nll(scores: np.ndarray, ids: list[int], labels: list[int]) -> tuple[float, int]:
+    """(summed negative log-likelihood, count) of the tokens ids[1:] whose label is not -100, each given the logits
+    of the previous position."""
+    scored = np.flatnonzero(np.asarray(labels[1:len(ids)]) != -100)
+    logits = scores[scored].astype(np.float64)
     top = logits.max(axis=1, keepdims=True)
     logz = (top[:, 0] + np.log(np.exp(logits - top).sum(axis=1)))
-    return float((logz - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
+    return float((logz - logits[np.arange(len(scored)), np.asarray(ids)[scored + 1]]).sum()), len(scored)
 
 
 def _tensor_types(path: str) -> dict:
@@ -232,16 +236,16 @@ def _measure_main(path: str, request_path: str) -> int:
     from backend.serving.llamacpp_model import open_llama  # loads the compiled library: only in this child
 
     req = json.loads(Path(request_path).read_text(encoding="utf-8"))
-    longest = max([len(r) for r in req["rows"]] + [len(p) + req["max_new_tokens"] for p in req["prompts"]])
+    longest = max([len(r["ids"]) for r in req["rows"]] + [len(p) + req["max_new_tokens"] for p in req["prompts"]])
     n_ctx = max(64, longest + 8)
     llm = open_llama(path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
                      verbose=True)  # its log goes to stderr, which the parent reads for why a load failed
     nll, count = 0.0, 0
-    for ids in req["rows"]:
+    for row in req["rows"]:
         llm.reset()
-        llm.eval(ids)
-        nll += _nll(llm.scores, ids)
-        count += len(ids) - 1
+        llm.eval(row["ids"])
+        row_nll, row_count = _nll(llm.scores, row["ids"], row["labels"])
+        nll, count = nll + row_nll, count + row_count
     stop = set(req["stop_ids"])
     answers, decoded, decode_s = [], 0, 0.0
     for ids in req["prompts"]:

@@ -37,6 +37,17 @@ def _spec(model, export_dir, gguf_type, **kw):
                           "export_dir": str(export_dir), "export_format": "gguf", "export_gguf_type": gguf_type, **kw})
 
 
+def test_the_perplexity_scores_only_labelled_tokens_each_given_the_previous_positions_logits():
+    """llamacpp_check._nll: token i (i >= 1) counts when labels[i] != -100, scored by the logits of position i - 1."""
+    import numpy as np
+
+    scores = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [1 / 3, 1 / 3, 1 / 3]]))
+    ids, labels = [0, 1, 2, 0], [-100, -100, 2, 0]  # the prompt 0, 1; the answer 2, 0
+    nll, count = llamacpp_check._nll(scores, ids, labels)
+    assert count == 2 and nll == pytest.approx(-np.log(0.1) - np.log(0.2))  # p(2 | pos 1) and p(0 | pos 2)
+    assert llamacpp_check._nll(scores, ids, [-100] * 4) == (0.0, 0)
+
+
 @pytest.fixture(scope="module")
 def q4_export(wide_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("q4") / "export"
@@ -45,8 +56,11 @@ def q4_export(wide_llama, tmp_path_factory):
 
 @pytest.mark.slow
 @needs_llamacpp
-def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export):
+def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export, wide_llama):
+    from backend.dataprep.templates import get_template
+    from backend.exporting.export import perplexity_rows
     from backend.exporting.verify import read_gguf_metadata
+    from backend.training.models import load_tokenizer, resolve_model
 
     out, report = q4_export
     assert report["ok"], report["checks"]
@@ -62,6 +76,12 @@ def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export):
     row = report["source"]["llamacpp"]
     assert row["type"] == "q4_k_m" and row["ppl"] > 1 and row["ppl_f16"] > 1 and row["tokens_per_s"] > 0
     assert abs(row["ppl_delta_pct"] - 100 * (row["ppl"] / row["ppl_f16"] - 1)) < 0.01
+    # scored: the held-out rows' answer tokens as training labels them (each given its prompt), not their prompts
+    tokenizer = load_tokenizer(resolve_model(str(wide_llama)))
+    rows = perplexity_rows(get_template("llama3", tokenizer), tokenizer)
+    answers = sum(sum(1 for label in r["labels"][1:] if label != -100) for r in rows)
+    assert row["ppl_tokens"] == answers < sum(len(r["ids"]) - 1 for r in rows) / 2
+    assert f"({answers} answer tokens, each given its prompt)" in checks["llamacpp_perplexity"]["detail"]
     assert [a["prompt"] for a in row["answers"]][0] == "What is the capital of France?"
     assert sorted(p.name for p in out.iterdir()) == sorted(["Modelfile", gguf_file.name, "export_report.json"])
     assert (out / "Modelfile").read_text().startswith(f"FROM ./{gguf_file.name}\n")

@@ -200,7 +200,9 @@ def estimate(flat: dict) -> dict:
     tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024) * (2 if pairs else 1)
     layers = max(12.0, n / 12 / hidden ** 2)
     acts = tokens * hidden * layers * 34 * (2 if half else 4) * (CHECKPOINTED_SHARE if _checkpointing(flat) else 1)
-    if _checkpointing(flat):  # selective checkpointing keeps more where it fits (the training process's rule)
+    if _checkpointing(flat) and not checkpointing.made_reentrant(flat.get("stage") or "sft", flat.get("finetuning_type"),
+                                                                 flat.get("deepspeed")):
+        # selective checkpointing keeps more where it fits (the training process's rule)
         extra = checkpointing.extra_bytes(tokens, hidden, layers, 2 if half else 4)
         if checkpointing.decide(extra, psutil.virtual_memory().available)[0]:
             acts += extra

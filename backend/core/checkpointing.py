@@ -15,7 +15,9 @@ tokens/s for +360 MiB peak RSS (1,386 -> 1,745 MiB; bench/README.md).
 
 The extra memory grows with the tokens of a micro-batch (about SELECTIVE_VALUES hidden-size vectors a token a
 layer), so it is chosen per run: selective when that extra fits in SELECTIVE_SHARE of the memory free at
-start (RAM, or the GPU's), else plain checkpointing; the run log says which and why.
+start (RAM, or the GPU's), else plain checkpointing; the run log says which and why. Plain also where the stage's
+TRL trainer switches an adapter's checkpointing to torch's reentrant form (DeepSpeed ZeRO-3), which takes no
+selective contexts.
 TUNEBOARD_SELECTIVE_CHECKPOINT=0 forces plain (the bench lever `full-recompute`), =1 forces selective; a spec
 that sets activation_checkpointing_kwargs / gradient_checkpointing_kwargs itself gets exactly those.
 """
@@ -24,7 +26,9 @@ from __future__ import annotations
 import functools
 import os
 import psutil
-from backend.stages import pairwise
+from backend.core.launch import config_zero_stage
+from backend.core.methods import method
+from backend.stages import pairwise, zero3_adapter_reentrant
 
 ENV = "TUNEBOARD_SELECTIVE_CHECKPOINT"
 SELECTIVE_VALUES = 4.7  # kept a token a layer, in hidden-size vectors: q, o, down, attention out + k, v (GQA)
@@ -65,6 +69,11 @@ def choose(spec, model) -> str:
     if given:
         _selective, _why = False, f"as the spec's {given} say"
         return _why
+    reentrant = made_reentrant(getattr(spec, "stage", "sft"), getattr(spec, "finetuning_type", None),
+                               getattr(spec, "deepspeed", None))
+    if reentrant:
+        _selective, _why = False, reentrant
+        return _why
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None)
     layers = getattr(config, "num_hidden_layers", None)
@@ -82,6 +91,15 @@ def choose(spec, model) -> str:
         free = psutil.virtual_memory().available / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     _selective, _why = decide(extra_bytes(tokens, hidden, layers, width), free)
     return _why
+
+
+def made_reentrant(stage: str | None, finetuning_type: str | None, deepspeed) -> str | None:
+    """Why checkpointing is plain where the stage's TRL trainer makes an adapter's checkpointing reentrant (DeepSpeed
+    ZeRO-3), which takes no selective contexts; None elsewhere. The training process and the form's pre-flight ask."""
+    if zero3_adapter_reentrant(stage) and config_zero_stage(deepspeed) == 3 and method(finetuning_type).adapter:
+        return (f"plain: the {stage} stage's TRL trainer makes an adapter's checkpointing reentrant under DeepSpeed "
+                "ZeRO-3, which keeps no outputs selectively")
+    return None
 
 
 def given_by_spec(spec) -> str | None:

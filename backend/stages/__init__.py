@@ -74,6 +74,9 @@ class Stage:
     task_metric: bool = False
     plots_when_logged: tuple[str, ...] = ()
     bf16_by_default: bool = False
+    # its trainer is TRL's, which switches an adapter's activation checkpointing under DeepSpeed ZeRO-3 to torch's
+    # reentrant form (trl issue 2514); that form keeps no outputs selectively (backend/core/checkpointing.py)
+    zero3_adapter_reentrant: bool = True
 
     @property
     def module(self) -> str:
@@ -193,9 +196,9 @@ _ONLINE_PLOTS = (("reward", ("reward", "reward_std")), ("rewards per function", 
                  ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")))
 
 STAGES: dict[str, Stage] = {s.id: s for s in (
-    Stage("pt", "Pre-training", "text", packs_by_default=True, bf16_by_default=True),
+    Stage("pt", "Pre-training", "text", packs_by_default=True, bf16_by_default=True, zero3_adapter_reentrant=False),
     Stage("sft", "Supervised fine-tuning", "plain", task_metric=True, plots=_TASK_PLOTS, bf16_by_default=True,
-          plots_when_logged=tuple(name for name, _ in _TASK_PLOTS)),
+          plots_when_logged=tuple(name for name, _ in _TASK_PLOTS), zero3_adapter_reentrant=False),
     Stage("rm", "Reward model", "ranking", is_reward_model=True, rules=(rules.whole_sequences, rules.no_prompt_loss),
           # TRL's RewardTrainer logs accuracy .. num_tokens; the rm stage adds the mean chosen / rejected scores
           metrics=("accuracy", "margin", "rewards/chosen", "rewards/rejected", "min_reward", "mean_reward",
@@ -221,7 +224,7 @@ STAGES: dict[str, Stage] = {s.id: s for s in (
           plots=(("distillation", ("kd_loss", "ce_loss")), ("on-policy share", ("on_policy",)))),
     # written here (TRL has no PPO trainer): backend/stages/ppo.py logs these (reward: the raw score's mean); it
     # generates with transformers (rules.ppo refuses use_vllm)
-    Stage("ppo", "PPO", "prompts", rules=(rules.ppo,), generates=True,
+    Stage("ppo", "PPO", "prompts", rules=(rules.ppo,), generates=True, zero3_adapter_reentrant=False,
           fields=("ref_model", "reward_model", "reward_model_type", "reward_model_api_key_env",
                   "reward_model_api_key_file", "reward_funcs", "reward_weights", "reward_schema",
                   "reward_regex", "max_completion_length", "ppo_epochs", "ppo_buffer_size", "ppo_target",
@@ -309,6 +312,15 @@ def pairwise(stage_id: str | None) -> bool:
     checkpointing choice use it."""
     try:
         return get_stage(stage_id or DEFAULT_STAGE).data == "ranking"
+    except KeyError:
+        return False
+
+
+def zero3_adapter_reentrant(stage_id: str | None) -> bool:
+    """Whether the stage's trainer makes an adapter's checkpointing reentrant under DeepSpeed ZeRO-3 (Stage field);
+    False for an unknown stage."""
+    try:
+        return get_stage(stage_id or DEFAULT_STAGE).zero3_adapter_reentrant
     except KeyError:
         return False
 

@@ -147,3 +147,24 @@ def test_checkpoint_kwargs_given_by_the_spec_are_left_as_they_are(tiny_models):
     spec.passthrough = {}
     assert checkpointing.choose(spec, model).startswith("selective")  # a tiny model's extra fits
     assert "context_fn" in checkpointing.checkpoint_kwargs()
+
+
+@pytest.mark.parametrize("stage, method, selective", [("kto", "lora", False), ("dpo", "lora", False),
+                                                      ("sft", "lora", True), ("kto", "full", True)])
+def test_an_adapter_under_zero3_is_checkpointed_plain_where_trl_makes_it_reentrant(tiny_models, stage, method,
+                                                                                   selective):
+    """TRL's trainers switch an adapter's checkpointing under DeepSpeed ZeRO-3 to torch's reentrant form, which
+    refuses selective contexts at the first step ("Passing `context_fn` ... only supported when use_reentrant=False"):
+    plain there, saying why; SFT's own Trainer and full fine-tuning keep selective."""
+    from transformers import AutoModelForCausalLM
+
+    from backend.core import checkpointing
+    from backend.core.spec import validate_spec
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    spec = validate_spec({"stage": stage, "finetuning_type": method, "dataset": "unused", "cutoff_len": 16,
+                          "per_device_train_batch_size": 2, "nproc_per_node": 2,
+                          "deepspeed": "examples/deepspeed/ds_z3_config.json"}, check_files=False)
+    line = checkpointing.choose(spec, model)
+    assert line.startswith("selective" if selective else f"plain: the {stage} stage's TRL trainer"), line
+    assert ("context_fn" in checkpointing.checkpoint_kwargs()) == selective

@@ -16,7 +16,7 @@ from backend.core.rundir import EVAL_RESULTS_FILE, JUDGE_CACHE_DIRNAME, JUDGE_FI
 from fake_teacher import KEY, FakeTeacher, no_key_under
 
 ROWS = [{"instruction": "Say something nice.", "output": "A good day to you."},
-        {"instruction": "How is the weather?", "output": "Good and sunny."},
+        {"instruction": "How is the weather?", "output": "Sunny and good."},
         {"instruction": "Name a colour.", "output": "Blue is a good colour."}]
 
 
@@ -108,7 +108,8 @@ def test_refused_key_and_spent_budget(tiny_llama, setup, judge, tmp_path):
     assert "sk-wrong-0123456789" not in output
 
     # judge_max_requests 3: one whole row judged (the reference says "good", the tuned answer does not: a loss),
-    # the report and the status say the rest was not
+    # the report and the status say the rest was not. Which row is judged first is a race (the judge asks 4 at a
+    # time), so every reference says "good" in lower case (the stand-in's word; "Good and sunny." was a tie)
     judge.requests.clear()
     out = tmp_path / "budget"
     proc, output = tuneboard_eval(tiny_llama, data, out, f"judge_url={judge.url}", "judge_against=reference",

@@ -67,21 +67,7 @@ REFERENCE_F16 = "reference-f16.gguf.tmp"  # in the staging folder only: removed 
 IMATRIX_TMP = "imatrix.npz.tmp"  # the importance matrix the quantizer reads (export_imatrix), staging folder only
 STEPS = 6
 PPL_ROWS = 136  # alpaca_en_demo rows in a GGUF export's perplexity check in llama.cpp: all after the importance
-#                 matrix's 64 (with the probe and written rows ~2,900 answer tokens on the default model)
-
-
-def perplexity_rows(template, tokenizer) -> list[dict]:
-    """The rows llama.cpp's perplexity check scores, {"ids", "labels"} as training encodes them (labels -100 but on
-    the answer): the probe pairs' chosen answers, llamacpp_check.HELD_OUT and alpaca_en_demo rows after the
-    importance matrix's. Only answer tokens are scored, each given its prompt, as eval_loss scores them: the tokens
-    before an answer (a template's default system prompt, the same in every row, read with no context) would
-    otherwise weigh a third of the score and swing the deltas by several points (bench/README.md, k-quants)."""
-    convs = ([p["messages"] + [p["chosen"]] for p in PROBE_PAIRS] + llamacpp_check.HELD_OUT
-             + imatrix.calibration_conversations(n=PPL_ROWS, start=imatrix.CALIBRATION_ROWS))
-    encoded = [encode_segments(template.render(c), tokenizer, imatrix.MAX_ROW_TOKENS) for c in convs]
-    return [{"ids": e.input_ids, "labels": e.labels} for e in encoded if e.num_trained]
-
-
+#                 matrix's 64 (with the probe and written rows 2,646 answer tokens on the default model)
 PROBE_CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a helpful assistant."},
@@ -114,6 +100,18 @@ class ExportError(ValueError):
 class ExportAborted(BaseException):
     """SIGINT or SIGTERM arrived: the export stops and removes its partial files. A BaseException, like
     KeyboardInterrupt, so library code catching Exception does not swallow it."""
+
+
+def perplexity_rows(template, tokenizer) -> list[dict]:
+    """The rows llama.cpp's perplexity check scores, {"ids", "labels"} as training encodes them (labels -100 but on
+    the answer): the probe pairs' chosen answers, llamacpp_check.HELD_OUT and alpaca_en_demo rows after the
+    importance matrix's. Only answer tokens are scored, each given its prompt, as eval_loss scores them: the tokens
+    before an answer (a template's default system prompt, the same in every row, read with no context) would
+    otherwise weigh a third of the score and swing the deltas by several points (bench/README.md, k-quants)."""
+    convs = ([p["messages"] + [p["chosen"]] for p in PROBE_PAIRS] + llamacpp_check.HELD_OUT
+             + imatrix.calibration_conversations(n=PPL_ROWS, start=imatrix.CALIBRATION_ROWS))
+    encoded = [encode_segments(template.render(c), tokenizer, imatrix.MAX_ROW_TOKENS) for c in convs]
+    return [{"ids": e.input_ids, "labels": e.labels} for e in encoded if e.num_trained]
 
 
 def _abort_on_signals() -> None:

@@ -4,8 +4,9 @@ backend/core/llamacpp.py says whether it is installed).
 - quantize(): llama.cpp's quantizer (llama_model_quantize) turns the f16 file our writer made into a k-quant,
   weighted by an importance matrix when the export computed one (export_imatrix, backend/exporting/imatrix.py).
 - verify(): the exported file is loaded by llama.cpp and measured against the f16 file: perplexity of the answers
-  of held-out chat rows, each given its prompt (a file that does not load or gives no finite perplexity fails the export; a rise above the
-  type's share of the f16 perplexity, backend.core.llamacpp.PPL_WARN, is a warning), greedy answers to the
+  of held-out chat rows, each given its prompt (a file that does not load or gives no finite perplexity fails the
+  export; a rise above the type's share of the f16 perplexity, backend.core.llamacpp.PPL_WARN, is a warning),
+  greedy answers to the
   probe prompts against the adapter's (reported), the chat template, the end-of-turn tokens and the
   tokenization of the rendered prompts as llama.cpp reads them back (required), tokens/s of greedy decoding.
 

@@ -31,8 +31,6 @@ from trl import KTOConfig, KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from backend.training import shared_prompt
-
 from backend.training.adapters import _upcast_trainable
 from backend.training.logprobs import install_on_trainer
 from backend.dataprep.preference import build_kto_dataset
@@ -147,8 +145,9 @@ def reference_log_probs(trainer, inputs: dict) -> tuple[torch.Tensor, torch.Tens
     """The reference's summed answer log-probabilities of a KTO batch's rows and of their KL rows, from ONE forward of
     [rows; KL rows] that the lean head packs as pairs sharing each prompt (backend/training/shared_prompt.py
     find_pairs: the same numbers as two forwards); None where that does not apply: no KL rows, a batch with more
-    than text rows (images), or a reference whose head does not pack pairs."""
-    if not trainer.calculate_KL or set(inputs) - KTO_BATCH_KEYS or not shared_prompt.enabled():
+    than text rows (images), or a reference whose head does not pack pairs (logprobs.share_prompts did not switch
+    it on: TUNEBOARD_SHARED_PROMPT=0, or its probe failed)."""
+    if not trainer.calculate_KL or set(inputs) - KTO_BATCH_KEYS:
         return None
     reference = trainer.ref_model if trainer.ref_model is not None else trainer.model
     unwrapped = trainer.accelerator.unwrap_model(reference)

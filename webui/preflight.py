@@ -199,9 +199,10 @@ def estimate(flat: dict) -> dict:
     pairs = pairwise(flat)
     tokens = (flat.get("per_device_train_batch_size") or 1) * (flat.get("cutoff_len") or 1024) * (2 if pairs else 1)
     layers = max(12.0, n / 12 / hidden ** 2)
+    local, world, stage = layout(flat)
     acts = tokens * hidden * layers * 34 * (2 if half else 4) * (CHECKPOINTED_SHARE if _checkpointing(flat) else 1)
     if _checkpointing(flat) and not checkpointing.made_reentrant(flat.get("stage") or "sft", flat.get("finetuning_type"),
-                                                                 flat.get("deepspeed")):
+                                                                 stage):
         # selective checkpointing keeps more where it fits (the training process's rule)
         extra = checkpointing.extra_bytes(tokens, hidden, layers, 2 if half else 4)
         if checkpointing.decide(extra, psutil.virtual_memory().available)[0]:
@@ -212,7 +213,6 @@ def estimate(flat: dict) -> dict:
     teacher, logits = teacher_bytes(flat, n, half)
     rewards = reward_model_bytes(flat)
     acts += logits
-    local, world, stage = layout(flat)
     weights, state = shard(weights, state, world, stage)
     per_process = RUNTIME_BYTES + (weights + state + acts + reference + teacher + rewards) * 1.2
     # On a CPU every local process takes its share of the same RAM; a GPU process holds it on its own device.

@@ -70,7 +70,7 @@ def choose(spec, model) -> str:
         _selective, _why = False, f"as the spec's {given} say"
         return _why
     reentrant = made_reentrant(getattr(spec, "stage", "sft"), getattr(spec, "finetuning_type", None),
-                               getattr(spec, "deepspeed", None))
+                               config_zero_stage(getattr(spec, "deepspeed", None)))
     if reentrant:
         _selective, _why = False, reentrant
         return _why
@@ -93,10 +93,11 @@ def choose(spec, model) -> str:
     return _why
 
 
-def made_reentrant(stage: str | None, finetuning_type: str | None, deepspeed) -> str | None:
+def made_reentrant(stage: str | None, finetuning_type: str | None, zero: int | None) -> str | None:
     """Why checkpointing is plain where the stage's TRL trainer makes an adapter's checkpointing reentrant (DeepSpeed
-    ZeRO-3), which takes no selective contexts; None elsewhere. The training process and the form's pre-flight ask."""
-    if zero3_adapter_reentrant(stage) and config_zero_stage(deepspeed) == 3 and method(finetuning_type).adapter:
+    ZeRO stage `zero` 3), which takes no selective contexts; None elsewhere. The training process and the form's
+    pre-flight ask (each with the ZeRO stage it has read)."""
+    if zero3_adapter_reentrant(stage) and zero == 3 and method(finetuning_type).adapter:
         return (f"plain: the {stage} stage's TRL trainer makes an adapter's checkpointing reentrant under DeepSpeed "
                 "ZeRO-3, which keeps no outputs selectively")
     return None

@@ -15,6 +15,13 @@ from backend.core.refusals import REFUSED
 QUANT_TYPES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q4_0": "Q4_0"}
 # perplexity on the held-out rows may rise by this share of the f16 file's before the export warns
 PPL_WARN = {"f32": 0.01, "bf16": 0.01, "q8_0": 0.01, "q6_k": 0.02, "q5_k_m": 0.04, "q4_k_m": 0.06, "q4_0": 0.10}
+# greedy answers, teacher-forced along the adapter's: where llama.cpp's top token is another, the adapter's own
+# log-probability gap between the two (nats) up to which that is a near-tie the type's rounding may turn over; above it
+# the export warns. About 4x the root-mean-square shift each type gave the log-probabilities of the adapter's tokens
+# on the default model (bench/README.md, 2026-12-05: q8_0 0.048, q6_k 0.07-0.10, q4_k_m 0.27); q5_k_m and q4_0
+# lie between and beyond those, not measured.
+GREEDY_NEAR_TIE = {"f32": 0.1, "f16": 0.1, "bf16": 0.1, "q8_0": 0.2, "q6_k": 0.4, "q5_k_m": 0.7, "q4_k_m": 1.0,
+                   "q4_0": 1.4}
 HOW_TO_GET = "`make setup-gguf` builds it once (llama-cpp-python from source, a few minutes; pip caches the wheel)"
 
 

@@ -45,7 +45,7 @@ from backend.exporting.gguf_export import GGUFExportError, check_supported, voca
 from backend.exporting import imatrix, llamacpp_check
 from backend.core import llamacpp
 from backend.core.methods import method
-from backend.exporting.verify import GREEDY_TOKENS, greedy, logits
+from backend.exporting.verify import GREEDY_TOKENS, forced_logprobs, greedy, logits
 from backend.exporting.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
 from backend.training.adapters import _split
 from backend.training.models import load_tokenizer, model_folder, resize_vocab, resolve_model
@@ -477,6 +477,10 @@ def export(spec) -> dict:
         model.eval()
     src["logits"] = logits(model, prompts)
     src["greedy"] = greedy(model, prompts, stop_ids, tokenizer.pad_token_id)
+    if kind == "gguf" and llamacpp.available():  # what llama.cpp's top tokens along these answers are measured by
+        # the answers as llama.cpp's greedy loop gives them: without the end-of-turn id generate() appends
+        src["answers"] = [a[:-1] if a and a[-1] in stop_ids else a for a in src["greedy"]]
+        src["forced"] = [lp.numpy() for lp in forced_logprobs(model, prompts, src["answers"])]
     if adapters:
         src["adapter_effect"] = _max_abs(src["base_logits"], src["logits"])
         if src["adapter_effect"] < 1e-6:
@@ -584,7 +588,7 @@ def export(spec) -> dict:
             _say(5, f"verifying in llama.cpp: {name}{' against the f16 file' if reference else ''}")
             found, llamacpp_row = llamacpp_check.verify(
                 out / name, reference, stored, rows=ppl_rows, prompts=prompts, rendered=rendered,
-                greedy=src["greedy"], stop_ids=stop_ids, chat_template=chat_template,
+                greedy=src["answers"], forced=src["forced"], stop_ids=stop_ids, chat_template=chat_template,
                 max_new_tokens=GREEDY_TOKENS, warn=warn)
             weighted = gguf_info.get("imatrix")
             for c in found:
@@ -595,9 +599,11 @@ def export(spec) -> dict:
             checks.extend(found)
             said = next((c["greedy"] for c in found if c["name"] == "llamacpp_greedy"), None)
             if said is not None:  # the probe answers side by side, as text, for the report's reader
-                llamacpp_row["answers"] = [{"prompt": c[-1]["content"], "source": tokenizer.decode(a, skip_special_tokens=True),
-                                            "llamacpp": tokenizer.decode(b, skip_special_tokens=True)}
-                                           for c, a, b in zip(PROBE_CONVERSATIONS, src["greedy"], said)]
+                llamacpp_row["answers"] = [{"probe": i, "prompt": c[-1]["content"],
+                                            "source": tokenizer.decode(a, skip_special_tokens=True),
+                                            "llamacpp": tokenizer.decode(b, skip_special_tokens=True),
+                                            "source_ids": a, "llamacpp_ids": b}
+                                           for i, (c, a, b) in enumerate(zip(PROBE_CONVERSATIONS, src["answers"], said))]
         else:
             warn("not checked in llama.cpp (llama-cpp-python is not installed): " + llamacpp.HOW_TO_GET)
         if reference is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.core.llamacpp import PPL_WARN, QUANT_TYPES
+from backend.core.llamacpp import GREEDY_NEAR_TIE, PPL_WARN, QUANT_TYPES
 from backend.core.paths import REPO_ROOT
 
 # held-out rows for the perplexity (rendered with the training template, answer included), besides the
@@ -94,13 +94,16 @@ def measure(path: Path, request: dict) -> dict:
 
 
 def verify(path: Path, reference: Path | None, stored: str, *, rows: list[dict], prompts: list[list[int]],
-           rendered: list[str], greedy: list[list[int]], stop_ids: list[int], chat_template: str,
-           max_new_tokens: int, warn) -> tuple[list[dict], dict]:
+           rendered: list[str], greedy: list[list[int]], forced: list[np.ndarray], stop_ids: list[int],
+           chat_template: str, max_new_tokens: int, warn) -> tuple[list[dict], dict]:
     """The llama.cpp checks of the exported file `path` (a `stored` GGUF) against `reference` (the f16 file; None
     when the export is the f16 file). `rows`: {"ids", "labels"} (-100: not scored; export.perplexity_rows).
-    Returns (checks, the report's row: size, perplexity, delta, tokens/s)."""
+    `greedy`: the adapter's greedy answers to `prompts`; `forced`: its log-probabilities along them
+    (verify.forced_logprobs). Returns (checks, the report's row: size, perplexity, delta, tokens/s)."""
     request = {"rows": rows, "prompts": prompts, "rendered": rendered, "stop_ids": stop_ids,
-               "max_new_tokens": max_new_tokens}
+               "max_new_tokens": max_new_tokens,
+               "forced": [{"ids": p + a, "start": len(p) - 1, "targets": lp.argmax(-1).tolist()}
+                          for p, a, lp in zip(prompts, greedy, forced)]}
     size = path.stat().st_size
     row: dict = {"type": stored, "file": path.name, "size_mb": round(size / 2**20, 2)}
     try:
@@ -138,13 +141,9 @@ def verify(path: Path, reference: Path | None, stored: str, *, rows: list[dict],
                               + f"; {got['tokens_per_s']:.1f} tokens/s greedy")
                    if finite else f"llama.cpp gives no finite perplexity for {path.name} ({ppl}): a broken file"})
 
-    total = sum(len(s) for s in greedy)
-    same = sum(sum(1 for a, b in zip(s, g) if a == b) for s, g in zip(greedy, got["greedy"]))
-    row["greedy_agreement"] = round(same / max(total, 1), 3)
-    checks.append({"name": "llamacpp_greedy", "ok": True, "identical": greedy == got["greedy"],
-                   "agreement": same / max(total, 1), "required": False, "greedy": got["greedy"],
-                   "detail": f"greedy answers in llama.cpp: {same}/{total} tokens agree with the adapter's "
-                             "(reported, not required)"})
+    checks.append(greedy_check(stored, greedy, got["greedy"], forced, got["forced"], warn))
+    row.update({k: checks[-1][k] for k in ("answers_identical", "forced_agree", "forced_total", "largest_flip_nats",
+                                           "shift_rms_nats")})
 
     problems = []
     if got["chat_template"] != chat_template:
@@ -160,6 +159,59 @@ def verify(path: Path, reference: Path | None, stored: str, *, rows: list[dict],
                              f"{stop_ids} and tokenizes the rendered prompts as the training tokenizer"
                    if not problems else "; ".join(problems)})
     return checks, row
+
+
+def forced_flips(forced: list[np.ndarray], got_forced: list[dict]) -> tuple[int, list[dict]]:
+    """Along the adapter's own greedy answers (teacher-forced: both models read the same tokens), the positions
+    where llama.cpp's top token is not the adapter's: (positions compared, flips). A flip's `adapter_nats` is how
+    far the adapter itself put llama.cpp's choice below its own (log-probability gap; small: a near-tie that any
+    rounding of the weights may turn over), `llamacpp_nats` the same gap the other way round in llama.cpp."""
+    total, flips = 0, []
+    for probe, (lp, theirs) in enumerate(zip(forced, got_forced)):
+        for k, (ours, top) in enumerate(zip(lp.argmax(-1).tolist(), theirs["top"])):
+            total += 1
+            if ours != top:
+                flips.append({"probe": probe, "position": k, "adapter_token": ours, "llamacpp_token": top,
+                              "adapter_nats": round(float(lp[k, ours] - lp[k, top]), 4),
+                              "llamacpp_nats": round(theirs["gap"][k], 4)})
+    return total, flips
+
+
+def greedy_check(stored: str, greedy: list[list[int]], got_greedy: list[list[int]], forced: list[np.ndarray],
+                 got_forced: list[dict], warn) -> dict:
+    """The file's greedy answers against the adapter's. Free-running answers part for good at their first
+    different token, so the measure is teacher-forced: along each of the adapter's answers, llama.cpp's top token
+    is the adapter's, or the two were a near-tie for the adapter (GREEDY_NEAR_TIE nats for the type); a flip
+    where the adapter was surer warns, as a perplexity rise above the type's threshold does."""
+    total, flips = forced_flips(forced, got_forced)
+    shifts = [t - float(lp[k, int(lp[k].argmax())]) for lp, theirs in zip(forced, got_forced)
+              for k, t in enumerate(theirs["target"])]  # llama.cpp's log-prob of the adapter's token minus the adapter's
+    rms = math.sqrt(sum(x * x for x in shifts) / len(shifts)) if shifts else 0.0
+    tie = GREEDY_NEAR_TIE.get(stored, GREEDY_NEAR_TIE["f16"])
+    sure = [f for f in flips if f["adapter_nats"] > tie]
+    identical = sum(a == b for a, b in zip(greedy, got_greedy))
+    largest = max((f["adapter_nats"] for f in flips), default=0.0)
+    if sure:
+        worst = max(sure, key=lambda f: f["adapter_nats"])
+        warn(f"llama.cpp's greedy choice on the {stored} file differs from the adapter's where the adapter was sure: "
+             f"{len(sure)} of {total} positions along its probe answers (worst: probe {worst['probe']}, token "
+             f"{worst['position']}, the adapter put llama.cpp's token {worst['adapter_nats']:.2f} nats below its "
+             f"own; the {stored} near-tie is {tie:g})")
+    ties = ", ".join(f"{f['adapter_nats']:.2f}" for f in flips)
+    return {"name": "llamacpp_greedy", "ok": True, "required": False, "greedy": got_greedy,
+            "identical": identical == len(greedy), "answers_identical": identical, "answers": len(greedy),
+            "forced_agree": total - len(flips), "forced_total": total, "agreement": (total - len(flips)) / max(total, 1),
+            "flips": flips, "near_tie_nats": tie, "largest_flip_nats": round(largest, 4), "matches": not sure,
+            "shift_rms_nats": round(rms, 4),
+            "detail": f"greedy answers in llama.cpp: {identical}/{len(greedy)} identical to the adapter's; along the "
+                      f"adapter's answers llama.cpp's top token is the adapter's at {total - len(flips)}/{total} "
+                      "positions" + ("" if not flips else
+                                     f"; of the {len(flips)} other(s), " + (
+                                         "all are near-ties for the adapter" if not sure else
+                                         f"{len(sure)} where the adapter was sure")
+                                     + f" ({ties} nats apart; a {stored} near-tie: <= {tie:g})")
+                      + f"; the file's log-probabilities of the adapter's tokens differ from the adapter's by "
+                        f"{rms:.3f} nats (root mean square)"}
 
 
 # ============================================================================ child process
@@ -263,8 +315,19 @@ def _measure_main(path: str, request_path: str) -> int:
             decode_s += time.perf_counter() - started
             decoded += 1
         answers.append(out)
+    forced = []
+    for item in req["forced"]:  # the adapter's answers read by this file: its top token and how far below it theirs is
+        llm.reset()
+        llm.eval(item["ids"])
+        logits = llm.scores[item["start"]:len(item["ids"])].astype(np.float64)
+        top = logits.max(axis=1, keepdims=True)
+        logp = logits - (top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True)))
+        best = logp.argmax(axis=1)
+        rows = np.arange(len(best))
+        forced.append({"top": best.tolist(), "gap": (logp[rows, best] - logp[rows, item["targets"]]).tolist(),
+                       "target": logp[rows, item["targets"]].tolist()})
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    result = {
+    result = {"forced": forced,
         "ppl": math.exp(nll / count) if count else float("nan"), "ppl_tokens": count,
         "greedy": answers, "tokens_per_s": decoded / decode_s if decode_s else 0.0,
         "chat_template": llm.metadata.get("tokenizer.chat_template"),

@@ -37,6 +37,19 @@ def greedy(model, prompts: list[list[int]], stop_ids: list[int], pad_id: int | N
     return out
 
 
+def forced_logprobs(model, prompts: list[list[int]], answers: list[list[int]]) -> list[torch.Tensor]:
+    """Teacher-forced: for each prompt followed by its answer, the log-softmax of the next-token logits at the
+    answer's positions, [len(answer) + 1, vocab]: row k is what the model gives answer[k] given the prompt and
+    answer[:k]; the last row what it gives after the whole answer (an end-of-turn id when the answer stopped)."""
+    out = []
+    with torch.no_grad():
+        for ids, answer in zip(prompts, answers):
+            x = torch.tensor([ids + answer], device=model.device)
+            rows = model(input_ids=x).logits[0, len(ids) - 1:].float()
+            out.append(torch.log_softmax(rows, dim=-1).cpu())
+    return out
+
+
 def main(request_path: str) -> int:
     """Child process: load the export, compute what the parent compares, torch.save it."""
     req = json.loads(Path(request_path).read_text(encoding="utf-8"))

@@ -48,6 +48,44 @@ def test_the_perplexity_scores_only_labelled_tokens_each_given_the_previous_posi
     assert llamacpp_check._nll(scores, ids, [-100] * 4) == (0.0, 0)
 
 
+def test_greedy_answers_match_up_to_near_ties_and_a_sure_flip_warns():
+    """llamacpp_check.greedy_check: along the adapter's answers, a position where llama.cpp's top token differs is
+    a near-tie when the adapter's own log-probabilities of the two tokens are within the type's GREEDY_NEAR_TIE;
+    a wider one warns, naming the probe, the token and the gap."""
+    import numpy as np
+
+    tie = llamacpp.GREEDY_NEAR_TIE["q4_k_m"]
+    # probe 0: 3 positions over a 4-token vocabulary, the adapter's choices 1, 2, 3; probe 1: 2 positions, 3 and 0
+    lp0 = np.log(np.array([[0.1, 0.7, 0.1, 0.1], [0.05, 0.05, 0.5, 0.4], [0.1, 0.1, 0.1, 0.7]]))
+    lp1 = np.log(np.array([[0.1, 0.1, 0.1, 0.7], [0.7, 0.1, 0.1, 0.1]]))
+    near, sure = float(np.log(0.5 / 0.4)), float(np.log(0.7 / 0.1))  # probe 0 position 1: 2 against 3
+    assert near < tie < sure
+    own = [lp0.max(1).tolist(), lp1.max(1).tolist()]  # llama.cpp's log-probs of the adapter's tokens: the same ...
+    own[0][1] -= 0.3  # ... but one, 0.3 nats lower: a shift of 0.3 / sqrt(5) root mean square over the 5 positions
+
+    def run(stored, got_greedy, top0, top1, warn):
+        return llamacpp_check.greedy_check(stored, [[1, 2], [3]], got_greedy, [lp0, lp1],
+                                           [{"top": top0, "gap": [0.0, 0.2, 0.0], "target": own[0]},
+                                            {"top": top1, "gap": [0.0, 0.0], "target": own[1]}], warn)
+
+    said = []
+    check = run("q4_k_m", [[1, 3], [3]], [1, 3, 3], [3, 0], said.append)
+    assert said == [] and check["matches"] and check["ok"]
+    assert (check["forced_agree"], check["forced_total"], check["answers_identical"]) == (4, 5, 1)
+    assert check["flips"] == [{"probe": 0, "position": 1, "adapter_token": 2, "llamacpp_token": 3,
+                               "adapter_nats": round(near, 4), "llamacpp_nats": 0.2}]
+    assert check["shift_rms_nats"] == pytest.approx(0.3 / np.sqrt(5), abs=1e-4)
+    assert "1/2 identical" in check["detail"] and "4/5 positions" in check["detail"] and "near-ties" in check["detail"]
+    # llama.cpp picks 0 at probe 1's first position, where the adapter gave it a seventh of its own choice: sure
+    check = run("q4_k_m", [[1, 3], [0]], [1, 3, 3], [0, 0], said.append)
+    assert not check["matches"] and check["forced_agree"] == 3 and check["largest_flip_nats"] == round(sure, 4)
+    assert len(said) == 1 and "probe 1, token 0" in said[0] and f"{sure:.2f} nats" in said[0], said
+    # the first flips on a type with a tighter near-tie: the near one warns too
+    said.clear()
+    assert not run("q8_0", [[1, 3], [3]], [1, 3, 3], [3, 0], said.append)["matches"]
+    assert len(said) == 1 and "1 of 5 positions" in said[0]
+
+
 @pytest.fixture(scope="module")
 def q4_export(wide_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("q4") / "export"
@@ -83,6 +121,17 @@ def test_q4_k_m_export_is_quantized_and_verified_in_llama_cpp(q4_export, wide_ll
     assert row["ppl_tokens"] == answers < sum(len(r["ids"]) - 1 for r in rows) / 2
     assert f"({answers} answer tokens, each given its prompt)" in checks["llamacpp_perplexity"]["detail"]
     assert [a["prompt"] for a in row["answers"]][0] == "What is the capital of France?"
+    # greedy answers: teacher-forced along the adapter's answers (each answer's tokens and the one after it)
+    greedy = checks["llamacpp_greedy"]
+    source = report["source"]["llamacpp"]
+    assert greedy["forced_total"] == row["forced_total"] == sum(len(a["source_ids"]) + 1 for a in source["answers"])
+    for a in source["answers"]:  # along the common prefix llama.cpp's forced top token is its own greedy token, and
+        ours, theirs = a["source_ids"], a["llamacpp_ids"]  # where the free-running answers part it is a flip
+        common = next((k for k, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+        flips = {f["position"]: f for f in greedy["flips"] if f["probe"] == a["probe"]}
+        assert all(k not in flips or flips[k]["llamacpp_token"] == theirs[k] for k in range(common))
+        if common < min(len(ours), len(theirs)):
+            assert flips[common]["llamacpp_token"] == theirs[common] and flips[common]["adapter_token"] == ours[common]
     assert sorted(p.name for p in out.iterdir()) == sorted(["Modelfile", gguf_file.name, "export_report.json"])
     assert (out / "Modelfile").read_text().startswith(f"FROM ./{gguf_file.name}\n")
 
@@ -218,19 +267,34 @@ def test_llamacpp_backend_streams_the_greedy_answer_the_export_check_saw(q4_expo
 
 @pytest.mark.slow
 @needs_llamacpp
-def test_llamacpp_backend_answers_the_openai_routes(llamacpp_engine):
-    from starlette.testclient import TestClient
+def test_the_openai_client_against_tuneboard_api_on_the_q4_k_m_export(q4_export):
+    """`tuneboard api infer_backend=llamacpp` on the export folder, in its own process, driven by the real openai
+    client: the greedy answer is the one llama.cpp gave in the export's check, streamed the same, with logprobs."""
+    import openai
+    from api_server import start_server, stop_server
 
-    from backend.serving.api import create_app
+    from backend.exporting.export import PROBE_CONVERSATIONS
 
-    client = TestClient(create_app({"q4": llamacpp_engine}))
-    body = {"model": "q4", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
-    whole = client.post("/v1/chat/completions", json=body).json()
-    assert whole["choices"][0]["finish_reason"] in ("stop", "length") and whole["usage"]["completion_tokens"] <= 5
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
-        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
-    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    assert streamed == whole["choices"][0]["message"]["content"]
+    out, report = q4_export
+    checked = report["source"]["llamacpp"]["answers"][0]  # what llama.cpp answered the first probe in the export
+    proc, url = start_server(f"model_name_or_path={out}", "infer_backend=llamacpp", "template=llama3",
+                             env={"TUNEBOARD_API_KEY": "sk-q4"})
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-q4", max_retries=0, timeout=120)
+        [model] = [m.id for m in client.models.list()]
+        body = dict(model=model, messages=PROBE_CONVERSATIONS[0], max_tokens=12, temperature=0)
+        whole = client.chat.completions.create(**body, logprobs=True, top_logprobs=2)
+        choice = whole.choices[0]
+        assert choice.message.content == checked["llamacpp"], (choice.message.content, checked)
+        assert whole.usage.completion_tokens == len(checked["llamacpp_ids"]) + (choice.finish_reason == "stop")
+        scored = choice.logprobs.content
+        assert scored and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in scored)
+        assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in scored)  # greedy: its token is the top one
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body, stream=True)
+                           if c.choices)
+        assert streamed == choice.message.content
+    finally:
+        stop_server(proc)
 
 
 def test_llamacpp_backend_refuses_a_transformers_folder(tiny_llama, tmp_path):

@@ -68,7 +68,9 @@ def test_chat_stream_stop_compare_unload(app_page, tiny_qwen2, tiny_llama, finis
     # a long sampled reply (random weights: it practically never hits <|im_end|>) streams in pieces
     page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
     set_number(page, "chat-max_new_tokens", 900)  # within the tiny model's 1024-token context (the API refuses more)
-    set_number(page, "chat-seed", 1)
+    seed = page.locator("#chat-seed textarea, #chat-seed input").first
+    expect(seed).to_have_value("")  # empty = a random seed, as its label says (gr.Number showed and sent 0)
+    seed.fill("1")
     page.locator("#chat-message textarea").fill("Tell me a long story.")
     page.locator("#chat-send").click()
     expect(page.locator("#chat-chatbot [data-testid='user']")).to_contain_text("Tell me a long story.")
@@ -135,7 +137,7 @@ def test_stop_keeps_the_exchange_in_both_panes_and_the_chat_goes_on(app_page, ti
     # random weights: each side runs to the cap, the base pane long enough for Stop to land while it streams (300
     # tokens, 20 s at the serving speed of 2026-12-03, ended before the browser showed them and the Stop landed)
     set_number(page, "chat-max_new_tokens", 700)
-    set_number(page, "chat-seed", 1)
+    page.locator("#chat-seed textarea, #chat-seed input").first.fill("1")
     question = "Write a long story about a dragon."
     page.locator("#chat-message textarea").fill(question)
     page.locator("#chat-send").click()

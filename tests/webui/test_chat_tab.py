@@ -73,6 +73,14 @@ def test_load_chat_stop_compare_export_unload(tiny_qwen2):
         assert outs[3].count("tok/s") == 2, outs[3]  # the next question continues both conversations
         assert [m["role"] for m in st["hist_b"]] == ["user", "assistant"] * 4
 
+        # the Seed box: empty = random (no seed sent), a whole number = that seed, anything else one line, no turn
+        assert chat._sampling(6, 0.7, 0.9, 50, 1.0, "")["seed"] is None
+        assert chat._sampling(6, 0.7, 0.9, 50, 1.0, " 42 ")["seed"] == 42
+        before = [list(st["hist_a"]), list(st["hist_b"])]
+        outs = _last(chat.respond("Fourth", "user", st, "", "", 6, 0.7, 0.9, 50, 1.0, "1.5"))
+        assert outs[3] == "✖ Seed: '1.5' is not a whole number (leave it empty for a random seed)", outs[3]
+        assert outs[2] == gr.skip() and [st["hist_a"], st["hist_b"]] == before
+
         path = chat.export(st, "Be brief.")["value"]
         data = json.loads(open(path, encoding="utf-8").read())
         assert data[0]["messages"][0] == {"role": "system", "content": "Be brief."}

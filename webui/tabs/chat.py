@@ -242,7 +242,8 @@ def build(ctx) -> dict:
             ui["top_k"] = reg.comp(gr.Slider, "chat-top_k", minimum=0, maximum=200, step=1, value=50)
             ui["repetition_penalty"] = reg.comp(gr.Slider, "chat-repetition_penalty", minimum=0.5, maximum=2,
                                                 step=0.01, value=1.0)
-            ui["seed"] = reg.comp(gr.Number, "chat-seed", value=None, precision=0)
+            # a text box: gr.Number shows and sends 0 for an empty value, a fixed seed where the label promises random
+            ui["seed"] = reg.comp(gr.Textbox, "chat-seed", value="", max_lines=1)
     ui["state"] = gr.State(empty_state(), delete_callback=_stop_server)
     return ui
 
@@ -297,7 +298,18 @@ def _sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty, see
     # the context (fit_context) instead of the server refusing the request
     return {"max_tokens": int(max_new_tokens), "fit_context": True, "temperature": float(temperature),
             "top_p": float(top_p), "top_k": int(top_k), "repetition_penalty": float(repetition_penalty),
-            "seed": int(seed) if seed not in (None, "") else None}
+            "seed": _seed(seed)}
+
+
+def _seed(value) -> int | None:
+    """The Seed box: empty = a random seed each time (None), else a whole number (ValueError: one line)."""
+    text = str(value if value is not None else "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(text) from None
 
 
 def _messages(st_hist: list[dict], system: str) -> list[dict]:
@@ -384,6 +396,11 @@ def respond(message, role, st, system, tools_json, *sampling_values):
     except json.JSONDecodeError as exc:
         yield gr.skip(), gr.skip(), gr.skip(), "✖ " + tr(lang, "chat.tools_json", error=exc), st
         return
+    try:
+        sampling = _sampling(*sampling_values)
+    except ValueError as exc:  # the seed box: the message stays in the box, nothing is added to the chat
+        yield gr.skip(), gr.skip(), gr.skip(), "✖ " + tr(lang, "chat.seed_bad", value=str(exc)), st
+        return
     if message and message.strip():
         turn = {"role": role or "user", "content": message}
         if turn["role"] == "tool":
@@ -392,7 +409,6 @@ def respond(message, role, st, system, tools_json, *sampling_values):
         st["hist_a"].append(dict(turn))
         if st["b"]:
             st["hist_b"].append(dict(turn))
-    sampling = _sampling(*sampling_values)
     if tools:
         sampling["tools"] = tools
     speeds, sides = [], ("a", "b") if st["b"] else ("a",)

@@ -203,6 +203,8 @@ def greedy_check(stored: str, greedy: list[list[int]], got_greedy: list[list[int
             "forced_agree": total - len(flips), "forced_total": total, "agreement": (total - len(flips)) / max(total, 1),
             "flips": flips, "near_tie_nats": tie, "largest_flip_nats": round(largest, 4), "matches": not sure,
             "shift_rms_nats": round(rms, 4),
+            "figures": {"answers_identical": f"{identical}/{len(greedy)}", "top_token_agrees": f"{total - len(flips)}/{total}",
+                        "largest_flip_nats": round(largest, 4), "near_tie_nats": tie, "shift_rms_nats": round(rms, 4)},
             "detail": f"greedy answers in llama.cpp: {identical}/{len(greedy)} identical to the adapter's; along the "
                       f"adapter's answers llama.cpp's top token is the adapter's at {total - len(flips)}/{total} "
                       "positions" + ("" if not flips else

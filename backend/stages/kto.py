@@ -32,7 +32,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from backend.training.adapters import _upcast_trainable
-from backend.training.logprobs import install_on_trainer
+from backend.training.logprobs import install_on_trainer, kl_after_rows, kl_left_pending
 from backend.dataprep.preference import build_kto_dataset
 from backend.stages.base import (StageResult, adapter_is_identity, fit, predict_held_out, reference_model,
                                  tokenizer_and_template, train_and_eval_rows, trainable_model)
@@ -75,6 +75,7 @@ def run(spec, run_dir, stop) -> StageResult:
 # what TRL's KTO collator gives for text rows (anything more, e.g. images, takes TRL's two reference forwards)
 KTO_BATCH_KEYS = {"input_ids", "attention_mask", "completion_mask", "KL_input_ids", "KL_attention_mask",
                   "KL_completion_mask", "label"}
+REFERENCE_KEYS = {"ref_logps", "ref_KL_logps"}  # what _compute_loss adds from reference_log_probs
 
 
 def _kto_trainer_class(spec):
@@ -104,14 +105,26 @@ def _kto_trainer_class(spec):
             # with another row's answer, so one forward of the pairs computes each prompt once for both, and TRL's
             # own path for reference log-probabilities a batch carries (precompute_ref_log_probs) takes the sums.
             reference = None if self.precompute_ref_logps else reference_log_probs(self, inputs)
-            if reference is None:
-                return super()._compute_loss(model, inputs, return_outputs)
-            self.precompute_ref_logps = True
             try:
+                if reference is None:
+                    return super()._compute_loss(model, inputs, return_outputs)
+                self.precompute_ref_logps = True
                 return super()._compute_loss(model, {**inputs, "ref_logps": reference[0],
                                                      "ref_KL_logps": reference[1]}, return_outputs)
             finally:
                 self.precompute_ref_logps = False
+                if kl_left_pending(self.accelerator.unwrap_model(self.model)):
+                    raise RuntimeError("KTO: the batch's KL rows were asked for but its forward did not compute them")
+
+        def _compute_kl_logps(self, model, batch):
+            # The policy's KL rows (no gradient) are computed right after the batch's own forward, which keeps its
+            # rows' prompt keys and values: each KL row then runs from its prompt's end (logprobs.PendingKL). The
+            # reference's (asked inside no_grad) and anything but KTO's text rows take TRL's forward.
+            if self.calculate_KL and torch.is_grad_enabled() and not set(batch) - KTO_BATCH_KEYS - REFERENCE_KEYS:
+                out = kl_after_rows(self.accelerator.unwrap_model(self.model), batch)
+                if out is not None:
+                    return out
+            return super()._compute_kl_logps(model, batch)
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             # Our rows are already tokenized by our templates (backend.dataprep.preference): TRL's own preparation would

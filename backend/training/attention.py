@@ -11,6 +11,9 @@ varlen kernels do on a GPU; this is the same idea in plain PyTorch, so it runs o
 The rows come from the collator's ``cu_seq_lens_q`` (its flash_attn_kwargs, which transformers passes down to
 the attention function with the other keyword arguments); ``row_masks``, when given, is one [n, n] boolean mask a
 row used instead of the causal one (backend/training/shared_prompt.py: a DPO pair's prompt + chosen + rejected).
+``prefix_stash`` keeps each row's first keys and values (a KTO row's prompt), and ``prefix_kv`` puts them before the
+rows of a later forward that continues those rows (its KL rows: the same prompt, another answer), row_masks then
+[n, kept + n].
 Any call without them (eval, generation, a padded batch) is plain SDPA with the mask transformers built for it: the
 implementation registers transformers' own SDPA mask function under its name, so everything but the padding-free
 training batch is unchanged.
@@ -48,11 +51,18 @@ def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     # One split per tensor, not a slice per row: a slice's backward writes its gradient into a zeroed tensor of
     # the whole [B, H, T, D] input, so slicing n rows cost n full-size zero fills per layer (the guide's packed
     # recipe has ~80 rows in a 16k-token batch: 6x the attention time); split's backward is one concatenation.
+    keys, values = key.split(sizes, 2), value.split(sizes, 2)
+    stash, prefixes = kwargs.get("prefix_stash"), kwargs.get("prefix_kv")  # shared_prompt.PrefixStash
+    if stash is not None:  # keep each row's first keys / values for a later forward of its continuations
+        stash.keep(getattr(module, "layer_idx", None), keys, values)
+    if prefixes is not None:  # each row continues a stashed one: its keys / values come first (row_masks say so)
+        kept = prefixes.layers[module.layer_idx]
+        keys = [torch.cat([pk, k], 2) for (pk, _), k in zip(kept, keys)]
+        values = [torch.cat([pv, v], 2) for (_, pv), v in zip(kept, values)]
     outs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                              scale=scaling, is_causal=mask is None,
                                                              enable_gqa=groups > 1)
-            for q, k, v, n, mask in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), sizes,
-                                        masks) if n]
+            for q, k, v, n, mask in zip(query.split(sizes, 2), keys, values, sizes, masks) if n]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

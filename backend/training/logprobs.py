@@ -65,16 +65,24 @@ def install_lean_logprobs(model, outputs: tuple[str, ...] = ("log_probs",)) -> s
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
-        hidden = None
+        hidden, stash = None, None
         pairs_kind, rows = getattr(self, "_shared_prompt", None), getattr(self, "_pack_rows", False)
+        pending, continued = getattr(self, "_kl_pending", None), getattr(self, "_kl_continued", None)
+        if pending is not None and not pending.is_batch_of(kwargs.get("input_ids")):
+            pending = None  # another forward (the batch's own comes later)
         if ((pairs_kind or rows) and not args and shift_labels is None and "input_ids" in kwargs
                 and all(value is None for key, value in kwargs.items() if key not in MODEL_KEYS)):
             ids, mask, kind = kwargs["input_ids"], kwargs.get("attention_mask"), pairs_kind
-            packed = shared_prompt.find_pairs(ids, mask, labels) if pairs_kind else None
-            if packed is None and rows:
-                packed, kind = shared_prompt.find_rows(ids, mask), "varlen"
+            if continued is not None and continued.input_ids is ids:
+                packed, kind = continued, "varlen"
+            else:
+                packed = shared_prompt.find_pairs(ids, mask, labels) if pairs_kind else None
+                if packed is None and rows:
+                    packed, kind = shared_prompt.find_rows(ids, mask), "varlen"
             if packed is not None and shared_prompt.fits(text, packed):
-                hidden = shared_prompt.packed_hidden(self.base_model, packed, kind)
+                if pending is not None and isinstance(packed, shared_prompt.Rows):
+                    stash = shared_prompt.PrefixStash([p - 1 for p in pending.prompt])
+                hidden = shared_prompt.packed_hidden(self.base_model, packed, kind, stash)
                 self.packed_batches += 1
         if hidden is None:
             hidden = self.base_model(*args, **kwargs).last_hidden_state
@@ -89,15 +97,89 @@ def install_lean_logprobs(model, outputs: tuple[str, ...] = ("log_probs",)) -> s
         log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = (
             None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in fields)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
-                                   log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,
-                                   label_mask=mask)
+        output = FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                                     log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,
+                                     label_mask=mask)
+        if pending is not None:  # the batch's own forward: now its KL rows, continuing its rows' prompts
+            self._kl_pending = None
+            pending.fill(self, stash)
+        return output
 
     lm.forward = types.MethodType(lean_forward, lm)
     problem = _probe(model, trl_forward, outputs)
     if problem:
         lm.forward = trl_forward
     return problem
+
+
+class PendingKL:
+    """KTO's policy KL rows of one batch (each row's prompt with another row's answer: KL_input_ids and its masks),
+    asked for before the batch's own forward (TRL asks in that order) and computed right after it, by the lean head
+    of the policy (`_kl_pending`): continuing each row's prompt from the keys and values that forward kept
+    (shared_prompt.Continuations), so the KL rows' prompts are not computed again; as a forward of their own where
+    that cannot be (a layer without an index, rows that do not share their prompts). `out`: the rows' summed
+    answer log-probabilities, filled in place (TRL reads them only after the batch's forward)."""
+
+    def __init__(self, batch: dict):
+        self.batch = batch
+        self.prompt = batch["completion_mask"].int().argmax(1).tolist()  # flush-left rows: the first answer token
+        self.out = torch.full((batch["input_ids"].shape[0],), float("nan"), device=batch["input_ids"].device)
+        self.continued = False
+
+    def is_batch_of(self, input_ids) -> bool:
+        ids = self.batch["input_ids"]
+        return input_ids is not None and (input_ids is ids or (input_ids.shape == ids.shape
+                                                               and torch.equal(input_ids, ids)))
+
+    def continuations(self, stash) -> shared_prompt.Continuations | None:
+        """The KL rows as continuations of the stashed prompts, or None when they are not such rows."""
+        b = self.batch
+        if stash is None or stash.failed or not stash.layers or min(self.prompt) < 1:
+            return None
+        ids, mask, answer = b["KL_input_ids"], b["KL_attention_mask"].bool(), b["KL_completion_mask"].bool()
+        lengths = mask.long().sum(1)
+        order = torch.arange(ids.shape[1], device=ids.device)
+        if not torch.equal(mask, order[None, :] < lengths[:, None]):
+            return None  # not flush left
+        for r, p in enumerate(self.prompt):  # row r's KL row: the same prompt tokens, then its answer
+            if p > ids.shape[1] or not torch.equal(ids[r, :p], b["input_ids"][r, :p]) or answer[r, :p].any() \
+                    or not answer[r, p:int(lengths[r])].all():
+                return None
+        return shared_prompt.Continuations(ids, self.prompt, lengths.tolist(), stash)
+
+    def fill(self, lm, stash) -> None:
+        b = self.batch
+        labels = b["KL_input_ids"].masked_fill(b["KL_completion_mask"] == 0, -100)
+        continued = self.continuations(stash)
+        lm._kl_continued = continued
+        try:
+            with torch.no_grad():
+                out = lm(input_ids=b["KL_input_ids"], attention_mask=b["KL_attention_mask"], labels=labels,
+                         fused_lm_head=True)
+        finally:
+            lm._kl_continued = None
+            if stash is not None:
+                stash.layers = {}  # the checkpointed layers' recompute keeps no copy either
+        self.out.copy_(out.log_probs.sum(-1))
+        self.continued = continued is not None
+
+
+def kl_after_rows(model, batch: dict) -> torch.Tensor | None:
+    """KTO's policy KL log-probabilities of `batch`, to be filled by the batch's own forward right after it
+    (PendingKL), or None where the policy's lean head does not pack rows (then TRL's own forward computes them)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(lm, "_pack_rows", False) or getattr(lm, "_kl_pending", None) is not None:
+        return None
+    lm._kl_pending = PendingKL(batch)
+    return lm._kl_pending.out
+
+
+def kl_left_pending(model) -> bool:
+    """After a KTO batch: True (and cleared) when its KL rows were asked for but its forward never filled them."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    left = getattr(lm, "_kl_pending", None) is not None
+    lm._kl_pending = None
+    return left
 
 
 def _probe(model, trl_forward, outputs: tuple[str, ...]) -> str | None:
@@ -235,6 +317,8 @@ def install_on_trainer(trainer, outputs: tuple[str, ...], pairs: bool = False, r
     if rows:
         problem = pack_rows(policy)
         line += f"; the rows padded ({problem})" if problem else "; a batch's rows in one row without padding"
+        if pairs and not problem:  # KTO: kl_after_rows engages where the policy packs its rows
+            line += "; the policy's KL rows continue its rows' prompts (their keys and values kept, not recomputed)"
         if pairs and (reference is not None or getattr(trainer, "ref_model", None) is None):
             problem = share_prompts(reference if reference is not None else policy)
             line += (f"; the reference's rows and KL rows in two forwards ({problem})" if problem else

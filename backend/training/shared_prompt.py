@@ -104,6 +104,61 @@ class Rows:
         return index.reshape(-1)
 
 
+class PrefixStash:
+    """The keys and values of the first `lengths[r]` tokens of each row of a packed forward, per layer, detached:
+    what a later forward of the rows' continuations attends to instead of computing those tokens again (the varlen
+    SDPA of backend/training/attention.py fills and reads it). Only the first forward fills it (the layers that
+    gradient checkpointing recomputes in the backward find their layer kept); `failed` when a layer has no index."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths, self.layers, self.failed = lengths, {}, False
+
+    def keep(self, layer: int | None, keys, values) -> None:
+        if layer is None:
+            self.failed = True
+        elif layer not in self.layers:
+            self.layers[layer] = [(k[:, :, :n].detach().clone(), v[:, :, :n].detach().clone())
+                                  for k, v, n in zip(keys, values, self.lengths)]
+
+    def masks(self, sizes: list[int]) -> list[torch.Tensor]:
+        """A continuation row of n tokens: [n, kept + n], the kept tokens and itself causally (True = attend)."""
+        device = next(iter(self.layers.values()))[0][0].device
+        return [torch.cat([torch.ones(n, kept, dtype=torch.bool, device=device),
+                           torch.ones(n, n, dtype=torch.bool, device=device).tril()], 1)
+                for kept, n in zip(self.lengths, sizes)]
+
+
+@dataclass
+class Continuations:
+    """KTO's KL rows (row r: row r's prompt, then another row's answer) run as continuations of the batch's rows,
+    whose prompt keys and values `stash` kept: each from its prompt's last token (whose logits score the answer's
+    first) on, attending to the kept prompt before it. The KL rows' log-probabilities without their prompts'
+    compute."""
+    input_ids: torch.Tensor  # [B, L]: the KL rows, flush left
+    prompt: list[int]
+    lengths: list[int]
+    stash: PrefixStash
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    def pieces(self, i: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        start, end = self.prompt[i] - 1, self.lengths[i]
+        return self.input_ids[i, start:end], torch.arange(start, end, device=self.input_ids.device), None
+
+    def gather(self, offsets: list[int]) -> torch.Tensor:
+        """[B * L]: where each position of the KL rows lives in the packed tokens (the kept prompt: the row's first
+        slot; it is unlabelled, and only its last token's logits score anything)."""
+        index = torch.zeros(self.input_ids.shape, dtype=torch.long, device=self.input_ids.device)
+        for i, (p, n, start) in enumerate(zip(self.prompt, self.lengths, offsets)):
+            index[i] = start
+            index[i, p - 1:n] = torch.arange(start, start + n - p + 1)
+        return index.reshape(-1)
+
+
 def answer_mask(segment: torch.Tensor) -> torch.Tensor:
     """[n, n] boolean (True = attend): causal, a prompt token sees the prompt only, an answer token the prompt and
     its own answer."""
@@ -170,19 +225,23 @@ def fits(config, pairs: Pairs | Rows) -> bool:
     return window is None or int(window) >= pairs.longest()
 
 
-def packed_hidden(backbone, pairs: Pairs | Rows, kind: str) -> torch.Tensor:
-    """The backbone's last hidden states of the batch's rows, [rows, L, H], computed on the packed pairs (or rows:
-    the varlen kind only)."""
+def packed_hidden(backbone, pairs: Pairs | Rows | Continuations, kind: str, stash: PrefixStash | None = None
+                  ) -> torch.Tensor:
+    """The backbone's last hidden states of the batch's rows, [rows, L, H], computed on the packed pairs (or rows,
+    or continuations: the varlen kind only); `stash` keeps the rows' first keys and values on the way."""
     pieces = [pairs.pieces(i) for i in range(len(pairs))]
     sizes = [len(ids) for ids, _, _ in pieces]
     if kind == "varlen":
         bounds = torch.tensor([0] + sizes, device=pairs.input_ids.device).cumsum(0).to(torch.int32)
+        extra = {"prefix_stash": stash} if stash is not None else {}
+        if isinstance(pairs, Continuations):
+            extra = {"prefix_kv": pairs.stash, "row_masks": pairs.stash.masks(sizes)}
+        else:
+            extra["row_masks"] = [None if seg is None else answer_mask(seg) for _, _, seg in pieces]
         hidden = backbone(input_ids=torch.cat([ids for ids, _, _ in pieces])[None],
                           position_ids=torch.cat([pos for _, pos, _ in pieces])[None], use_cache=False,
                           cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes),
-                          max_length_k=max(sizes),
-                          row_masks=[None if seg is None else answer_mask(seg) for _, _, seg in pieces]
-                          ).last_hidden_state
+                          max_length_k=max(sizes), **extra).last_hidden_state
         offsets = bounds[:-1].tolist()
     else:
         width = max(sizes)

@@ -96,12 +96,14 @@ def test_lean_head_trains_as_trls_head(stage, method, tiny_llama, pairs, tmp_pat
     plain, plain_lines = _train(stage, tiny_llama, rows, tmp_path, False, monkeypatch, method=method)
     assert "answer tokens only" in lean_lines[0] and "TRL's fused head" in plain_lines[0]
     if stage == "kto":  # the two probes, then 3 forwards a micro-batch: the reference's rows and KL rows as one
-        # forward of pairs sharing their prompts (kto.reference_log_probs), then the policy's KL rows and rows
+        # forward of pairs sharing their prompts (kto.reference_log_probs), ...
         assert "a batch's rows in one row without padding" in lean_lines[0]
         assert "the reference's rows and KL rows in one forward, each prompt computed once" in lean_lines[0]
         probes = ["Rows", "Pairs"] if method == "lora" else ["Rows", "Rows", "Pairs"]  # full: the reference's own
         assert packed[:len(probes)] == probes and len(packed) >= len(probes) + 6, packed
-        assert packed[len(probes):] == ["Pairs", "Rows", "Rows"] * ((len(packed) - len(probes)) // 3), packed
+        # then the batch's rows, keeping their prompts' keys and values, and the policy's KL rows continuing them
+        assert "the policy's KL rows continue its rows' prompts" in lean_lines[0]
+        assert packed[len(probes):] == ["Pairs", "Rows", "Continuations"] * ((len(packed) - len(probes)) // 3), packed
     assert len(lean) == len(plain) == 2
     assert abs(plain[1]["loss"] - plain[0]["loss"]) > 1e-3  # the first step moved the policy: step 2 tells heads apart
     for ours, theirs in zip(lean, plain):
@@ -138,3 +140,74 @@ def test_dpo_pairs_sharing_their_prompt_train_as_two_rows(tiny_llama, pairs, tmp
             assert "rewards/chosen" in keys and "grad_norm" in keys
             for key in keys:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_kto_kl_rows_continuing_the_rows_prompts_give_their_own_forwards_numbers(tiny_llama, checkpointing):
+    """logprobs.PendingKL: a KTO batch's forward (with gradients, the layers checkpointed or not) keeps its rows'
+    prompt keys and values, and the KL rows (each row's prompt, another row's answer) then run from their prompts'
+    ends: the same summed log-probabilities, row by row, as the KL rows' own forward (the KL metric TRL logs is
+    clamped at 0, so the training comparison above can miss an error)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from backend.training import logprobs, shared_prompt
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    lm = model.get_base_model()
+    add_fused_lm_head(lm)
+    assert logprobs.install_lean_logprobs(model) is None and logprobs.pack_rows(model) is None
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 300, (n,), generator=gen) for n in (6, 3, 9, 1)]
+    answers = [torch.randint(5, 300, (n,), generator=gen) for n in (4, 7, 2, 5)]
+
+    def padded(pieces):  # flush-left rows, their mask, and the answer mask
+        width = max(len(p) + len(a) for p, a in pieces)
+        ids, mask, answer = (torch.zeros(len(pieces), width, dtype=torch.long) for _ in range(3))
+        for r, (p, a) in enumerate(pieces):
+            ids[r, :len(p) + len(a)] = torch.cat([p, a])
+            mask[r, :len(p) + len(a)] = 1
+            answer[r, len(p):len(p) + len(a)] = 1
+        return ids, mask, answer
+
+    ids, mask, answer = padded(list(zip(prompts, answers)))
+    kl_ids, kl_mask, kl_answer = padded(list(zip(prompts, answers[-1:] + answers[:-1])))  # the previous row's answer
+    batch = {"input_ids": ids, "attention_mask": mask, "completion_mask": answer, "KL_input_ids": kl_ids,
+             "KL_attention_mask": kl_mask, "KL_completion_mask": kl_answer}
+    kl_labels = kl_ids.masked_fill(kl_answer == 0, -100)
+    with torch.no_grad():
+        own = model(input_ids=kl_ids, attention_mask=kl_mask, labels=kl_labels, fused_lm_head=True).log_probs.sum(-1)
+
+    packed = []
+    real = shared_prompt.packed_hidden
+    shared_prompt.packed_hidden = lambda *a: packed.append(type(a[1]).__name__) or real(*a)
+    try:
+        out = logprobs.kl_after_rows(model, batch)
+        assert torch.isnan(out).all()  # nothing yet: the batch's forward fills it
+        pending = lm._kl_pending
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(answer == 0, -100),
+                     fused_lm_head=True).log_probs.sum()
+        loss.backward()  # the checkpointed layers recompute: the kept keys and values are not taken again
+    finally:
+        shared_prompt.packed_hidden = real
+    assert packed == ["Rows", "Continuations"] and pending.continued and not logprobs.kl_left_pending(model)
+    assert torch.allclose(out, own, rtol=1e-5, atol=1e-5), (out, own)
+    assert own.abs().min() > 1  # sums of several answer tokens' log-probabilities: a real comparison
+
+    # KL rows that do not share their row's prompt take a forward of their own, with the same numbers
+    kl_ids2 = kl_ids.clone()
+    kl_ids2[0, 0] = kl_ids[0, 0] + 1
+    batch2 = {**batch, "KL_input_ids": kl_ids2}
+    with torch.no_grad():
+        own2 = model(input_ids=kl_ids2, attention_mask=kl_mask, labels=kl_ids2.masked_fill(kl_answer == 0, -100),
+                     fused_lm_head=True).log_probs.sum(-1)
+        out2 = logprobs.kl_after_rows(model, batch2)
+        pending = lm._kl_pending
+        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(answer == 0, -100), fused_lm_head=True)
+    assert not pending.continued and torch.allclose(out2, own2, rtol=1e-5, atol=1e-5)

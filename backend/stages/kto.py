@@ -105,16 +105,22 @@ def _kto_trainer_class(spec):
             # with another row's answer, so one forward of the pairs computes each prompt once for both, and TRL's
             # own path for reference log-probabilities a batch carries (precompute_ref_log_probs) takes the sums.
             reference = None if self.precompute_ref_logps else reference_log_probs(self, inputs)
+            policy = self.accelerator.unwrap_model(self.model)
             try:
                 if reference is None:
-                    return super()._compute_loss(model, inputs, return_outputs)
-                self.precompute_ref_logps = True
-                return super()._compute_loss(model, {**inputs, "ref_logps": reference[0],
-                                                     "ref_KL_logps": reference[1]}, return_outputs)
+                    result = super()._compute_loss(model, inputs, return_outputs)
+                else:
+                    self.precompute_ref_logps = True
+                    result = super()._compute_loss(model, {**inputs, "ref_logps": reference[0],
+                                                           "ref_KL_logps": reference[1]}, return_outputs)
+            except BaseException:
+                kl_left_pending(policy)  # the error that stopped the batch is the one to see
+                raise
             finally:
                 self.precompute_ref_logps = False
-                if kl_left_pending(self.accelerator.unwrap_model(self.model)):
-                    raise RuntimeError("KTO: the batch's KL rows were asked for but its forward did not compute them")
+            if kl_left_pending(policy):
+                raise RuntimeError("KTO: the batch's KL rows were asked for but its forward did not compute them")
+            return result
 
         def _compute_kl_logps(self, model, batch):
             # The policy's KL rows (no gradient) are computed right after the batch's own forward, which keeps its

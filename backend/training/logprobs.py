@@ -80,7 +80,7 @@ def install_lean_logprobs(model, outputs: tuple[str, ...] = ("log_probs",)) -> s
                 if packed is None and rows:
                     packed, kind = shared_prompt.find_rows(ids, mask), "varlen"
             if packed is not None and shared_prompt.fits(text, packed):
-                if pending is not None and isinstance(packed, shared_prompt.Rows):
+                if pending is not None and isinstance(packed, shared_prompt.Rows) and min(pending.prompt) >= 1:
                     stash = shared_prompt.PrefixStash([p - 1 for p in pending.prompt])
                 hidden = shared_prompt.packed_hidden(self.base_model, packed, kind, stash)
                 self.packed_batches += 1

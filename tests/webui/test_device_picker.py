@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from backend.core import launch
 from webui import jobs
 from webui.tabs import train as T
 
@@ -31,6 +32,11 @@ def fake_gpus(tmp_path, monkeypatch):
     (bin_dir / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # the GPU count is cached per process: the fake GPUs must not outlive this test (a later test in the same
+    # worker then saw 2 GPUs, so world size 2, and its eval was refused do_predict)
+    launch._nvidia_gpus.cache_clear()
+    yield
+    launch._nvidia_gpus.cache_clear()
 
 
 def probe(spec_path, overrides=None):

@@ -271,3 +271,30 @@ def test_the_runs_table_reads_an_ended_runs_summary_from_its_status(tmp_path):
     row = next(r for r in runs.run_rows(tmp_path) if r["name"].endswith("16-00-00"))
     assert (row["final loss"], row["smoothed loss"], row["lowest loss"]) == ("1.5000", "1.9000", "1.2500")
     assert runs.loss_numbers(str(d), dict(status, state="running"))["min_loss"] == 1.5  # from the log
+
+
+def test_numbers_the_spec_bounds_are_refused_by_the_spec_naming_the_field(root):
+    """gr.Number's own minimum refuses a value with a toast that names no field ('Value 0 is less than minimum value
+    1.'), so the numbers a spec checks carry no bounds in the page: the tab's start names the key instead. Only the
+    Runs and Data tabs' own counters keep theirs (no spec reads them)."""
+    import gradio as gr
+
+    from webui.app import create_app
+    from webui.tabs import export
+
+    demo = create_app()
+    numbers = [b for b in demo.blocks.values() if isinstance(b, gr.Number)]
+    bounded = {b.elem_id for b in numbers if b.minimum is not None or b.maximum is not None}
+    assert {"export-size", "eval-max_samples", "eval-val_size", "distill-concurrency"} <= {b.elem_id for b in numbers}
+    assert bounded == {"runs-max_concurrent", "runs-continue_n", "data-index"}, bounded
+
+    flat = export.export_flat("HuggingFaceTB/SmolLM2-135M-Instruct", None, "full", "auto", "", "safetensors", "f16",
+                              0, "cpu", False)
+    st, message, started = export.start_export(export.new_state(), flat)
+    assert not started and message == "✖ `export_size`: must be > 0 (got 0.0)", message
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for args, said in [((0, 128), "`max_samples`: must be >= 1 (got 0)"),
+                       ((20, 128, -0.5), "`val_size`: must be >= 0 (got -0.5)")]:
+        parts, why = evaluate.plan(evaluate.eval_flat(model, None, "lora", None, "auto", ["identity"], *args), False,
+                                   None)
+        assert parts is None and said in why, why

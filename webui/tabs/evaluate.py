@@ -60,10 +60,10 @@ def build(ctx) -> dict:
                                    multiselect=True, allow_custom_value=True, scale=3,
                                    label=reg.label("eval-dataset"), elem_id="eval-dataset")
         reg._add(c["dataset"], "label")
-        c["max_samples"] = reg.comp(gr.Number, "eval-max_samples", value=20, precision=0, minimum=1, scale=1)
-        c["max_new_tokens"] = reg.comp(gr.Number, "eval-max_new_tokens", value=128, precision=0, minimum=1,
-                                       scale=1)
-        c["val_size"] = reg.comp(gr.Number, "eval-val_size", value=0, minimum=0, scale=1,
+        # no bounds on gr.Number (its refusal is a toast that names no field): the spec refuses, naming the key
+        c["max_samples"] = reg.comp(gr.Number, "eval-max_samples", value=20, precision=0, scale=1)
+        c["max_new_tokens"] = reg.comp(gr.Number, "eval-max_new_tokens", value=128, precision=0, scale=1)
+        c["val_size"] = reg.comp(gr.Number, "eval-val_size", value=0, scale=1,
                                  help=("eval-val_size", "0 = the first rows of the dataset; 0.1 = the 10% training holds out"))
         c["compare"] = reg.comp(gr.Checkbox, "eval-compare", value=False, scale=1)
     with gr.Row(equal_height=True):
@@ -76,8 +76,7 @@ def build(ctx) -> dict:
         with gr.Row(equal_height=True):
             c["judge_url"] = reg.comp(gr.Textbox, "eval-judge_url", value="", scale=3)
             c["judge_model"] = reg.comp(gr.Textbox, "eval-judge_model", value="", scale=2)
-            c["judge_max_requests"] = reg.comp(gr.Number, "eval-judge_max_requests", value=0, precision=0, minimum=0,
-                                               scale=1)
+            c["judge_max_requests"] = reg.comp(gr.Number, "eval-judge_max_requests", value=0, precision=0, scale=1)
         with gr.Row(equal_height=True):
             c["judge_api_key_env"] = reg.comp(gr.Textbox, "eval-judge_api_key_env", value="OPENAI_API_KEY")
             c["judge_api_key_file"] = reg.comp(gr.Textbox, "eval-judge_api_key_file", value="")
@@ -175,7 +174,7 @@ def eval_flat(model, adapter, method, quant, template, datasets, max_samples, ma
     if isinstance(datasets, str):
         datasets = [datasets]
     names = ",".join(d for d in datasets or [] if d) or None
-    held_out = float(val_size) if val_size not in (None, "") and float(val_size) > 0 else None
+    held_out = float(val_size) if val_size not in (None, "") and float(val_size) != 0 else None  # < 0: refused
     flat = {"model_name_or_path": model, "adapter_name_or_path": (adapter or "").strip() or None,
             "finetuning_type": method, "quantization_bit": None if quant in (None, "", "none") else int(quant),
             "template": template or "auto", "eval_dataset": names,

@@ -47,7 +47,7 @@ def build(ctx) -> dict:
                                       visible=False)
         c["imatrix"] = reg.comp(gr.Checkbox, "export-imatrix", value=False, scale=1, visible=False,
                                 help=("export_imatrix", RunSpec.model_fields["export_imatrix"].description))
-        c["size"] = reg.comp(gr.Number, "export-size", value=5, minimum=0.01, step=0.5, scale=1)
+        c["size"] = reg.comp(gr.Number, "export-size", value=5, step=0.5, scale=1)
         c["device"] = reg.dropdown("export-device", ["cpu", "auto"], value="cpu", scale=1)
         c["overwrite"] = reg.comp(gr.Checkbox, "export-overwrite", value=False, scale=1)
     with gr.Row():

@@ -44,6 +44,9 @@ def test_dpo_from_the_form_plots_rewards_live_and_is_listed_with_its_stage(app_p
     set_dropdown(page, "top-template", "default")  # the tiny Llama has no chat template of its own
     pick_option(page, "train-stage", "DPO")
     dataset = page.locator("#train-dataset textarea, #train-dataset input").first
+    # the stage's refill of the dataset choices has come (it switches the SFT set away) before the dataset is typed:
+    # choices changing under a filtered list broke Gradio's list (below), once even so under a loaded CI run
+    expect(dataset).not_to_have_value("identity", timeout=30_000)
     dataset.fill("dpo_en_demo")
     dataset.press("Tab")
     # its option list closed: open, filtered to the typed name, it broke Gradio's list (reading '0' of an option

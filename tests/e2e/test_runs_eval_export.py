@@ -7,6 +7,7 @@ from playwright.sync_api import expect
 
 from webui import jobs, tools
 from ui_actions import open_tab, set_dropdown, set_number, pick_option
+from waiting import wait_for
 
 
 def adapter_label(path) -> str:
@@ -117,6 +118,10 @@ def test_export_tab_merges_and_verifies(app_page, finished_runs, tiny_llama, tmp
 
 
 def test_export_tab_reattaches_after_a_reload(app_page, finished_runs, tiny_llama, tmp_path):
+    # the earlier test's last export (refused: its folder was not empty) may still be exiting, and while it runs a
+    # Start is refused ("An export is already running"), as it should be: it failed so once under a loaded CI run
+    wait_for(lambda: not any(tools.alive(j) for j in tools.job_dirs("export")), timeout=60,
+             what="the earlier exports to exit")
     page = app_page
     set_dropdown(page, "top-model_name_or_path", tiny_llama)
     set_dropdown(page, "top-template", "default")

@@ -270,10 +270,15 @@ def _nll(scores: np.ndarray, ids: list[int], labels: list[int]) -> tuple[float, 
     """(summed negative log-likelihood, count) of the tokens ids[1:] whose label is not -100, each given the logits
     of the previous position."""
     scored = np.flatnonzero(np.asarray(labels[1:len(ids)]) != -100)
-    logits = scores[scored].astype(np.float64)
-    top = logits.max(axis=1, keepdims=True)
-    logz = (top[:, 0] + np.log(np.exp(logits - top).sum(axis=1)))
-    return float((logz - logits[np.arange(len(scored)), np.asarray(ids)[scored + 1]]).sum()), len(scored)
+    logp = _log_softmax(scores[scored])
+    return float(-logp[np.arange(len(scored)), np.asarray(ids)[scored + 1]].sum()), len(scored)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row by row, in float64."""
+    x = logits.astype(np.float64)
+    top = x.max(axis=1, keepdims=True)
+    return x - (top + np.log(np.exp(x - top).sum(axis=1, keepdims=True)))
 
 
 def _tensor_types(path: str) -> dict:
@@ -321,9 +326,7 @@ def _measure_main(path: str, request_path: str) -> int:
     for item in req["forced"]:  # the adapter's answers read by this file: its top token and how far below it theirs is
         llm.reset()
         llm.eval(item["ids"])
-        logits = llm.scores[item["start"]:len(item["ids"])].astype(np.float64)
-        top = logits.max(axis=1, keepdims=True)
-        logp = logits - (top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True)))
+        logp = _log_softmax(llm.scores[item["start"]:len(item["ids"])])
         best = logp.argmax(axis=1)
         rows = np.arange(len(best))
         forced.append({"top": best.tolist(), "gap": (logp[rows, best] - logp[rows, item["targets"]]).tolist(),

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import gradio as gr  # noqa: E402
 
 from backend.core import allowed, paths, teacher_access  # noqa: E402
-from webui import choices, jobs, tools  # noqa: E402
+from webui import choices, jobs, page_jobs, tools  # noqa: E402
 from webui.form import inputs_of  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS, tr  # noqa: E402
@@ -153,7 +153,7 @@ def create_app() -> gr.Blocks:
         top["lang"].change(train_tab.adapter_picker_update, [top["lang"]], [top["adapter_name_or_path"]],
                            show_progress="hidden")
 
-        def on_load(st, export_st, eval_st):
+        def on_load(request: gr.Request, st, export_st, eval_st):
             """Re-attach to the newest live run (page reload or UI restart), and the Export and Evaluate tabs
             to their newest job (tools.find_job: running, or ended within the last hour). Inputs: train
             state, export state, eval state. Outputs: train state, train timer, then for Export and for
@@ -169,8 +169,8 @@ def create_app() -> gr.Blocks:
                     train_out = (train_tab.attach(run_dir), gr.Timer(active=True))
                     message, values = train_tab.attached_form(run_dir)
                     form = [message, *(values or [gr.skip()] * len(form_inputs))]
-            return (*train_out, *form, *reattach_tool(export_tab, "export", (export_st or {}).get("job")),
-                    *reattach_tool(eval_tab, "eval", (eval_st or {}).get("parts")))
+            return (*train_out, *form, *reattach_tool(export_tab, "export", (export_st or {}).get("job"), request),
+                    *reattach_tool(eval_tab, "eval", (eval_st or {}).get("parts"), request))
 
         # the form's inputs, in train_tab.spec_to_inputs order: top bar, booster, extra args, form fields
         form_inputs = inputs_of(top, train)
@@ -183,10 +183,10 @@ def create_app() -> gr.Blocks:
     return demo
 
 
-def reattach_tool(tab, kind: str, busy) -> tuple:
+def reattach_tool(tab, kind: str, busy, request=None) -> tuple:
     """(state, message, timer) that re-attach an Export/Evaluate tab (`tab`: its module) to the job
-    tools.find_job(kind) picks; three skips when `busy` (the tab's state already holds a job) or when there
-    is no job to attach."""
+    tools.find_job(kind) picks; three skips when `busy` (the tab's state already holds a job), when there
+    is no job to attach, or when a Start on the page got there first (webui.page_jobs)."""
     skip = (gr.skip(), gr.skip(), gr.skip())
     if busy:
         return skip
@@ -195,6 +195,8 @@ def reattach_tool(tab, kind: str, busy) -> tuple:
         return skip
     st = tab.attach(job)
     if not (st.get("job") or st.get("parts")):
+        return skip
+    if not page_jobs.show(kind, request, page_jobs.job_of(st), first=True):
         return skip
     return st, tab.attached_message(st), gr.Timer(active=True)
 

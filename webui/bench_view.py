@@ -12,7 +12,7 @@ import pandas as pd
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import SHIPPED_TASK, lm_eval_missing, split_tasks
 from backend.core.rundir import LM_EVAL_FILE
-from webui import tools
+from webui import page_jobs, tools
 from webui.i18n import tr
 
 COLUMNS = ["task", "metric", "n", "base", "tuned", "delta"]
@@ -143,8 +143,10 @@ def wire(c: dict, view: list, inputs: list, eval_flat, start_eval, lang) -> None
     def on_start(st, lang_, *values):
         return start(st, lang_, eval_flat, start_eval, values[:n], *values[n:])
 
-    c["bench_start"].click(on_start, [c["state"], lang, *inputs, c["bench_tasks"], c["bench_num_fewshot"],
-                                      c["bench_limit"]], view)
+    c["bench_start"].click(page_jobs.starting("eval", on_start, 0),
+                           [c["state"], lang, *inputs, c["bench_tasks"], c["bench_num_fewshot"], c["bench_limit"]],
+                           view)
     c["bench_start"].click(lambda: ("", pd.DataFrame([], columns=COLUMNS)), None,
                            [c["bench_summary"], c["bench_rows"]], show_progress="hidden")
-    c["timer"].tick(refresh, [c["state"], lang], [c["bench_summary"], c["bench_rows"]], show_progress="hidden")
+    c["timer"].tick(page_jobs.ticking("eval", refresh, 2), [c["state"], lang], [c["bench_summary"], c["bench_rows"]],
+                    show_progress="hidden")

@@ -15,7 +15,7 @@ from backend.core.atomic import read_json_dict
 from backend.core.checkpoint_pick import ALL, FINAL, available, is_model_run
 from backend.core.methods import is_adapter
 from backend.core.rundir import CHECKPOINT_EVAL_FILE, read_status
-from webui import jobs, tools
+from webui import jobs, page_jobs, tools
 from webui.i18n import headers, tr
 from webui.live import fmt_duration
 from webui.plots import empty_loss, plot_axes
@@ -203,7 +203,8 @@ def wire(c: dict, start, state, timer, lang) -> None:
     outputs = [c["ckpt_summary"], c["ckpt_table"], c["ckpt_plot"], c["ckpt_metric"], c["ckpt_promote_pick"]]
     start.click(lambda: ("", pd.DataFrame([], columns=["checkpoint", "step"]), empty_loss(), ""), None,
                 [c["ckpt_summary"], c["ckpt_table"], c["ckpt_plot"], c["ckpt_message"]], show_progress="hidden")
-    timer.tick(view, [state, c["ckpt_metric"], lang], outputs, show_progress="hidden")
+    timer.tick(page_jobs.ticking("eval", view, len(outputs)), [state, c["ckpt_metric"], lang], outputs,
+               show_progress="hidden")
     c["ckpt_metric"].input(view, [state, c["ckpt_metric"], lang], outputs, show_progress="hidden")
     lang.change(view, [state, c["ckpt_metric"], lang], outputs, show_progress="hidden")
     c["ckpt_promote"].click(promote_picked, [state, c["ckpt_promote_pick"], lang], [c["ckpt_message"]])

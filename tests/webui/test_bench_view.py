@@ -31,14 +31,14 @@ def test_run_benchmarks_as_the_tabs_job_base_and_tuned_side_by_side(root, tiny_l
                   template="llama3", lang="en")
 
     # bad inputs: one line each, nothing launched
-    st, _, message, *_ = fn.fn(*form_args(fn, **values, bench_tasks=[]))
+    st, _, message, *_ = fn.fn(None, *form_args(fn, **values, bench_tasks=[]))
     assert message == "✖ `tasks`: pick or type at least one task." and not st.get("parts")
-    st, _, message, *_ = fn.fn(*form_args(fn, **values, bench_limit="ten"))
+    st, _, message, *_ = fn.fn(None, *form_args(fn, **values, bench_limit="ten"))
     assert message == "✖ `limit`: 'ten' is not a number." and not st.get("parts")
-    st, _, message, *_ = fn.fn(*form_args(fn, **values, bench_tasks=["nowhere/task.yaml"]))
+    st, _, message, *_ = fn.fn(None, *form_args(fn, **values, bench_tasks=["nowhere/task.yaml"]))
     assert "nowhere/task.yaml: no such task file" in message and not st.get("parts")
 
-    st, _, message, *_ = fn.fn(*form_args(fn, **values, bench_limit="6"))  # the shipped task is the default
+    st, _, message, *_ = fn.fn(None, *form_args(fn, **values, bench_limit="6"))  # the shipped task is the default
     assert len(st["parts"]) == 1 and st["spec"]["tasks"] == str(SHIPPED_TASK), message
     assert message == f"Running the benchmarks {SHIPPED_TASK} on the base model and the tuned one…"
     assert "eval_dataset" not in st["spec"] and "max_new_tokens" not in st["spec"]

@@ -148,10 +148,10 @@ def test_a_reloaded_page_attaches_to_the_newest_distill_job(tmp_path, root):
     job = tools.new_job_dir("distill")
     job.mkdir(parents=True)
     (job / tools.TOOL_SPEC).write_text(f"documents: {tmp_path}\ntask: t\nsteps: score\ndataset_name: mine\n")
-    st, message, timer = tab.on_load(tab.new_state())
+    st, message, timer = tab.on_load(None, tab.new_state())
     assert st["job"] == str(job) and st["kind"] == "score" and st["out"] == str(root / "distill" / "mine")
     assert "picked up again" in message
-    assert tab.on_load(st) == (tab.gr.skip(), tab.gr.skip(), tab.gr.skip())
+    assert tab.on_load(None, st) == (tab.gr.skip(), tab.gr.skip(), tab.gr.skip())
 
 
 # ------------------------------------------------------------------ the page's language, "Fine-tune on it"
@@ -208,7 +208,7 @@ def test_messages_follow_the_page_language(tmp_path, root):
     job = tools.new_job_dir("distill")
     job.mkdir(parents=True)
     (job / tools.TOOL_SPEC).write_text(f"documents: {tmp_path}\ntask: t\ndataset_name: mine\n")
-    loaded = {lang: tab.on_load(tab.new_state(), lang)[1] for lang in ("en", "de")}
+    loaded = {lang: tab.on_load(None, tab.new_state(), lang)[1] for lang in ("en", "de")}
     assert loaded["en"] != loaded["de"] and all(f"`{job.name}`" in m for m in loaded.values())
     assert "Neuladen" in loaded["de"]
 

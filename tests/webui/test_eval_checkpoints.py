@@ -37,10 +37,10 @@ def test_checkpoints_part_runs_as_the_tabs_job_then_table_plot_and_promote(root,
     fn = _on_start(demo)
     values = dict(dataset=["identity"], max_samples=2, max_new_tokens=4, ckpt_mode=True, lang="en")
     # nothing picked: one line says what to pick, nothing starts
-    st, _, message, *_ = fn.fn(*form_args(fn, **values))
+    st, _, message, *_ = fn.fn(None, *form_args(fn, **values))
     assert message == "✖ Checkpoints mode: pick a training run." and not (st or {}).get("parts")
 
-    st, _, message, *_ = fn.fn(*form_args(fn, **values, ckpt_run=str(run), ckpt_names=[], quantization_bit="4"))
+    st, _, message, *_ = fn.fn(None, *form_args(fn, **values, ckpt_run=str(run), ckpt_names=[], quantization_bit="4"))
     assert st["parts"] and st["spec"]["checkpoints"] == "all", message
     assert st["spec"]["model_name_or_path"] == str(tiny_qwen2)  # the run's own base model
     assert st["spec"]["quantization_bit"] is None  # the run's, not the top bar's 4 bits

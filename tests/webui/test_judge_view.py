@@ -39,7 +39,7 @@ def test_judge_mode_runs_as_the_tabs_job_and_shows_the_verdicts(root, tiny_llama
                   lang="en")
 
     # the UI's checks: a loopback judge the operator did not allow, a key variable it does not offer
-    out = fn.fn(*form_args(fn, **values))
+    out = fn.fn(None, *form_args(fn, **values))
     message = out[2]
     assert "`judge_url`" in message and "internal address" in message
     assert "`judge_api_key_env`" in message and "JUDGE_TEST_KEY" in message
@@ -49,7 +49,7 @@ def test_judge_mode_runs_as_the_tabs_job_and_shows_the_verdicts(root, tiny_llama
     # and the eval process checks again (the UI's policy in its environment)
     monkeypatch.setenv(teacher_access.KEYS_ENV, f"JUDGE_TEST_KEY={judge.url}")
     monkeypatch.setenv(teacher_access.POLICY_ENV, teacher_access.POLICY_WEBUI)
-    st, _, message, *_ = fn.fn(*form_args(fn, **values))
+    st, _, message, *_ = fn.fn(None, *form_args(fn, **values))
     assert st["parts"] and st["spec"]["do_judge"] and len(st["parts"]) == 1, message
     ticks = []
 

@@ -228,3 +228,50 @@ def test_on_load_leaves_a_busy_or_jobless_tab_alone(saves):
     st, message, timer = reattach_tool(export, "export", None)
     assert st["job"] == str(job) and st["export_dir"] == "/x/out" and "/x/out" in message
     assert timer.active is True
+
+
+def test_a_tick_that_fired_before_start_leaves_the_new_export_alone(saves, tmp_path):
+    """The Export tab on a reloaded page re-attached to an ended export; its timer's tick, fired with that state
+    before Start and answered after it, wrote the old state, "ended" and a stopped timer over the new export's
+    (seen in full test runs). The app's own handlers, in that order; another page is not affected."""
+    import gradio as gr
+
+    from webui.app import create_app
+
+    flat = export.export_flat(tiny(saves), None, "full", "default", str(tmp_path / "old"), "safetensors",
+                              "f16", 1, "cpu", False)
+    old, _, started = export.start_export(export.new_state(), flat)
+    assert started
+    wait_for(lambda: not tools.alive(old["job"]), what="earlier export end")
+    demo = create_app()
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    on_load = fns["on_load"]
+    start = next(f.fn for f in demo.fns.values() if f.api_name == "export_start")
+    tick = next(f.fn for f in demo.fns.values()
+                if f.fn.__name__ == "tick" and any(t[1] == "tick" for t in f.targets) and len(f.outputs) == 7)
+    page, other = gr.Request(session_hash="page-a"), gr.Request(session_hash="page-b")
+    empty = export.new_state()
+    loaded = on_load(page, {}, empty, {})
+    attached = loaded[-6]  # export state, message, timer, then Evaluate's three
+    assert attached["job"] == old["job"]
+    assert on_load(other, {}, empty, {})[-6]["job"] == old["job"]
+    # Start on page a: a new export, the timer on
+    inputs = [tiny(saves), None, "full", "default", str(tmp_path / "new"), "safetensors", "f16", 1, "cpu", False,
+              False]
+    message, new, *_, timer = start(page, attached, "en", *inputs)
+    assert new["job"] != old["job"] and timer.active, message
+    # the tick that fired with the attached state, answered now: nothing changes
+    late = tick(page, attached, "en")
+    assert len(late) == 7 and all(isinstance(v, type(gr.skip())) for v in late)
+    # the new export's own ticks run as before, and page b still follows the earlier export
+    wait_for(lambda: not tools.alive(new["job"]), what="new export end")
+    st, bar, result, *_, timer, ended = tick(page, new, "en")
+    assert st["job"] == new["job"] and state_of(bar) == "passed" and "new" in ended and not timer.active
+    st, bar, *_ = tick(other, attached, "en")
+    assert st["job"] == old["job"] and state_of(bar) == "passed"
+    # a re-attach answered after a Start on the same page (a Start clicked before the load's answer) is left out
+    third = gr.Request(session_hash="page-c")
+    message, newest, *_ = start(third, empty, "en", *inputs[:4], str(tmp_path / "third"), *inputs[5:])
+    assert newest.get("job"), message
+    assert all(isinstance(v, type(gr.skip())) for v in on_load(third, {}, empty, {})[-6:-3])
+    wait_for(lambda: not tools.alive(newest["job"]), what="third export end")

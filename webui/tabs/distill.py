@@ -29,7 +29,7 @@ from backend.distill import REASONS, SPEC_FILE, TRAIN_DIRNAME, read_progress, re
 from backend.distill.documents import SUFFIXES
 from backend.core.methods import METHODS
 from backend.core.rundir import DISTILL_REPORT_FILE, STATUS_FILE, stamp, unique_dir
-from webui import jobs, tools
+from webui import jobs, page_jobs, tools
 from webui.fields import TOPBAR_FIELDS
 from webui.form import inputs_of, spec_to_inputs
 from webui.i18n import headers, refusal, tr
@@ -327,14 +327,15 @@ def attach(job_dir: str | None) -> dict:
             "kind": "score" if spec.steps == ["score"] else "generate", "log": None, "lines": []}
 
 
-def on_load(st, lang: str = "en"):
+def on_load(request: gr.Request, st, lang: str = "en"):
     """Re-attach to the newest distill job (running, or ended within the hour: tools.find_job) unless this tab
-    already holds one. Inputs: state, language. Outputs: state, message, timer."""
+    already holds one or a Start on the page got there first (webui.page_jobs). Inputs: state, language. Outputs:
+    state, message, timer."""
     if (st or {}).get("job"):
         return gr.skip(), gr.skip(), gr.skip()
     job = tools.find_job("distill")
     st = attach(job) if job else None
-    if not st or not st.get("job"):
+    if not st or not st.get("job") or not page_jobs.show("distill", request, st["job"], first=True):
         return gr.skip(), gr.skip(), gr.skip()
     return st, tr(lang, "distill.reattached", job=Path(job).name), gr.Timer(active=True)
 
@@ -460,7 +461,7 @@ def wire(ctx, c: dict) -> None:
         return (message, st, tools.progress_html("starting", 0, None, tr(lang, "distill.bar_starting"), lang),
                 headers(lang, empty(PAIR_COLUMNS)), gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], top["lang"], c["upload"], *form],
+    c["start"].click(page_jobs.starting("distill", on_start, 1), [c["state"], top["lang"], c["upload"], *form],
                      [c["message"], c["state"], c["progress"], c["pairs"], c["timer"]])
 
     def on_score(st, lang, adapter):
@@ -470,11 +471,12 @@ def wire(ctx, c: dict) -> None:
             return message, st, gr.skip(), gr.skip()
         return message, st, headers(lang, empty(SCORE_COLUMNS)), gr.Timer(active=True)
 
-    c["score"].click(on_score, [c["state"], top["lang"], top["adapter_name_or_path"]],
+    c["score"].click(page_jobs.starting("distill", on_score, 1), [c["state"], top["lang"], top["adapter_name_or_path"]],
                      [c["message"], c["state"], c["scorecard"], c["timer"]])
     c["abort"].click(lambda st, lang: tuple(reversed(abort(st, lang))), [c["state"], top["lang"]],
                      [c["message"], c["state"]])
-    c["timer"].tick(poll, [c["state"], top["lang"]], view, show_progress="hidden")
+    c["timer"].tick(page_jobs.ticking("distill", poll, len(view)), [c["state"], top["lang"]], view,
+                    show_progress="hidden")
 
     top_names = list(TOPBAR_FIELDS)
     inputs = inputs_of(top, train)

@@ -32,7 +32,7 @@ from backend.distill import read_report, report_rows
 from backend.core.rundir import DISTILL_REPORT_FILE, PHASE_ANSWERING, PHASE_JUDGING
 from backend.core.spec import SpecError, validate_spec
 from webui import bench_view
-from webui import choices, eval_checkpoints, jobs, judge_view, tools
+from webui import choices, eval_checkpoints, jobs, judge_view, page_jobs, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
 import re
@@ -624,12 +624,14 @@ def wire(ctx, c: dict) -> None:
         return (st, tools.progress_html("starting", 0, None, f"{st['parts'][0]['name']}: loading…"),
                 message, empty_frame(["metric"]), empty_frame(["#"]), "", gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"], *judge_inputs,
-                                *ckpt_inputs],
+    c["start"].click(page_jobs.starting("eval", on_start, 0),
+                     [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"], *judge_inputs,
+                      *ckpt_inputs],
                      view, api_name="eval_start")
     c["start"].click(lambda: ("", empty_frame(judge_view.ROW_COLUMNS)), None, [c["judge_summary"], c["judge_rows"]],
                      show_progress="hidden")
-    c["timer"].tick(judge_view.refresh, [c["state"], top["lang"]], [c["judge_summary"], c["judge_rows"]],
+    c["timer"].tick(page_jobs.ticking("eval", judge_view.refresh, 2), [c["state"], top["lang"]],
+                    [c["judge_summary"], c["judge_rows"]],
                     show_progress="hidden")
     c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
     eval_checkpoints.wire(c, c["start"], c["state"], c["timer"], top["lang"])
@@ -644,7 +646,8 @@ def wire(ctx, c: dict) -> None:
         return message, st
 
     c["abort"].click(on_abort, [c["state"], top["lang"]], [c["message"], c["state"]])
-    c["timer"].tick(poll, [c["state"], c["worst_first"], top["lang"]], view, show_progress="hidden")
+    c["timer"].tick(page_jobs.ticking("eval", poll, len(view)), [c["state"], c["worst_first"], top["lang"]], view,
+                    show_progress="hidden")
     bench_view.wire(c, view, inputs, eval_flat, start_eval, top["lang"])
 
     def relabel_idle(st, lang):

@@ -18,7 +18,7 @@ from backend.core import allowed, paths
 from backend.core.methods import is_adapter
 from backend.core.llamacpp import QUANT_TYPES  # k-quants: refused at validate, with how, without llama.cpp
 from backend.core.spec import RunSpec, SpecError, validate_spec
-from webui import jobs, tools
+from webui import jobs, page_jobs, tools
 from webui.i18n import headers, refusal, tr
 from webui.tailer import job_log
 
@@ -199,7 +199,8 @@ def wire(ctx, c: dict) -> None:
                 headers(lang, empty_checks()), "",
                 gr.Timer(active=True))
 
-    c["start"].click(on_start, [c["state"], top["lang"], *inputs], [c["message"], *view], api_name="export_start")
+    c["start"].click(page_jobs.starting("export", on_start, 1), [c["state"], top["lang"], *inputs],
+                     [c["message"], *view], api_name="export_start")
 
     def on_abort(st, lang):
         """Kills the export's process group (SIGTERM, then SIGKILL). Inputs: state, language. Outputs:
@@ -215,7 +216,8 @@ def wire(ctx, c: dict) -> None:
         ended = bool((st or {}).get("job")) and not tools.alive(st["job"])
         return (*out, ended_message(st, lang) if ended else gr.skip())
 
-    c["timer"].tick(tick, [c["state"], top["lang"]], [*view, c["message"]], show_progress="hidden")
+    c["timer"].tick(page_jobs.ticking("export", tick, len(view) + 1), [c["state"], top["lang"]],
+                    [*view, c["message"]], show_progress="hidden")
 
     def relabel_idle(st, lang):
         """Before any export: the idle card and the empty checks table in the new language. Inputs: state,

@@ -35,13 +35,14 @@ from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
 from backend.core.dataset_info import DatasetError, read_dataset_info
 from backend.core.hub_data import hub_problem, is_hub_id
-from backend.core.launch import distributed_errors
+from backend.core.launch import distributed_errors, visible_accelerators, world_size
 from backend.core.methods import (DEFAULT as DEFAULT_METHOD, METHOD_KEYS, METHODS, adapter_methods, method,
                                   method_errors, quantizable_methods)
 from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/evaluation/task_metric.py scores them)
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.refusals import REFUSED, reward_gguf_refusal
+from backend.core.passthrough_rules import passthrough_errors
 from backend.core.tokenized import cache_errors
 from backend.core.streaming import stream_errors
 from backend.core.rewards import is_model_name, split_names
@@ -992,6 +993,7 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
                    f"above {limit} or drop rope_scaling", "cutoff_len", "model_name_or_path")
     for problem in tracker_problems(spec.report_to):
         refuse("report_to", problem)
+    errors.extend(passthrough_errors(spec, training_args_fields(), visible_accelerators(), world_size(spec)))
     errors.extend(_benchmark_errors(spec, check_files))
     errors.extend(cache_errors(spec, check_files))
     errors.extend(stream_errors(spec))

@@ -1,0 +1,96 @@
+"""Validate rules of the TrainingArguments passthrough keys (light: no torch; backend.core.spec calls this).
+
+A passthrough key reaches transformers' TrainingArguments as written, and that alone does not make it work here:
+each key below was set in a short `tuneboard train` of the default model (2026-12-05) and either stopped the run
+after launch (torch_compile and its backend / mode: selective checkpointing untraceable, and with plain
+checkpointing inductor's kernel failed in bf16 and ran slower than eager in fp32; push_to_hub: the hub is offline;
+tf32 without an NVIDIA GPU; ddp_backend without a process group; the data loader's worker options without
+workers; debug underflow_overflow; parallelism_config, which wants an accelerate object; use_liger_kernel without
+liger-kernel) or changed nothing (the hub options without pushing, trackio's options, which report_to does not
+offer, the evaluation loop's options in a run that never evaluates, the DDP options of a one-process run,
+remove_unused_columns, which TuneBoard always sets). validate refuses them with the reason and what to do instead.
+"""
+from __future__ import annotations
+
+from backend.core.refusals import REFUSED
+
+HUB_KEYS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_always_push", "hub_revision")
+TRACKIO_KEYS = ("project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")
+EVAL_LOOP_KEYS = ("eval_delay", "prediction_loss_only", "eval_accumulation_steps", "eval_do_concat_batches",
+                  "eval_on_start", "batch_eval_metrics", "eval_use_gather_object", "include_for_metrics",
+                  "bf16_full_eval", "fp16_full_eval")
+DDP_KEYS = ("ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+            "ddp_static_graph")
+WORKER_KEYS = ("dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context")
+COMPILE_KEYS = ("torch_compile", "torch_compile_backend", "torch_compile_mode")
+
+# key -> why it is refused whatever else the spec says
+ALWAYS = {
+    "use_liger_kernel": "TuneBoard patches Liger's kernels itself with LLaMA-Factory's key, which falls back to plain "
+                        "ops with a warning where liger-kernel or a GPU is missing: set enable_liger_kernel: true",
+    "liger_kernel_config": "Liger's kernels are chosen by TuneBoard (RMSNorm, RoPE, SwiGLU and the fused loss, where the "
+                           "model has them): set enable_liger_kernel: true",
+    "remove_unused_columns": "TuneBoard's rows carry exactly the columns its collators read, so it always runs with "
+                             "remove_unused_columns false: drop the key",
+    "parallelism_config": "it takes accelerate's ParallelismConfig object, which a YAML spec cannot hold, and its "
+                          "tensor / context parallelism needs GPUs: for several processes set nproc_per_node (with "
+                          "deepspeed for sharding)",
+    "debug": "its underflow_overflow hooks stop on the empty logits the model's head gives while TuneBoard computes "
+             "the loss from the hidden states in chunks, and tpu_metrics_debug needs a TPU: watch grad_norm and the "
+             "loss in the run log instead (logging_nan_inf_filter decides whether nan/inf losses are logged)",
+    **{key: "TuneBoard's training step is not compiled: its padding-free batches change length every step, and "
+            "torch.compile's inductor recompiled for them and ran at 81 useful tokens/s against eager's 224 on the "
+            "bench recipe (fp32), and stopped with an index-out-of-bounds in its generated kernel in bf16; it also does "
+            "not trace the selective checkpointing. Drop the key" for key in COMPILE_KEYS},
+    "local_rank": "the launcher gives each process its rank (nproc_per_node, nnodes, node_rank): drop the key",
+    "optim_target_modules": "the modules of GaLore come from galore_target (with use_galore: true, LLaMA-Factory's "
+                            "keys): set those instead",
+}
+
+
+def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: int) -> list[tuple[str, str, frozenset]]:
+    """(field, message, involved) for the passthrough keys that would stop the run after launch or change nothing.
+    defaults: hf_training_args.json's fields (their recorded defaults); gpus: NVIDIA GPUs visible here; processes:
+    the run's world size."""
+    errors: list[tuple[str, str, frozenset]] = []
+    given = {k: v for k, v in (spec.passthrough or {}).items() if v != (defaults.get(k) or {}).get("default")}
+
+    def refuse(field: str, reason: str, *involved: str) -> None:
+        errors.append((field, f"{REFUSED}: {reason}", frozenset((field,) + involved)))
+
+    for key, reason in ALWAYS.items():
+        if key in given or (key == "remove_unused_columns" and key in (spec.passthrough or {})):  # true is overridden
+            refuse(key, reason)
+    for key in HUB_KEYS:
+        if key in given:
+            refuse(key, "pushing to the Hugging Face Hub is not available here (no network): upload output_dir "
+                   "yourself (`hf upload`)" + ("" if key == "push_to_hub" else f"; {key} only shapes that push"))
+    for key in TRACKIO_KEYS:
+        if key in given:
+            refuse(key, f"{key} configures the trackio tracker, which report_to does not offer: use tensorboard, "
+                   "wandb, mlflow or swanlab (their own environment variables name the project)", "report_to")
+    if "tf32" in given and not gpus:
+        refuse("tf32", "TF32 is a mode of NVIDIA (Ampere or newer) GPUs' fp32 matrix products, and no GPU is visible "
+               "here: drop the key (bf16 is the faster precision on a CPU that has it)")
+    if processes <= 1:
+        for key in DDP_KEYS:
+            if key in given:
+                refuse(key, f"{key} sets up DistributedDataParallel, and this run is one process: set "
+                       "nproc_per_node (or nnodes) for several, or drop the key", "nproc_per_node", "nnodes")
+    elif given.get("ddp_backend") not in (None, "gloo") and not gpus:
+        refuse("ddp_backend", f"{given['ddp_backend']} is not a backend for CPUs (nccl needs NVIDIA GPUs, ccl Intel's "
+               "oneCCL, hccl / xccl their own accelerators): processes on CPUs talk over gloo, which TuneBoard picks "
+               "itself: drop the key", "nproc_per_node")
+    if not spec.passthrough.get("dataloader_num_workers"):
+        for key in WORKER_KEYS:
+            if key in given:
+                refuse(key, f"{key} shapes the data loader's worker processes, and dataloader_num_workers is 0 (the "
+                       "rows are collated in the training process): set dataloader_num_workers too, or drop the key",
+                       "dataloader_num_workers")
+    if spec.eval_strategy == "no" and not (spec.do_eval or spec.do_predict):
+        for key in EVAL_LOOP_KEYS:
+            if key in given:
+                refuse(key, f"{key} shapes the evaluations of eval_strategy, and this run never evaluates: set "
+                       "eval_strategy (steps or epoch) with val_size or eval_dataset, or drop the key",
+                       "eval_strategy")
+    return errors

@@ -1,26 +1,28 @@
 """Validate rules of the TrainingArguments passthrough keys (light: no torch; backend.core.spec calls this).
 
 A passthrough key reaches transformers' TrainingArguments as written, and that alone does not make it work here:
-each key below was set in a short `tuneboard train` of the default model (2026-12-05) and either stopped the run
-after launch (torch_compile and its backend / mode: selective checkpointing untraceable, and with plain
-checkpointing inductor's kernel failed in bf16 and ran slower than eager in fp32; push_to_hub: the hub is offline;
-tf32 without an NVIDIA GPU; ddp_backend without a process group; the data loader's worker options without
+each key below was set in a short `tuneboard train` of the default model (SFT and DPO, 2026-12-05) and either
+stopped the run after launch (torch_compile and its backend / mode: selective checkpointing untraceable, and with
+plain checkpointing inductor's kernel failed in bf16 and ran slower than eager in fp32; push_to_hub: the hub is
+offline; tf32 without an NVIDIA GPU; ddp_backend without a process group; the data loader's worker options without
 workers; debug underflow_overflow; parallelism_config, which wants an accelerate object; use_liger_kernel without
-liger-kernel) or changed nothing (the hub options without pushing, trackio's options, which report_to does not
-offer, the evaluation loop's options in a run that never evaluates, the DDP options of a one-process run,
+liger-kernel; bf16_full_eval in a fp32 DPO run) or changed nothing (the hub options without pushing, trackio's
+options, which report_to does not offer, the evaluation loop's options in a run that never evaluates, the DDP and
+replica options of a one-process run, label smoothing in a stage whose loss is not the token cross-entropy,
 remove_unused_columns, which TuneBoard always sets). validate refuses them with the reason and what to do instead.
 """
 from __future__ import annotations
 
 from backend.core.refusals import REFUSED
+from backend.stages import get_stage, stages_where
 
 HUB_KEYS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_always_push", "hub_revision")
 TRACKIO_KEYS = ("project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")
 EVAL_LOOP_KEYS = ("eval_delay", "prediction_loss_only", "eval_accumulation_steps", "eval_do_concat_batches",
-                  "eval_on_start", "batch_eval_metrics", "eval_use_gather_object", "include_for_metrics",
-                  "bf16_full_eval", "fp16_full_eval")
+                  "eval_on_start", "batch_eval_metrics", "eval_use_gather_object", "include_for_metrics")
 DDP_KEYS = ("ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
             "ddp_static_graph")
+REPLICA_KEYS = ("log_on_each_node", "log_level_replica", "save_on_each_node")  # the other processes' logs and saves
 WORKER_KEYS = ("dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context")
 COMPILE_KEYS = ("torch_compile", "torch_compile_backend", "torch_compile_mode")
 
@@ -42,6 +44,10 @@ ALWAYS = {
             "torch.compile's inductor recompiled for them and ran at 81 useful tokens/s against eager's 224 on the "
             "bench recipe (fp32), and stopped with an index-out-of-bounds in its generated kernel in bf16; it also does "
             "not trace the selective checkpointing. Drop the key" for key in COMPILE_KEYS},
+    **{key: f"transformers applies {key} (casting the model's weights) only to evaluations outside train(), so in "
+            "a training run it would touch the final evaluation at most, and it stopped a DPO run on a CPU: "
+            "evaluations run in the training precision here; set bf16 to train and evaluate in bf16" for key in
+       ("bf16_full_eval", "fp16_full_eval")},
     "local_rank": "the launcher gives each process its rank (nproc_per_node, nnodes, node_rank): drop the key",
     "optim_target_modules": "the modules of GaLore come from galore_target (with use_galore: true, LLaMA-Factory's "
                             "keys): set those instead",
@@ -77,6 +83,10 @@ def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: in
             if key in given:
                 refuse(key, f"{key} sets up DistributedDataParallel, and this run is one process: set "
                        "nproc_per_node (or nnodes) for several, or drop the key", "nproc_per_node", "nnodes")
+        for key in REPLICA_KEYS:
+            if key in given:
+                refuse(key, f"{key} is about the run's other processes, and this run is one process: set "
+                       "nproc_per_node (or nnodes) for several, or drop the key", "nproc_per_node", "nnodes")
     elif given.get("ddp_backend") not in (None, "gloo") and not gpus:
         refuse("ddp_backend", f"{given['ddp_backend']} is not a backend for CPUs (nccl needs NVIDIA GPUs, ccl Intel's "
                "oneCCL, hccl / xccl their own accelerators): processes on CPUs talk over gloo, which TuneBoard picks "
@@ -93,4 +103,9 @@ def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: in
                 refuse(key, f"{key} shapes the evaluations of eval_strategy, and this run never evaluates: set "
                        "eval_strategy (steps or epoch) with val_size or eval_dataset, or drop the key",
                        "eval_strategy")
+    if "label_smoothing_factor" in given and not get_stage(spec.stage).token_loss:
+        refuse("label_smoothing_factor", f"it smooths the cross-entropy over answer tokens of stage "
+               f"{', '.join(stages_where('token_loss'))}, and stage {spec.stage} trains another loss" +
+               (" (dpo_label_smoothing smooths DPO's preference labels)" if get_stage(spec.stage).module == "dpo"
+                else ""), "stage")
     return errors

@@ -20,7 +20,8 @@ Each stage is declared once here, in a light module (no torch) that the web UI i
 - flags other modules read instead of naming a stage: `is_reward_model` (it trains a score head: eval scores
   pairs, its run folder is a reward model), `packs_by_default` (packing is on unless the spec says),
   `generates` (it generates while it trains: use_vllm applies), `task_metric` (its rows are a prompt and one
-  reference answer: eval_metric scores the answer generated at each save; `task_metric_refusal` says why not).
+  reference answer: eval_metric scores the answer generated at each save; `task_metric_refusal` says why not),
+  `token_loss` (its loss is the Trainer's cross-entropy over the answer tokens: label_smoothing_factor applies).
 - `bf16_by_default`: bf16 left unset trains in bf16 on a CPU with native bf16 matmul (with a method that says the
   same): the stages where bf16 was measured to learn like fp32 (bench/README.md, 2026-12-04); the others stay fp32
   unless `bf16: true`.
@@ -72,6 +73,7 @@ class Stage:
     packs_by_default: bool = False
     generates: bool = False
     task_metric: bool = False
+    token_loss: bool = False
     plots_when_logged: tuple[str, ...] = ()
     bf16_by_default: bool = False
     # its trainer is TRL's, which switches an adapter's activation checkpointing under DeepSpeed ZeRO-3 to torch's
@@ -196,8 +198,10 @@ _ONLINE_PLOTS = (("reward", ("reward", "reward_std")), ("rewards per function", 
                  ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")))
 
 STAGES: dict[str, Stage] = {s.id: s for s in (
-    Stage("pt", "Pre-training", "text", packs_by_default=True, bf16_by_default=True, zero3_adapter_reentrant=False),
+    Stage("pt", "Pre-training", "text", packs_by_default=True, bf16_by_default=True, zero3_adapter_reentrant=False,
+          token_loss=True),
     Stage("sft", "Supervised fine-tuning", "plain", task_metric=True, plots=_TASK_PLOTS, bf16_by_default=True,
+          token_loss=True,
           plots_when_logged=tuple(name for name, _ in _TASK_PLOTS), zero3_adapter_reentrant=False),
     Stage("rm", "Reward model", "ranking", is_reward_model=True, rules=(rules.whole_sequences, rules.no_prompt_loss),
           # TRL's RewardTrainer logs accuracy .. num_tokens; the rm stage adds the mean chosen / rejected scores

@@ -11,14 +11,15 @@ STOPPED_AFTER_LAUNCH = {
     "torch_compile": True, "torch_compile_backend": "inductor", "torch_compile_mode": "default",
     "use_liger_kernel": True, "tf32": True, "push_to_hub": True, "ddp_backend": "gloo",
     "dataloader_persistent_workers": True, "dataloader_prefetch_factor": 2, "dataloader_multiprocessing_context": "spawn",
-    "debug": "underflow_overflow", "parallelism_config": {"dp_shard_size": 1},
+    "debug": "underflow_overflow", "parallelism_config": {"dp_shard_size": 1}, "bf16_full_eval": True,
 }
 # and these ran, changing nothing
 CHANGED_NOTHING = {
     "liger_kernel_config": {"rope": True}, "remove_unused_columns": False, "hub_model_id": "me/x",
     "hub_strategy": "end", "project": "p", "trackio_space_id": "a/b", "local_rank": 0,
     "optim_target_modules": ["q_proj"], "ddp_static_graph": True, "ddp_find_unused_parameters": True,
-    "eval_on_start": True, "prediction_loss_only": True, "bf16_full_eval": True, "eval_accumulation_steps": 2,
+    "eval_on_start": True, "prediction_loss_only": True, "fp16_full_eval": True, "eval_accumulation_steps": 2,
+    "log_on_each_node": False, "log_level_replica": "info", "save_on_each_node": True,
 }
 
 
@@ -41,6 +42,13 @@ def test_what_makes_them_work_lets_them_pass():
     assert "ddp_backend" in _errors(ddp_backend="nccl", nproc_per_node=2)  # no GPU here: gloo only
     assert not _errors(dataloader_num_workers=2, dataloader_prefetch_factor=2, dataloader_persistent_workers=True)
     evaluating = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 5}
-    assert not _errors(**evaluating, eval_on_start=True, bf16_full_eval=True, eval_accumulation_steps=2)
+    assert not _errors(**evaluating, eval_on_start=True, prediction_loss_only=True, eval_accumulation_steps=2)
     assert not _errors(hub_strategy="every_save", tf32=None)  # their defaults: nothing set
     assert "remove_unused_columns" in _errors(remove_unused_columns=True)  # transformers' default, which we override
+
+
+def test_label_smoothing_only_where_the_loss_is_the_token_cross_entropy():
+    assert not _errors(label_smoothing_factor=0.1)  # sft
+    assert not _errors(stage="pt", label_smoothing_factor=0.1)
+    assert "dpo_label_smoothing" in _errors(stage="dpo", label_smoothing_factor=0.1)["label_smoothing_factor"]
+    assert _errors(stage="kto", label_smoothing_factor=0.1)["label_smoothing_factor"].startswith(REFUSED)

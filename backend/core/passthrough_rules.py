@@ -6,7 +6,7 @@ stopped the run after launch (torch_compile and its backend / mode: selective ch
 plain checkpointing inductor's kernel failed in bf16 and ran slower than eager in fp32; push_to_hub: the hub is
 offline; tf32 without an NVIDIA GPU; ddp_backend without a process group; the data loader's worker options without
 workers; debug underflow_overflow; parallelism_config, which wants an accelerate object; use_liger_kernel without
-liger-kernel; bf16_full_eval in a fp32 DPO run) or changed nothing (the hub options without pushing, trackio's
+liger-kernel; bf16_full_eval in a fp32 DPO run; group_by_length with pairs) or changed nothing (the hub options without pushing, trackio's
 options, which report_to does not offer, the evaluation loop's options in a run that never evaluates, the DDP and
 replica options of a one-process run, label smoothing in a stage whose loss is not the token cross-entropy,
 remove_unused_columns, which TuneBoard always sets). validate refuses them with the reason and what to do instead.
@@ -14,7 +14,7 @@ remove_unused_columns, which TuneBoard always sets). validate refuses them with 
 from __future__ import annotations
 
 from backend.core.refusals import REFUSED
-from backend.stages import get_stage, stages_where
+from backend.stages import get_stage, stages_where, stages_with_data
 
 HUB_KEYS = ("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo", "hub_always_push", "hub_revision")
 TRACKIO_KEYS = ("project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")
@@ -24,6 +24,7 @@ DDP_KEYS = ("ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "d
             "ddp_static_graph")
 REPLICA_KEYS = ("log_on_each_node", "log_level_replica", "save_on_each_node")  # the other processes' logs and saves
 WORKER_KEYS = ("dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context")
+ROWS_WITH_IDS = ("plain", "text")  # the stages' data kinds whose rows are one input_ids each
 COMPILE_KEYS = ("torch_compile", "torch_compile_backend", "torch_compile_mode")
 
 # key -> why it is refused whatever else the spec says
@@ -48,6 +49,8 @@ ALWAYS = {
             "a training run it would touch the final evaluation at most, and it stopped a DPO run on a CPU: "
             "evaluations run in the training precision here; set bf16 to train and evaluate in bf16" for key in
        ("bf16_full_eval", "fp16_full_eval")},
+    "length_column_name": "TuneBoard's rows have no length column: train_sampling_strategy group_by_length measures "
+                          "each row's input_ids: drop the key",
     "local_rank": "the launcher gives each process its rank (nproc_per_node, nnodes, node_rank): drop the key",
     "optim_target_modules": "the modules of GaLore come from galore_target (with use_galore: true, LLaMA-Factory's "
                             "keys): set those instead",
@@ -103,6 +106,10 @@ def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: in
                 refuse(key, f"{key} shapes the evaluations of eval_strategy, and this run never evaluates: set "
                        "eval_strategy (steps or epoch) with val_size or eval_dataset, or drop the key",
                        "eval_strategy")
+    if given.get("train_sampling_strategy") == "group_by_length" and get_stage(spec.stage).data not in ROWS_WITH_IDS:
+        refuse("train_sampling_strategy", f"group_by_length measures each row's input_ids, which the rows of stage "
+               f"{', '.join(s for kind in ROWS_WITH_IDS for s in stages_with_data(kind))} have, and stage {spec.stage}'s "
+               f"({get_stage(spec.stage).data} data) do not (it stopped a DPO run): use random or sequential", "stage")
     if "label_smoothing_factor" in given and not get_stage(spec.stage).token_loss:
         refuse("label_smoothing_factor", f"it smooths the cross-entropy over answer tokens of stage "
                f"{', '.join(stages_where('token_loss'))}, and stage {spec.stage} trains another loss" +

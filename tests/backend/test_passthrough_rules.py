@@ -19,7 +19,7 @@ CHANGED_NOTHING = {
     "hub_strategy": "end", "project": "p", "trackio_space_id": "a/b", "local_rank": 0,
     "optim_target_modules": ["q_proj"], "ddp_static_graph": True, "ddp_find_unused_parameters": True,
     "eval_on_start": True, "prediction_loss_only": True, "fp16_full_eval": True, "eval_accumulation_steps": 2,
-    "log_on_each_node": False, "log_level_replica": "info", "save_on_each_node": True,
+    "length_column_name": "len", "log_on_each_node": False, "log_level_replica": "info", "save_on_each_node": True,
 }
 
 
@@ -52,3 +52,9 @@ def test_label_smoothing_only_where_the_loss_is_the_token_cross_entropy():
     assert not _errors(stage="pt", label_smoothing_factor=0.1)
     assert "dpo_label_smoothing" in _errors(stage="dpo", label_smoothing_factor=0.1)["label_smoothing_factor"]
     assert _errors(stage="kto", label_smoothing_factor=0.1)["label_smoothing_factor"].startswith(REFUSED)
+
+
+def test_group_by_length_only_for_rows_of_one_input_ids():
+    assert not _errors(train_sampling_strategy="group_by_length")  # sft
+    assert "dpo" in _errors(stage="dpo", train_sampling_strategy="group_by_length")["train_sampling_strategy"]
+    assert not _errors(stage="dpo", train_sampling_strategy="sequential")

@@ -42,7 +42,7 @@ from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.refusals import REFUSED, reward_gguf_refusal
-from backend.core.passthrough_rules import passthrough_errors
+from backend.core.passthrough_rules import ALWAYS as PASSTHROUGH_REFUSED, passthrough_errors
 from backend.core.tokenized import cache_errors
 from backend.core.streaming import stream_errors
 from backend.core.rewards import is_model_name, split_names
@@ -665,7 +665,8 @@ def spec_fields(include_passthrough: bool = False) -> list[dict[str, Any]]:
             rows.append({"name": name, "type": ("optional-" if meta.get("nullable") else "") + kind,
                          "default": meta.get("default"), "description": meta.get("help", ""),
                          "choices": meta.get("choices"), "ge": None, "le": None, "gt": None, "lt": None,
-                         "group": "advanced", "stages": None, "methods": None, "passthrough": True})
+                         "group": "advanced", "stages": None, "methods": None, "passthrough": True,
+                         "refused": PASSTHROUGH_REFUSED.get(name)})
     return rows
 
 

@@ -175,6 +175,7 @@ def test_spec_fields_table():
     with_pt = {r["name"]: r for r in spec_fields(include_passthrough=True)}
     assert with_pt["dataloader_num_workers"]["type"] == "int" and with_pt["dataloader_num_workers"]["passthrough"]
     assert with_pt["learning_rate"] == rows["learning_rate"]  # spec fields are not duplicated
+    assert with_pt["torch_compile"]["refused"] and not with_pt["dataloader_num_workers"]["refused"]
 
 
 # ---------------------------------------------------------------------------------------------- guide recipes

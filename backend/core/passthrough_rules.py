@@ -41,10 +41,11 @@ ALWAYS = {
     "debug": "its underflow_overflow hooks stop on the empty logits the model's head gives while TuneBoard computes "
              "the loss from the hidden states in chunks, and tpu_metrics_debug needs a TPU: watch grad_norm and the "
              "loss in the run log instead (logging_nan_inf_filter decides whether nan/inf losses are logged)",
-    **{key: "TuneBoard's training step is not compiled: its padding-free batches change length every step, and "
-            "torch.compile's inductor recompiled for them and ran at 81 useful tokens/s against eager's 224 on the "
-            "bench recipe (fp32), and stopped with an index-out-of-bounds in its generated kernel in bf16; it also does "
-            "not trace the selective checkpointing. Drop the key" for key in COMPILE_KEYS},
+    **{key: "TuneBoard's training step is not compiled: with its selective checkpointing torch.compile stopped at "
+            "the first step (dynamo does not trace the checkpoint contexts); with plain checkpointing inductor's "
+            "generated kernel stopped with an index out of bounds in bf16, and in fp32 the bench recipe's first 6 "
+            "steps ran at 81 useful tokens/s against ~200 eager (its batches change length every step). Drop the key"
+       for key in COMPILE_KEYS},
     **{key: f"transformers applies {key} (casting the model's weights) only to evaluations outside train(), so in "
             "a training run it would touch the final evaluation at most, and it stopped a DPO run on a CPU: "
             "evaluations run in the training precision here; set bf16 to train and evaluate in bf16" for key in

@@ -69,7 +69,7 @@ def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: in
         errors.append((field, f"{REFUSED}: {reason}", frozenset((field,) + involved)))
 
     for key, reason in ALWAYS.items():
-        if key in given or (key == "remove_unused_columns" and key in (spec.passthrough or {})):  # true is overridden
+        if key in given:
             refuse(key, reason)
     for key in HUB_KEYS:
         if key in given:

@@ -44,7 +44,6 @@ def test_what_makes_them_work_lets_them_pass():
     evaluating = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 5}
     assert not _errors(**evaluating, eval_on_start=True, prediction_loss_only=True, eval_accumulation_steps=2)
     assert not _errors(hub_strategy="every_save", tf32=None)  # their defaults: nothing set
-    assert "remove_unused_columns" in _errors(remove_unused_columns=True)  # transformers' default, which we override
 
 
 def test_label_smoothing_only_where_the_loss_is_the_token_cross_entropy():

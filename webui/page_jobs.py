@@ -78,9 +78,14 @@ def starting(kind: str, fn: Callable, state_at: int) -> Callable:
 def ticking(kind: str, fn: Callable, outputs: int) -> Callable:
     """A timer tick that changes nothing (`outputs` skips) when its state (first input) holds a job the page's tab no
     longer shows."""
+    skips = tuple(gr.skip() for _ in range(outputs)) if outputs > 1 else gr.skip()
+
     def handler(request: gr.Request, *inputs):
         if stale(kind, request, job_of(inputs[0])):
-            return tuple(gr.skip() for _ in range(outputs)) if outputs > 1 else gr.skip()
-        return fn(*inputs)
+            return skips
+        out = fn(*inputs)
+        # asked again: a Start handled while this tick read its job's files (Gradio runs the two events' handlers
+        # side by side) makes it stale too
+        return skips if stale(kind, request, job_of(inputs[0])) else out
     handler.__name__, handler.__doc__ = fn.__name__, fn.__doc__
     return handler

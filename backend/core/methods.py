@@ -20,6 +20,7 @@ from typing import Optional
 
 from pydantic import field_validator
 
+from backend.core.refusals import REFUSED
 from backend.core.spec_keys import Keys, spec_key as _f
 
 
@@ -140,8 +141,22 @@ def _oft_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
     return []
 
 
+# keys that shape what a switch turns on: set while the switch is off, they would change nothing
+SWITCHED = {"pissa_iter": "pissa_init", "galore_rank": "use_galore", "galore_target": "use_galore",
+            "galore_update_interval": "use_galore", "galore_scale": "use_galore"}
+
+
+def _switched_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
+    """A key of a switch that is off (pissa_iter without pissa_init, galore_* without use_galore) is refused: the run
+    would ignore it."""
+    fields = type(spec).model_fields
+    return [(key, f"{REFUSED}: {key} shapes {switch}, which is off: set {switch}: true, or drop {key}",
+             (switch,)) for key, switch in SWITCHED.items()
+            if key in fields and getattr(spec, key) != fields[key].default and not getattr(spec, switch)]
+
+
 # A method's own cross-field rules: spec -> [(field, message, other fields involved)]; spec.py calls them.
-RULES = {"oft": _oft_errors}
+RULES = {"oft": _oft_errors, "lora": _switched_errors, "full": _switched_errors, "freeze": _switched_errors}
 
 
 def method_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:

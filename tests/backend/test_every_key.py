@@ -189,6 +189,11 @@ SAMPLES = {
     "eval_strategy": ("steps", {"val_size": 0.1}),
     "load_best_model_at_end": (True, {"val_size": 0.1, "eval_strategy": "steps"}),
     "disable_gradient_checkpointing": (True, {"gradient_checkpointing": True}),
+    # they shape a switch (backend.core.methods.SWITCHED): refused while it is off
+    "pissa_iter": (4, {"pissa_init": True}),
+    **{key: (value, {"finetuning_type": "full", "use_galore": True})
+       for key, value in (("galore_rank", 8), ("galore_target", "q_proj"), ("galore_update_interval", 50),
+                          ("galore_scale", 1.0))},
     "gradient_checkpointing": (False, {}),  # unset = on (LLaMA-Factory's default)
     "mix_strategy": ("interleave_under", {"dataset": "a,b"}),
     "report_to": ("tensorboard", {}),

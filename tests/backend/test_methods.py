@@ -96,3 +96,19 @@ def test_a_methods_comma_key_takes_a_yaml_list():
     spec = RunSpec.model_validate({"finetuning_type": "oft", "oft_target": ["q_proj", "o_proj"]},
                                   context={"check_files": False})
     assert spec.oft_target == "q_proj,o_proj"
+
+
+def test_a_key_of_a_switch_that_is_off_is_refused():
+    """pissa_iter without pissa_init, galore_* without use_galore: the run would ignore them."""
+    import pytest
+
+    from backend.core.spec import REFUSED, SpecError, validate_spec
+
+    for keys, switch in (({"pissa_iter": 4}, "pissa_init"),
+                         ({"finetuning_type": "full", "galore_rank": 8}, "use_galore"),
+                         ({"finetuning_type": "freeze", "galore_target": "q_proj"}, "use_galore")):
+        with pytest.raises(SpecError) as caught:
+            validate_spec(keys, check_files=False)
+        field, message = caught.value.errors[0]
+        assert field in keys and message.startswith(REFUSED) and switch in message
+        validate_spec({**keys, switch: True}, check_files=False)  # with the switch on: accepted

@@ -156,13 +156,14 @@ def _switched_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 # A method's own cross-field rules: spec -> [(field, message, other fields involved)]; spec.py calls them.
-RULES = {"oft": _oft_errors, "lora": _switched_errors, "full": _switched_errors, "freeze": _switched_errors}
+RULES = {"oft": _oft_errors}
 
 
 def method_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
-    """The rules of the spec's finetuning_type (none for an unknown one: its Literal type refuses it)."""
+    """The rules of the spec's finetuning_type (none for an unknown one: its Literal type refuses it), and the keys
+    of a switch that is off, whatever the method."""
     rule = RULES.get(str(spec.finetuning_type or DEFAULT).lower())
-    return rule(spec) if rule else []
+    return (rule(spec) if rule else []) + _switched_errors(spec)
 
 
 def field_applies(spec, name: str) -> bool:

@@ -106,7 +106,8 @@ def test_a_key_of_a_switch_that_is_off_is_refused():
 
     for keys, switch in (({"pissa_iter": 4}, "pissa_init"),
                          ({"finetuning_type": "full", "galore_rank": 8}, "use_galore"),
-                         ({"finetuning_type": "freeze", "galore_target": "q_proj"}, "use_galore")):
+                         ({"finetuning_type": "freeze", "galore_target": "q_proj"}, "use_galore"),
+                         ({"finetuning_type": "oft", "oft_block_size": 32, "pissa_iter": 4}, "pissa_init")):
         with pytest.raises(SpecError) as caught:
             validate_spec(keys, check_files=False)
         field, message = caught.value.errors[0]

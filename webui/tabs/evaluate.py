@@ -320,7 +320,7 @@ def start_eval(st: dict, flat: dict, compare: bool, lang: str = "en",
 
 def job_dir(st: dict) -> str | None:
     """The eval's job folder (the parent of its parts' folders)."""
-    return str(Path(st["parts"][0]["dir"]).parent) if st and st.get("parts") else None
+    return page_jobs.job_of(st)
 
 
 def save_plan(st: dict) -> None:

@@ -185,6 +185,37 @@ def tiny_mistral(tiny_models):
 # ==================================================================== end of tiny model fixtures (models)
 
 
+# ======================================================== a Hugging Face cache of our own (hub ids)
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A function putting a model under its hub id into a Hugging Face cache of this test's own (HF_HUB_CACHE, as
+    huggingface_hub lays it out: refs/main naming a snapshot), so a spec naming it by id validates and loads:
+    hub_cache("Qwen/Qwen2.5-7B-Instruct") (a config.json only) or hub_cache(id, folder) (a copy of that model)."""
+    import json
+    import shutil
+
+    import huggingface_hub.constants as constants
+
+    root = tmp_path / "hf_hub_cache"
+    root.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+
+    def add(model_id: str, folder=None):
+        repo = root / ("models--" + model_id.replace("/", "--"))
+        snapshot = repo / "snapshots" / ("0" * 40)
+        if folder is not None:
+            shutil.copytree(folder, snapshot)
+        else:
+            snapshot.mkdir(parents=True)
+            (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0" * 40)
+        return snapshot
+
+    return add
+
+
 # ============================================================ the identity demo adapter (slow tests)
 @pytest.fixture(scope="session")
 def identity_adapter(tmp_path_factory):

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr  # noqa: E402
 
-from backend.core import allowed, paths, teacher_access  # noqa: E402
+from backend.core import allowed, model_files, paths, teacher_access  # noqa: E402
 from webui import choices, jobs, page_jobs, tools  # noqa: E402
 from webui.form import inputs_of  # noqa: E402
 from webui import fields as F  # noqa: E402
@@ -98,14 +98,17 @@ def build_topbar(reg: Registry) -> dict:
 
 def wire_topbar(top: dict) -> None:
     def on_model(model, lang="en"):
-        """Picking a known model sets its template and warns about a chat template on a base model.
+        """Picking a known model sets its template and warns about a chat template on a base model, and says when the
+        model is not on this machine (validate refuses it at Start).
         Inputs: model, language. Outputs: template, note."""
         info = choices.model_info(model)
+        missing = model_files.model_problem(model or "")  # a registry id not in this machine's cache, a typo
+        note = tr(lang, "top.model_missing", why=missing) if missing else ""
         if info is None:
-            return gr.skip(), ""
+            return gr.skip(), note
         if not info["instruct"]:
-            return "default", tr(lang, "top.base_model", model=model)
-        return "auto", ""
+            return "default", " ".join(filter(None, (note, tr(lang, "top.base_model", model=model))))
+        return "auto", note
 
     # .input, not .change: a spec loaded into the form (clone, reload) keeps its own template
     top["model_name_or_path"].input(on_model, [top["model_name_or_path"], top["lang"]],

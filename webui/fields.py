@@ -53,7 +53,7 @@ BOOSTERS = ("auto", "disabled", "sdpa", "fa2", "fa3", "liger")
 # Override table: widget choices / step where the spec's type alone does not say enough.
 OVERRIDES: dict[str, dict] = {
     "optim": {"choices": ["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor",
-                          "sgd", "lion_8bit", "galore_adamw"], "custom": True},
+                          "sgd", "lion_8bit"], "custom": True},  # GaLore: use_galore picks its optimizer
     "lora_target": {"choices": ["all", "q_proj,v_proj", "q_proj,k_proj,v_proj,o_proj"], "custom": True},
     "report_to": {"choices": ["none", "tensorboard", "wandb", "mlflow", "swanlab"], "custom": True},
     "learning_rate": {"step": 1e-5},

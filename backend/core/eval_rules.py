@@ -57,9 +57,10 @@ def task_metric_errors(spec, has_eval_data: bool, check_files: bool) -> list[tup
         errors.append((field, message, frozenset((field,) + involved)))
 
     best, task = spec.metric_for_best_model, spec.eval_metric
-    if best is not None and not spec.load_best_model_at_end:
+    if best is not None and not spec.load_best_model_at_end and spec.save_strategy != "best":
         err("metric_for_best_model", "only used with load_best_model_at_end: true (it names the metric that picks "
-            "the best checkpoint)", "load_best_model_at_end")
+            "the best checkpoint) or save_strategy best (it saves when the metric improves)", "load_best_model_at_end",
+            "save_strategy")
     elif best is not None and not spec.best_by_task_metric and spec.eval_strategy == "no":
         err("metric_for_best_model", f"{best!r} is never measured: "
             + (f"name the eval_metric ({task}), the one scored at each save, or " if task else "")

@@ -155,6 +155,13 @@ def _switched_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
             if key in fields and getattr(spec, key) != fields[key].default and not getattr(spec, switch)]
 
 
+# keys naming modules of the model -> which names they may be (backend.core.model_modules.ModuleNames: validate
+# reads them from the model's files; backend/training/adapters.py checks the loaded model the same way)
+MODULE_KEYS = {"lora_target": "linear", "oft_target": "linear", "galore_target": "linear",
+               "additional_target": "modules", "freeze_trainable_modules": "layer_parts",
+               "freeze_extra_modules": "outer"}
+
+
 # A method's own cross-field rules: spec -> [(field, message, other fields involved)]; spec.py calls them.
 RULES = {"oft": _oft_errors}
 

@@ -195,6 +195,38 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+class ResumeError(ValueError):
+    """resume_from_checkpoint names nothing to resume; str() is the one line (field first)."""
+
+
+def resume_choice(value, out: str | Path | None) -> tuple[Path | None, list[str]]:
+    """The checkpoint `resume_from_checkpoint: value` continues: true = the newest complete checkpoint-N in `out` (the
+    run's output_dir), a path = that checkpoint folder; and the names of newer incomplete ones skipped (a save cut
+    short by a kill or a full disk has no trainer_state.json). (None, []) when value is unset. ResumeError when it
+    names nothing to resume: `validate` says it before launch, the stage at launch."""
+    if not value:
+        return None, []
+    if value is True or str(value).lower() == "true":
+        if not out:
+            raise ResumeError("resume_from_checkpoint: true continues the run in output_dir: set output_dir to that "
+                              "run's folder (or give the checkpoint folder itself)")
+        found = checkpoints(out)
+        complete = [c for c in found if is_complete_checkpoint(c)]
+        skipped = [c.name for c in found if not is_complete_checkpoint(c)
+                   and (not complete or checkpoint_step(c) > checkpoint_step(complete[-1]))]
+        if not complete:
+            raise ResumeError(f"resume_from_checkpoint: no complete checkpoint-N folder in {out}"
+                              + (f" ({', '.join(skipped)} incomplete)" if skipped else ""))
+        return complete[-1], skipped
+    path = Path(str(value)).expanduser()
+    if not path.is_dir():
+        raise ResumeError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
+    if checkpoint_step(path) is not None and not is_complete_checkpoint(path):
+        raise ResumeError(f"resume_from_checkpoint: {path} is incomplete (no {CHECKPOINT_COMPLETE_MARKER}: the save "
+                          "was cut short); give an earlier checkpoint or true for the newest complete one")
+    return path, []
+
+
 REWARD_TASK_TYPE = "SEQ_CLS"  # peft's task type of a reward adapter (the score head rides in modules_to_save)
 
 

@@ -30,23 +30,25 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from backend.core import allowed, eval_rules, gguf_header, llamacpp, paths
+from backend.core import allowed, eval_rules, llamacpp, model_files, model_modules, paths
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
 from backend.core.dataset_info import DatasetError, read_dataset_info
 from backend.core.hub_data import hub_problem, is_hub_id
 from backend.core.launch import distributed_errors, visible_accelerators, world_size
-from backend.core.methods import (DEFAULT as DEFAULT_METHOD, METHOD_KEYS, METHODS, adapter_methods, method,
-                                  method_errors, quantizable_methods)
+from backend.core.methods import (DEFAULT as DEFAULT_METHOD, METHOD_KEYS, METHODS, MODULE_KEYS, adapter_methods,
+                                  field_applies, method, method_errors, quantizable_methods)
 from backend.core.metrics import TASK_METRICS  # eval_metric's choices (backend/evaluation/task_metric.py scores them)
-from backend.core.optim_names import GALORE_OPTIMIZERS
+from backend.core.optim_names import GALORE_OPTIMIZERS, optimizer_problem
 from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.refusals import REFUSED, reward_gguf_refusal
 from backend.core.passthrough_rules import ALWAYS as PASSTHROUGH_REFUSED, passthrough_errors
 from backend.core.tokenized import cache_errors
+from backend.core.train_rules import train_errors
 from backend.core.streaming import stream_errors
 from backend.core.rewards import is_model_name, split_names
-from backend.core.rundir import default_output_dir, is_reward_model_dir, model_slug, reward_model_folder
+from backend.core.rundir import (ResumeError, default_output_dir, is_reward_model_dir, model_slug, resume_choice,
+                                 reward_model_folder)
 from backend.core.spec_keys import Keys, key_order, spec_key as _f
 from backend.core.trackers import tracker_names, tracker_problems
 from backend.stages import (DEFAULT_STAGE, IMPLEMENTED, NEEDED_COLUMN, STAGE_IDS, STAGE_KEYS, get_stage,
@@ -438,6 +440,9 @@ class RunSpec(*key_order(GROUPS, _ModelKeys, _MethodKeys, *STAGE_KEYS, *METHOD_K
             close = difflib.get_close_matches(value, choices, n=3)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else f"; known: {', '.join(choices)}"
             raise ValueError(f"unknown optimizer {value!r}{hint}")
+        problem = optimizer_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
@@ -821,6 +826,8 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         errors.extend(_template_errors(spec))
         errors.extend(_dataset_errors(spec))
         errors.extend(_model_path_errors(spec))
+        errors.extend(_module_name_errors(spec))
+        errors.extend(_resume_errors(spec))
         errors.extend(_output_dir_errors(spec))
     errors.extend(_code_policy_errors(spec))
     return errors
@@ -855,78 +862,50 @@ def _code_policy_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     return [(exc.field, exc.english(), frozenset({exc.field})) for exc in allowed.code_refusals(flat)]
 
 
-def _looks_like_path(name: str) -> bool:
-    """A model name meant as a local path (backend.training.models resolves the same way; a hub id is 'org/name')."""
-    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or name.lower().endswith(".gguf") \
-        or (len(name) > 1 and name[1] == ":")
-
-
-def weights_file_problem(path: Path) -> str | None:
-    """What is wrong with a .safetensors or .gguf file, from its header and size alone (cut short by a full
-    disk or an interrupted download, or not that format at all); None when it looks whole."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if path.suffix.lower() == ".gguf":
-                if head[:4] != b"GGUF":
-                    return f"{path} is not a GGUF file (it does not start with 'GGUF')"
-                return gguf_header.problem(path)
-            length = int.from_bytes(head, "little") if len(head) == 8 else None
-            if length is None or length > size - 8:
-                return f"{path} is truncated or not a safetensors file (file of {size} bytes)"
-            header = json.loads(f.read(length))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except OSError as exc:
-        return f"cannot read {path}: {exc.strerror or exc}"
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return f"{path} is not a safetensors file (its header is not a tensor table)"
-    if 8 + length + end > size:
-        return f"{path} is truncated: {size} bytes, its header describes {8 + length + end}"
-    return None
-
-
-def _weights_errors(field: str, folder: Path) -> list[tuple[str, str, frozenset]]:
-    found = (weights_file_problem(p) for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.gguf")))
-    return [(field, problem, frozenset({field})) for problem in found if problem][:1]
-
-
 def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
-    """A local model path exists and holds a model (config.json, or one .gguf file), as loading will need;
-    its weight files (and the adapters') are whole."""
+    """Each model and adapter the run loads is on this machine, whole, as loading will need (backend.core.model_files):
+    model_name_or_path, ref_model and teacher_model_name_or_path (a local folder or .gguf file, or a hub id in the local cache), each
+    adapter_name_or_path (an adapter folder; with `checkpoints` a run folder, which checkpoint_errors checks; with
+    `tasks` a merged export too)."""
     errors = []
-    for adapter in (spec.adapter_name_or_path or "").split(","):
-        if adapter.strip() and Path(adapter.strip()).expanduser().is_dir():
-            errors += _weights_errors("adapter_name_or_path", Path(adapter.strip()).expanduser())
-    return errors + _model_folder_errors(spec)
+
+    def check(field: str, problem: str | None, *involved: str) -> None:
+        if problem:
+            errors.append((field, problem, frozenset((field,) + involved)))
+
+    if not spec.checkpoints and method(spec.finetuning_type).adapter:  # else _cross_field_errors refuses adapters
+        for adapter in _split(spec.adapter_name_or_path):
+            if not (spec.tasks and model_files.is_merged_model(Path(adapter).expanduser())):
+                check("adapter_name_or_path", model_files.adapter_problem(adapter))
+    check("model_name_or_path", model_files.model_problem(spec.model_name_or_path))
+    for field in ("ref_model", "teacher_model_name_or_path"):  # a second model, where the stage loads one
+        if getattr(spec, field) and field in get_stage(spec.stage).fields:
+            check(field, model_files.model_problem(getattr(spec, field)), "stage")
+    return errors
 
 
-def _model_folder_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
-    name = str(spec.model_name_or_path).strip()
-    if not name or name.lower() == DEFAULT_MODEL_ID.lower():
+def _resume_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """resume_from_checkpoint names a checkpoint there is (backend.core.rundir.resume_choice, as the run decides)."""
+    try:
+        resume_choice(spec.resume_from_checkpoint, spec.output_dir)
+    except ResumeError as exc:
+        return [("resume_from_checkpoint", str(exc).removeprefix("resume_from_checkpoint: "),
+                 frozenset({"resume_from_checkpoint", "output_dir"}))]
+    return []
+
+
+def _module_name_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """Each module a method key names (lora_target, additional_target, freeze_trainable_modules, ...) is a module of
+    the model, read from its files where they are here (backend.core.model_modules)."""
+    wanted = {}
+    for key, kind in MODULE_KEYS.items():
+        names = _split(getattr(spec, key, None)) if key in RunSpec.model_fields and field_applies(spec, key) else []
+        if names and names != ["all"]:
+            wanted[key] = (names, kind)
+    if not wanted:
         return []
-    path = Path(name).expanduser()
-    problem = None
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            problem = f"{path} is a file but not a .gguf model file: give a model folder or a .gguf file"
-    elif path.is_dir():
-        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-            problem = (f"{path} is a LoRA adapter, not a model: set it as adapter_name_or_path and give its base "
-                       "model here")
-        elif not (path / "config.json").is_file():
-            ggufs = sorted(p.name for p in path.glob("*.gguf"))
-            if not ggufs:
-                problem = f"{path} is not a model folder (no config.json and no .gguf file)"
-            elif len(ggufs) > 1:
-                problem = f"{path} holds several .gguf files ({', '.join(ggufs)}): give one file"
-    elif _looks_like_path(name):
-        problem = f"{path} does not exist"
-    if problem is None and path.is_file():
-        problem = weights_file_problem(path)
-    if problem is None and path.is_dir():
-        return _weights_errors("model_name_or_path", path)
-    return [("model_name_or_path", problem, frozenset({"model_name_or_path"}))] if problem else []
+    return [(key, message, frozenset({key, "model_name_or_path"}))
+            for key, message in model_modules.unknown_names(spec.model_name_or_path, wanted)]
 
 
 def _output_dir_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
@@ -994,6 +973,7 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
                    f"above {limit} or drop rope_scaling", "cutoff_len", "model_name_or_path")
     for problem in tracker_problems(spec.report_to):
         refuse("report_to", problem)
+    errors.extend((field, message, frozenset((field,) + involved)) for field, message, involved in train_errors(spec))
     errors.extend(passthrough_errors(spec, training_args_fields(), visible_accelerators(), world_size(spec)))
     errors.extend(_benchmark_errors(spec, check_files))
     errors.extend(cache_errors(spec, check_files))

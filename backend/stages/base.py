@@ -24,8 +24,8 @@ from backend.core.trackers import point_trackers_at, tracker_names
 from backend.training.plot import plot_loss
 from backend.dataprep.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 from backend.dataprep.resolve import pick_template
-from backend.core.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PREDICTIONS_FILE, RunDir, checkpoint_step, checkpoints,
-                            is_complete_checkpoint)
+from backend.core.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PREDICTIONS_FILE, ResumeError, RunDir,
+                            checkpoint_step, resume_choice)
 from backend.stages import get_stage
 
 
@@ -111,30 +111,16 @@ def save_checkpoints_atomically(trainer) -> None:
 
 
 def resume_checkpoint(spec, out: Path, log=print) -> str | None:
-    """`resume_from_checkpoint: true` = the newest complete checkpoint-N in output_dir (one cut short by a
-    kill or a full disk has no trainer_state.json: skipped, and `log` says so); a path = that one."""
-    value = spec.resume_from_checkpoint
-    if not value:
-        return None
-    if value is True or str(value).lower() == "true":
-        found = checkpoints(out)
-        complete = [c for c in found if is_complete_checkpoint(c)]
-        newer_partial = [c.name for c in found if not is_complete_checkpoint(c)
-                         and (not complete or checkpoint_step(c) > checkpoint_step(complete[-1]))]
-        if newer_partial:
-            log(f"skipping incomplete checkpoint(s) {', '.join(newer_partial)} (no {CHECKPOINT_COMPLETE_MARKER}: "
-                "the save was cut short)")
-        if not complete:
-            raise RunError(f"resume_from_checkpoint: no complete checkpoint-N folder in {out}"
-                           + (f" ({', '.join(newer_partial)} incomplete)" if newer_partial else ""))
-        return str(complete[-1])
-    path = Path(str(value))
-    if not path.is_dir():
-        raise RunError(f"resume_from_checkpoint: {path} is not a checkpoint folder")
-    if checkpoint_step(path) is not None and not is_complete_checkpoint(path):
-        raise RunError(f"resume_from_checkpoint: {path} is incomplete (no {CHECKPOINT_COMPLETE_MARKER}: the save "
-                       "was cut short); give an earlier checkpoint or true for the newest complete one")
-    return str(path)
+    """The checkpoint resume_from_checkpoint continues (backend.core.rundir.resume_choice; `log` names incomplete
+    newer ones skipped), or None."""
+    try:
+        chosen, skipped = resume_choice(spec.resume_from_checkpoint, out)
+    except ResumeError as exc:
+        raise RunError(str(exc)) from None
+    if skipped:
+        log(f"skipping incomplete checkpoint(s) {', '.join(skipped)} (no {CHECKPOINT_COMPLETE_MARKER}: "
+            "the save was cut short)")
+    return str(chosen) if chosen is not None else None
 
 
 def trim_log_to(out: Path, step: int) -> None:

@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError
 from peft import prepare_model_for_kbit_training
 from peft.optimizers import create_loraplus_optimizer
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -42,6 +40,7 @@ from backend.training.adapters import _check_names, _get, _split, find_all_linea
 from backend.core.checkpointing import checkpoint_kwargs, choose
 from backend.training.losses import causal_lm_loss, liger_usable
 from backend.core.methods import method, quantizable_methods
+from backend.core.model_files import cached_snapshot, gguf_cache_folder, looks_like_path
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
 from backend.core.registry import lookup_registry
@@ -73,22 +72,6 @@ class ResolvedModel:
     @property
     def gguf_path(self) -> Path | None:
         return self.path / self.gguf_file if self.gguf_file else None
-
-
-def _offline_error(name: str) -> ValueError:
-    return ValueError(
-        f"model '{name}' is not available offline: give a local folder or .gguf file path "
-        "(nothing can be downloaded here)"
-    )
-
-
-def _looks_like_path(name: str) -> bool:
-    return (
-        name.startswith((".", "/", "~", "\\"))
-        or name.count("/") > 1
-        or name.lower().endswith(".gguf")
-        or (len(name) > 1 and name[1] == ":")  # C:\...
-    )
 
 
 def _family_from_folder(folder: Path) -> str | None:
@@ -193,35 +176,18 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
         if ggufs:
             raise ValueError(f"model folder {path} holds several .gguf files ({', '.join(ggufs)}): give one file")
         raise ValueError(f"model folder {path} has no config.json and no .gguf file")
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise ValueError(f"model path '{name}' does not exist")
 
-    # A hub id: only what is already in the local Hugging Face cache.
-
-    try:
-        snapshot = Path(snapshot_download(name, local_files_only=True))
-    except HFValidationError as exc:
-        raise ValueError(f"model '{name}' is neither an existing path nor a valid hub id ({exc})") from None
-    except Exception:
-        raise _offline_error(name) from None
-    if not (snapshot / "config.json").is_file():
-        ggufs = sorted(p.name for p in snapshot.glob("*.gguf"))
-        if len(ggufs) == 1:
-            resolved = _resolved(snapshot, ggufs[0], name, _family_from_gguf(snapshot / ggufs[0]))
-            resolved.model_id = name
-            return resolved
-        raise _offline_error(name)
-    resolved = _resolved(snapshot, None, name, _family_from_folder(snapshot))
+    # A hub id: only what is already in the local Hugging Face cache (the rule validate applies too).
+    snapshot, gguf = cached_snapshot(name)
+    family = _family_from_gguf(snapshot / gguf) if gguf else _family_from_folder(snapshot)
+    resolved = _resolved(snapshot, gguf, name, family)
     resolved.model_id = name
     return resolved
 
 
 # --------------------------------------------------------------------------------------------- GGUF
-def _gguf_cache_folder(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    return cache_dir() / "models" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-
-
 def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
@@ -238,7 +204,7 @@ def materialize_gguf(gguf_path: str | os.PathLike) -> Path:
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    target = _gguf_cache_folder(gguf_path)
+    target = gguf_cache_folder(gguf_path)
     if _is_complete(target):
         return target
     if target.exists():  # damaged by hand (our own writes are atomic): convert again

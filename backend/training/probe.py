@@ -45,7 +45,8 @@ from backend.core.rundir import PROBE_MEASURE_FILE, PROBE_RESULT_FILE, SPEC_FILE
 import psutil
 from backend.core.launch import world_size
 from backend.core import paths
-from backend.core.spec import load_spec, split_spec_args, SpecError
+from backend.core.passthrough_rules import EVAL_LOOP_KEYS
+from backend.core.spec import RunSpec, SpecError, load_spec, split_spec_args, validate_spec
 import argparse
 
 ENV = "TUNEBOARD_PROBE"  # in the child's environment: the file it writes its own measurements to
@@ -153,14 +154,24 @@ def instrument(train_dataset, collator, callbacks: list):
 
 # ------------------------------------------------------------------ the parent: run the child, read it
 
-def probe_overrides(run_dir: Path, steps: int) -> list[str]:
-    """The keys that make the spec a probe: its own folder, `steps` optimizer steps of one micro-batch each,
-    the rows in the order the child sorts them, nothing saved, evaluated, predicted or plotted."""
-    return [f"output_dir={run_dir}", f"max_steps={steps}", "gradient_accumulation_steps=1", "logging_steps=1",
-            "save_strategy=no", "plot_loss=false", "train_sampling_strategy=sequential", "do_predict=false",
-            "val_size=0", "eval_dataset=null", "eval_strategy=no", "load_best_model_at_end=false",
-            "early_stopping_patience=null", "report_to=none", "overwrite_output_dir=true",
-            "resume_from_checkpoint=null"]
+PROBE_VALUES = {"gradient_accumulation_steps": 1, "logging_steps": 1, "save_strategy": "no", "plot_loss": False,
+                "train_sampling_strategy": "sequential", "val_size": 0, "eval_dataset": None, "report_to": "none",
+                "overwrite_output_dir": True, "resume_from_checkpoint": None}
+
+
+def probe_spec(spec: RunSpec, run_dir: Path, steps: int) -> RunSpec:
+    """The spec made a probe: its own folder, `steps` optimizer steps of one micro-batch each, the rows in the order
+    the child sorts them, nothing saved, evaluated, predicted, judged or plotted: every key of the eval group, the
+    saves' keys and the evaluation loop's passthrough keys go back to their defaults (validate refuses them in a run
+    that neither saves nor evaluates)."""
+    fields = RunSpec.model_fields
+    flat = {k: v for k, v in spec.flat_dict().items() if k not in EVAL_LOOP_KEYS}
+    for name, field in fields.items():
+        if name != "passthrough" and (field.json_schema_extra or {}).get("group") == "eval":
+            flat[name] = field.default
+    for name in ("save_steps", "save_total_limit"):
+        flat[name] = fields[name].default
+    return validate_spec({**flat, **PROBE_VALUES, "output_dir": str(run_dir), "max_steps": steps})
 
 
 def total_steps(spec, rows: int | None) -> int | None:
@@ -250,8 +261,7 @@ def run_probe(args: list[str], *, steps: int = DEFAULT_STEPS, available_mib: flo
               "machine_total_mib": round(total_mib, 1), "available_mib": round(available, 1),
               "output_dir": spec.output_dir, "suggestions": []}
     try:
-        path, overrides = _split(args)
-        child_spec = load_spec(path, overrides + probe_overrides(run_dir, steps))
+        child_spec = probe_spec(spec, run_dir, steps)
         run_dir.mkdir(parents=True)
         (run_dir / SPEC_FILE).write_text(child_spec.to_yaml(), encoding="utf-8")
         measures = probe_dir / PROBE_MEASURE_FILE

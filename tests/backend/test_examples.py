@@ -44,9 +44,18 @@ def real_or_promised_templates(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_validates(path, tmp_path, real_or_promised_templates):
+def test_example_validates(path, tmp_path, real_or_promised_templates, hub_cache, monkeypatch):
     data = read_spec_file(path)
     overrides = []
+    # What a recipe loads is on the machine that runs it: its hub model in the (test's own) Hugging Face cache, the
+    # adapter it exports or chats with trained before (relative paths: the project folder it runs from).
+    if data.get("model_name_or_path", paths.DEFAULT_MODEL_ID) != paths.DEFAULT_MODEL_ID:
+        hub_cache(data["model_name_or_path"])
+    monkeypatch.chdir(tmp_path)
+    for adapter in str(data.get("adapter_name_or_path") or "").split(","):
+        if adapter.strip():
+            (tmp_path / adapter.strip()).mkdir(parents=True)
+            (tmp_path / adapter.strip() / "adapter_config.json").write_text("{}")
     wanted = [n.strip() for n in str(data.get("dataset") or "").split(",") if n.strip()]
     extra = {n: UNBUNDLED[n] for n in wanted if n in UNBUNDLED}
     if extra:

@@ -86,11 +86,13 @@ LEAVE_OUT = textwrap.dedent("""
     (["finetuning_type=full", "use_galore=true", "optim=adamw_torch"], True),
     (["model_name_or_path=someorg/some-model-bnb-4bit"], True),  # a hub id may be saved quantized: not read here
 ])
-def test_bitsandbytes_is_loaded_only_by_runs_that_use_it(overrides, kept):
+def test_bitsandbytes_is_loaded_only_by_runs_that_use_it(overrides, kept, hub_cache):
     """peft imports bitsandbytes whenever it is installed (~50 MiB of a run's peak RSS); a training process leaves
     it out unless the spec uses it (QLoRA, its optimizers, GaLore) or names a model it cannot tell loads without it,
     and then transformers and peft see it absent."""
     pytest.importorskip("bitsandbytes")
+    for model in [o.partition("=")[2] for o in overrides if o.startswith("model_name_or_path=")]:
+        hub_cache(model)  # a hub id validates when it is in the (test's own) Hugging Face cache
     out = subprocess.run([sys.executable, "-c", LEAVE_OUT.format(repo=str(REPO)), *overrides],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -11,6 +11,7 @@ from backend.core import registry
 from backend.training import models
 from backend.training.adapters import apply_finetuning, count_parameters, find_all_linear_modules
 from backend.training.models import load_model, load_tokenizer, materialize_gguf, resolve_model
+from backend.core.model_files import gguf_cache_folder
 from backend.core.paths import DEFAULT_MODEL_ID, default_model_file
 from backend.core.registry import lookup_registry
 from backend.core.spec import RunSpec
@@ -91,8 +92,8 @@ def test_resolve_gguf_path_and_folder(tmp_path, tiny_llama):
 
 
 def test_resolve_errors_are_clear(tmp_path):
-    with pytest.raises(ValueError, match=r"model 'someone/some-model' is not available offline: give a local "
-                                         r"folder or \.gguf file path \(nothing can be downloaded here\)"):
+    with pytest.raises(ValueError, match=r"model 'someone/some-model' is not in this machine's Hugging Face cache "
+                                         r"and nothing can be downloaded here: .*huggingface-cli download"):
         resolve_model("someone/some-model")
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model(str(tmp_path / "missing" / "model.gguf"))
@@ -157,7 +158,7 @@ def test_materialize_is_atomic_and_reuses_a_finished_folder(tmp_path, monkeypatc
     monkeypatch.setenv("TUNEBOARD_CACHE", str(tmp_path / "cache"))
     copy = tmp_path / "m.gguf"
     shutil.copy2(default_model_file(), copy)
-    target = models._gguf_cache_folder(copy)
+    target = gguf_cache_folder(copy)
     assert target.parent == tmp_path / "cache" / "models" and target.name.startswith("m-")
     # pretend another process finished first: its folder is used as is
     shutil.copytree(default_model_dir, target)
@@ -256,9 +257,10 @@ def test_lora_options_reach_peft(tiny_llama):
 
 
 def test_bad_lora_target_names_the_module_and_the_choices(tiny_llama):
-    model, _, s = load(tiny_llama, lora_target="q_proj,attn_qkv")
+    # validate refuses it from the model's files (test_model_files.py); the loader says the same on its own
+    model, _, s = load(tiny_llama)
     with pytest.raises(ValueError, match=r"lora_target: unknown module 'attn_qkv'; available: .*q_proj"):
-        apply_finetuning(model, s)
+        apply_finetuning(model, s.model_copy(update={"lora_target": "q_proj,attn_qkv"}))
 
 
 def test_resume_and_stack_adapters(tmp_path, tiny_llama):
@@ -285,9 +287,9 @@ def test_resume_and_stack_adapters(tmp_path, tiny_llama):
     assert all(torch.all(p == 0) for n, p in fresh.named_parameters() if "lora_B" in n)
     assert {n.rsplit(".", 1)[-1] for n, m in fresh.named_modules() if hasattr(m, "lora_A")} >= {"q_proj", "down_proj"}
 
-    model, _, s = load(tiny_llama, adapter_name_or_path=str(tmp_path / "nope"))
+    model, _, s = load(tiny_llama)  # validate refuses a missing adapter; the loader says the same on its own
     with pytest.raises(ValueError, match="is not an adapter folder"):
-        apply_finetuning(model, s)
+        apply_finetuning(model, s.model_copy(update={"adapter_name_or_path": str(tmp_path / "nope")}))
 
 
 # ---------------------------------------------------------------------------------------- QLoRA
@@ -345,12 +347,13 @@ def test_freeze_first_layers_named_modules_and_extras(tiny_llama):
 
 
 def test_freeze_bad_module_names_are_named(tiny_llama):
-    model, _, s = load(tiny_llama, finetuning_type="freeze", freeze_trainable_modules="mlp,attention")
+    # validate refuses them from the model's files (test_model_files.py); the loader says the same on its own
+    model, _, s = load(tiny_llama, finetuning_type="freeze")
     with pytest.raises(ValueError, match=r"freeze_trainable_modules: unknown module 'attention'; available: .*self_attn"):
-        apply_finetuning(model, s)
-    model, _, s = load(tiny_llama, finetuning_type="freeze", freeze_extra_modules="wte")
+        apply_finetuning(model, s.model_copy(update={"freeze_trainable_modules": "mlp,attention"}))
+    model, _, s = load(tiny_llama, finetuning_type="freeze")
     with pytest.raises(ValueError, match=r"freeze_extra_modules: unknown module 'wte'; available: .*embed_tokens"):
-        apply_finetuning(model, s)
+        apply_finetuning(model, s.model_copy(update={"freeze_extra_modules": "wte"}))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -111,3 +111,24 @@ def test_probe_of_a_bad_spec_says_why(tmp_path):
                           env=dict(os.environ, TUNEBOARD_CACHE=str(tmp_path)))
     assert proc.returncode == 1
     assert "lora_rankk" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_spec_that_saves_evaluates_and_picks_the_best_is_probed_without_them(tiny_llama, tmp_path):
+    """The probe saves and evaluates nothing: a spec with a task metric, the best checkpoint, step-wise evaluation and
+    saves (the form's preset saves every 10 steps, keeping 2) is probed with those keys at their defaults, which
+    validate accepts (they were left set, and the probe refused: 'metric_for_best_model: only used with
+    load_best_model_at_end', 'save_total_limit: save_strategy no saves no checkpoints', ...)."""
+    from backend.core.spec import validate_spec
+    from backend.training.probe import probe_spec
+
+    write_dataset(tmp_path / "data")
+    user = validate_spec({**dict(a.split("=", 1) for a in probe_args(tiny_llama, tmp_path / "data", tmp_path / "run")),
+                          "val_size": 0.2, "eval_strategy": "steps", "eval_steps": 2, "eval_metric": "rouge_l",
+                          "load_best_model_at_end": True, "metric_for_best_model": "rouge_l", "save_steps": 2,
+                          "save_total_limit": 2, "eval_accumulation_steps": 2, "early_stopping_patience": 2})
+    probe = probe_spec(user, tmp_path / "probe", 3)
+    assert (probe.output_dir, probe.max_steps, probe.save_strategy, probe.eval_strategy) == (
+        str(tmp_path / "probe"), 3, "no", "no")
+    assert probe.eval_metric is None and not probe.load_best_model_at_end and probe.val_size == 0
+    assert "eval_accumulation_steps" not in probe.passthrough
+    assert (probe.lora_rank, probe.cutoff_len, probe.per_device_train_batch_size) == (4, 128, 2)  # the run's own

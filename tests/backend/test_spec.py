@@ -181,7 +181,9 @@ def test_spec_fields_table():
 # ---------------------------------------------------------------------------------------------- guide recipes
 
 
-def test_guide_train_recipe_validates_verbatim(files, tmp_path):
+def test_guide_train_recipe_validates_verbatim(files, tmp_path, hub_cache):
+    # The guide's machine has its model: here a Hugging Face cache of the test's own holds it under its hub id.
+    hub_cache("Qwen/Qwen2.5-7B-Instruct")
     ddir = tmp_path / "guide_data"
     ddir.mkdir()
     (ddir / "dataset_info.json").write_text(json.dumps(GUIDE_DATASET_INFO))
@@ -201,9 +203,18 @@ def test_guide_train_recipe_validates_verbatim(files, tmp_path):
     assert str(files / "data" / "dataset_info.json") in errs[0][1]
 
 
-def test_guide_export_recipe_validates_verbatim(files, tmp_path):
+def test_guide_export_recipe_validates_verbatim(files, tmp_path, hub_cache, monkeypatch):
     path = tmp_path / "export_qwen.yaml"
     path.write_text(GUIDE_EXPORT)
+    monkeypatch.chdir(tmp_path)  # the recipe's relative adapter path: the guide runs from its project folder
+    with pytest.raises(SpecError) as refused:  # before its training: the model is not here, nor the adapter
+        load_spec(path)
+    assert [field for field, _ in refused.value.errors] == ["adapter_name_or_path", "model_name_or_path"]
+    assert "saves/qwen2.5-7b-aifetchly-lora does not exist" in str(refused.value)
+    assert "'Qwen/Qwen2.5-7B-Instruct' is not in this machine's Hugging Face cache" in str(refused.value)
+    hub_cache("Qwen/Qwen2.5-7B-Instruct")
+    (tmp_path / "saves" / "qwen2.5-7b-aifetchly-lora").mkdir(parents=True)
+    (tmp_path / "saves" / "qwen2.5-7b-aifetchly-lora" / "adapter_config.json").write_text("{}")
     spec = load_spec(path)
     assert spec.adapter_name_or_path == "saves/qwen2.5-7b-aifetchly-lora"
     assert (spec.export_dir, spec.export_size, spec.export_device, spec.export_legacy_format) == (
@@ -435,10 +446,14 @@ def test_overrides_apply_on_top_of_file(files, tmp_path):
 
 
 def test_yaml_round_trip(files):
+    run = files / "run"  # resume_from_checkpoint: true needs a checkpoint to resume in output_dir
+    (run / "checkpoint-1").mkdir(parents=True)
+    (run / "checkpoint-1" / "trainer_state.json").write_text("{}")
     spec = validate_spec({"stage": "pt", "dataset": "c4_demo", "lora_rank": 32, "lora_alpha": 64, "learning_rate": 3e-5,
                           "warmup_ratio": 0.1, "report_to": ["tensorboard"], "default_system": "line one\nline two: yes",
                           "save_steps": 0.25, "quantization_bit": 8, "resume_from_checkpoint": True,
-                          "disable_tqdm": True, "label_names": ["labels"], "save_strategy": "no", "identity_author": "1.0"})
+                          "output_dir": str(run), "disable_tqdm": True, "label_names": ["labels"],
+                          "identity_author": "1.0"})
     text = spec.to_yaml()
     assert text.startswith("### Model\nmodel_name_or_path: ")
     assert "### TrainingArguments passthrough\ndisable_tqdm: true\n" in text
@@ -515,7 +530,7 @@ def test_training_arguments_mapping(files):
         assert kw["warmup_steps"] == 0.1  # transformers 5: a fraction below 1
     key = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     assert kw[key] is True
-    assert validate_spec({"warmup_ratio": 0.1, "warmup_steps": 20}).training_arguments()["warmup_steps"] == 20
+    assert validate_spec({"warmup_steps": 20}).training_arguments()["warmup_steps"] == 20  # with a ratio: refused
     assert validate_spec({"gradient_checkpointing": True, "disable_gradient_checkpointing": True}
                          ).training_arguments()[key] is False
 

@@ -55,12 +55,12 @@ def test_guide_hyperparameters_reach_training_arguments(tmp_path):
                           "per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
                           "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "logging_steps": 10,
                           "save_steps": 100, "ddp_timeout": 180000000, "gradient_checkpointing": True,
-                          "save_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0,
+                          "save_strategy": "steps", "disable_tqdm": True, "dataloader_num_workers": 0,
                           "include_num_input_tokens_seen": True, "torch_compile": False}, check_files=False)
     args = transformers.TrainingArguments(**spec.training_arguments())
     assert args.get_warmup_steps(100) == 10  # warmup_ratio 0.1 of 100 steps, whatever the version calls it
     assert args.ddp_timeout == 180000000 and args.save_steps == 100 and args.logging_steps == 10
-    assert args.save_strategy.value == "no" and args.disable_tqdm is True
+    assert args.save_strategy.value == "steps" and args.disable_tqdm is True
     checkpointing = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
     assert checkpointing is True
 

@@ -2,6 +2,7 @@
 stage's declared data kind (backend/stages), and a switch, said in one line, when the current set does not fit."""
 import pytest
 
+from backend.core import paths
 from backend.core.spec import SpecError, validate_spec
 from backend.stages import DATA_KINDS, IMPLEMENTED, get_stage
 from webui import choices
@@ -35,10 +36,10 @@ def test_the_offered_sets_are_of_the_stage_kind():
 def test_each_offered_set_passes_validate_for_its_stage(stage):
     """What the picker offers is what `validate` accepts for the stage (the spec's own data-kind check)."""
     for name in D.fitting_datasets(stage, INFO):
-        validate_spec({"model_name_or_path": "m", "stage": stage, "dataset": name})
+        validate_spec({"model_name_or_path": paths.DEFAULT_MODEL_ID, "stage": stage, "dataset": name})
     misfit = next(n for n in INFO if n not in D.fitting_datasets(stage, INFO))
     with pytest.raises(SpecError):
-        validate_spec({"model_name_or_path": "m", "stage": stage, "dataset": misfit})
+        validate_spec({"model_name_or_path": paths.DEFAULT_MODEL_ID, "stage": stage, "dataset": misfit})
 
 
 def test_fit_dataset_switches_only_what_does_not_fit():

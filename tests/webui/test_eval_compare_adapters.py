@@ -7,23 +7,32 @@ import pandas as pd
 from webui.tabs import evaluate
 
 
-def flat(adapter="/saves/m/lora/sft-extract"):
+def flat(adapter):
     return evaluate.eval_flat("HuggingFaceTB/SmolLM2-135M-Instruct", adapter, "lora", None, "auto",
                               ["extraction_demo"], 20, 128)
 
 
+def adapter_folder(root, name: str) -> str:
+    """An adapter folder (validate checks that each adapter path is one; nothing loads it here)."""
+    (root / name).mkdir(parents=True)
+    (root / name / "adapter_config.json").write_text("{}")
+    return str(root / name)
+
+
 def test_two_adapters_become_two_named_parts(root):
-    parts, why = evaluate.plan(flat(), False, "/saves/m/lora/grpo-extract/checkpoint-20")
+    sft, grpo = adapter_folder(root, "m/lora/sft-extract"), adapter_folder(root, "m/lora/grpo-extract/checkpoint-20")
+    parts, why = evaluate.plan(flat(sft), False, grpo)
     assert why == "" and [p["name"] for p in parts] == ["sft-extract", "grpo-extract-checkpoint-20"]
-    assert [p["adapter"] for p in parts] == ["/saves/m/lora/sft-extract", "/saves/m/lora/grpo-extract/checkpoint-20"]
+    assert [p["adapter"] for p in parts] == [sft, grpo]
     assert parts[0]["dir"] != parts[1]["dir"]
     assert evaluate.part_names("/a/run", "/b/run") == ("run", "run-2")
-    # without an adapter in the top bar, or the same one twice: refused with the reason
-    assert evaluate.plan(flat(adapter=""), False, "/x/grpo")[0] is None
-    assert "top bar too" in evaluate.plan(flat(adapter=""), False, "/x/grpo")[1]
-    assert "pick another one" in evaluate.plan(flat(), False, "/saves/m/lora/sft-extract")[1]
+    # without an adapter in the top bar, or the same one twice, or one that is not there: refused with the reason
+    assert evaluate.plan(flat(""), False, "/x/grpo")[0] is None
+    assert "top bar too" in evaluate.plan(flat(""), False, "/x/grpo")[1]
+    assert "pick another one" in evaluate.plan(flat(sft), False, sft)[1]
+    assert f"{root / 'gone'} does not exist" in evaluate.plan(flat(sft), False, str(root / "gone"))[1]
     # no second adapter: base vs tuned as before
-    assert [p["name"] for p in evaluate.plan(flat(), True)[0]] == ["tuned", "base"]
+    assert [p["name"] for p in evaluate.plan(flat(sft), True)[0]] == ["tuned", "base"]
 
 
 def test_side_by_side_metrics_and_rows_name_both_adapters():

@@ -11,6 +11,7 @@ import gradio as gr
 import pytest
 import yaml
 
+from backend.core.paths import DEFAULT_MODEL_ID
 from backend.core.spec import validate_spec
 from backend.stages import STAGES
 from webui import datasets as D
@@ -40,7 +41,7 @@ def dpo_records(n=4, eval_at=()):
 
 def run_dir_with(root: Path, name: str, spec: dict, records: list[dict], state="completed", adapter=False) -> Path:
     d = root / name
-    jobs.write_spec_yaml(d, yaml.safe_dump({"model_name_or_path": "m", "output_dir": str(d), **spec}))
+    jobs.write_spec_yaml(d, yaml.safe_dump({"model_name_or_path": DEFAULT_MODEL_ID, "output_dir": str(d), **spec}))
     (d / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     steps = max((r["step"] for r in records), default=0)
     (d / "status.json").write_text(json.dumps({"state": state, "step": steps, "total_steps": steps}))

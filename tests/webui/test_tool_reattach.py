@@ -152,8 +152,15 @@ def test_export_abort_survives_a_reload(saves, tmp_path, monkeypatch):
     assert export.abort(st2)[1] == "No export is running."
 
 
+def run_a(saves) -> str:
+    """An adapter folder to compare (the fake CLI never loads it; validate checks that it is one)."""
+    (saves / "run-a").mkdir(parents=True, exist_ok=True)
+    (saves / "run-a" / "adapter_config.json").write_text("{}")
+    return str(saves / "run-a")
+
+
 def start_compare(saves):
-    flat = evaluate.eval_flat(tiny(saves), "/saves/run-a", "lora", "none", "default", ["identity"], 2, 8)
+    flat = evaluate.eval_flat(tiny(saves), run_a(saves), "lora", "none", "default", ["identity"], 2, 8)
     st, message, started = evaluate.start_eval(evaluate.new_state(), flat, True)
     assert started, message
     return st
@@ -174,7 +181,7 @@ def test_eval_compare_chain_continues_after_a_reload(saves):
     assert state_of(bar) == "running"
     assert (job / "base" / jobs.LAUNCH_FILE).exists()
     assert "adapter_name_or_path" not in tools.read_tool_spec(job / "base")
-    assert tools.read_tool_spec(job / "tuned")["adapter_name_or_path"] == "/saves/run-a"
+    assert tools.read_tool_spec(job / "tuned")["adapter_name_or_path"] == run_a(saves)
     assert json.loads((job / tools.PLAN_FILE).read_text())["parts"][1]["launched"] is True
     # a second page attached to the same job does not launch base again
     st3 = evaluate.attach(str(job))

@@ -67,10 +67,14 @@ def test_eval_plan_refusals_and_parts(tmp_path, monkeypatch):
     assert parts is None and "adapter" in why
     parts, _ = evaluate.plan(flat, False)
     assert [p["name"] for p in parts] == ["base"]
-    flat = evaluate.eval_flat(str(model), "/a", "lora", "4", "auto", ["identity"], 3, 8)
+    adapter = tmp_path / "a"  # and an adapter path an adapter folder
+    flat = evaluate.eval_flat(str(model), str(adapter), "lora", "4", "auto", ["identity"], 3, 8)
+    assert evaluate.plan(flat, True)[0] is None and f"{adapter} does not exist" in evaluate.plan(flat, True)[1]
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
     assert flat["quantization_bit"] == 4
     parts, _ = evaluate.plan(flat, True)
-    assert [(p["name"], p["adapter"]) for p in parts] == [("tuned", "/a"), ("base", None)]
+    assert [(p["name"], p["adapter"]) for p in parts] == [("tuned", str(adapter)), ("base", None)]
     assert parts[0]["dir"].startswith(str(tmp_path / ".tools" / "eval-"))
 
 

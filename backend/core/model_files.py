@@ -1,0 +1,150 @@
+"""A model's or an adapter's files on this machine, checked before a run starts: `validate` (and so the form's
+Start) refuses a model or adapter the run could not load, with one line naming it, instead of a run that stops
+after launch.
+
+A model (model_name_or_path, ref_model, teacher_model_name_or_path) is a local folder with config.json, a .gguf file
+or a folder holding one, or a hub id (`org/name`) already in the local Hugging Face cache: nothing is downloaded
+here. `cached_snapshot` is the one answer to where a hub id's files are, used by validate and by
+backend.training.models.resolve_model (which loads them). An adapter is a folder with adapter_config.json.
+Light: huggingface_hub is imported only when a hub id is asked about."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backend.core import gguf_header
+from backend.core.paths import DEFAULT_MODEL_ID, cache_dir
+from backend.core.rundir import checkpoints
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's adapter folder marker
+
+
+class NotCachedError(ValueError):
+    """The hub id cannot be loaded from this machine's cache; str() is the one line to show."""
+
+
+def looks_like_path(name: str) -> bool:
+    """A model name meant as a local path (a hub id is 'org/name')."""
+    return name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or name.lower().endswith(".gguf") \
+        or (len(name) > 1 and name[1] == ":")  # C:\...
+
+
+def _get_it(name: str) -> str:
+    return (f"where the hub is reachable, download it (huggingface-cli download {name}) into the Hugging Face cache "
+            "this machine uses (HF_HOME / HF_HUB_CACHE), or into a folder and give that folder instead")
+
+
+def cached_snapshot(name: str) -> tuple[Path, str | None]:
+    """(snapshot folder, its one .gguf file name or None) of hub id `name` in the local cache; NotCachedError
+    saying why not (no snapshot, or a snapshot without config.json and without exactly one .gguf file)."""
+    from huggingface_hub import snapshot_download  # ~60 ms: only for a hub id
+    from huggingface_hub.errors import HFValidationError  # with it: only for a hub id
+
+    try:
+        snapshot = Path(snapshot_download(name, local_files_only=True))
+    except HFValidationError as exc:
+        raise NotCachedError(f"model '{name}' is neither an existing path nor a valid hub id ({exc})") from None
+    except Exception:
+        raise NotCachedError(f"model '{name}' is not in this machine's Hugging Face cache and nothing can be "
+                             f"downloaded here: {_get_it(name)}") from None
+    if (snapshot / "config.json").is_file():
+        return snapshot, None
+    ggufs = sorted(p.name for p in snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return snapshot, ggufs[0]
+    raise NotCachedError(f"model '{name}' is in the Hugging Face cache ({snapshot}) without its config.json "
+                         f"(a partial download): {_get_it(name)}")
+
+
+def gguf_cache_folder(gguf_path: Path) -> Path:
+    """Where a .gguf model is converted to a transformers folder (backend.training.models.materialize_gguf): one
+    folder per file and version (its size and modification time)."""
+    stat = gguf_path.stat()
+    return cache_dir() / "models" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def weights_file_problem(path: Path) -> str | None:
+    """What is wrong with a .safetensors or .gguf file, from its header and size alone (cut short by a full
+    disk or an interrupted download, or not that format at all); None when it looks whole."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if path.suffix.lower() == ".gguf":
+                if head[:4] != b"GGUF":
+                    return f"{path} is not a GGUF file (it does not start with 'GGUF')"
+                return gguf_header.problem(path)
+            length = int.from_bytes(head, "little") if len(head) == 8 else None
+            if length is None or length > size - 8:
+                return f"{path} is truncated or not a safetensors file (file of {size} bytes)"
+            header = json.loads(f.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{path} is not a safetensors file (its header is not a tensor table)"
+    if 8 + length + end > size:
+        return f"{path} is truncated: {size} bytes, its header describes {8 + length + end}"
+    return None
+
+
+def weights_problem(folder: Path) -> str | None:
+    """The first problem of a folder's weight files (.safetensors, .gguf), or None."""
+    found = (weights_file_problem(p) for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.gguf")))
+    return next((problem for problem in found if problem), None)
+
+
+def model_problem(name: str) -> str | None:
+    """Why model `name` cannot be loaded here (as backend.training.models.resolve_model would), or None."""
+    name = str(name).strip()
+    if not name or name.lower() == DEFAULT_MODEL_ID.lower():
+        return None
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            return f"{path} is a file but not a .gguf model file: give a model folder or a .gguf file"
+        return weights_file_problem(path)
+    if path.is_dir():
+        if (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+            return (f"{path} is a LoRA adapter, not a model: set it as adapter_name_or_path and give its base "
+                    "model here")
+        if not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            if not ggufs:
+                return f"{path} is not a model folder (no config.json and no .gguf file)"
+            if len(ggufs) > 1:
+                return f"{path} holds several .gguf files ({', '.join(ggufs)}): give one file"
+        return weights_problem(path)
+    if looks_like_path(name):
+        return f"{path} does not exist"
+    try:
+        cached_snapshot(name)
+    except NotCachedError as exc:
+        return str(exc)
+    return None
+
+
+def is_merged_model(path: Path) -> bool:
+    """A full model folder (an export's merged weights), not an adapter."""
+    return (path / "config.json").is_file() and not (path / ADAPTER_CONFIG).is_file()
+
+
+def adapter_problem(name: str) -> str | None:
+    """Why `name` is not an adapter folder a run can load (peft's adapter_config.json and whole weights), or None.
+    A training run's folder without its own adapter (a run stopped before its end) names its checkpoints."""
+    path = Path(name.strip()).expanduser()
+    if not path.exists():
+        return (f"{path} does not exist: give an adapter folder (a training run's output_dir, or one of its "
+                "checkpoint-N folders)")
+    if not path.is_dir():
+        return f"{path} is a file: give an adapter folder (a training run's output_dir, or one of its checkpoint-N)"
+    if not (path / ADAPTER_CONFIG).is_file():
+        saved = [p for p in checkpoints(path) if (p / ADAPTER_CONFIG).is_file()]
+        if saved:
+            return (f"{path} holds no final adapter (no {ADAPTER_CONFIG}: its run stopped before the end?) but "
+                    f"checkpoints: give one of them ({saved[-1]})")
+        if is_merged_model(path):
+            return (f"{path} is a full model (config.json, no {ADAPTER_CONFIG}): give it as model_name_or_path, "
+                    "without an adapter")
+        return f"{path} is not an adapter folder (no {ADAPTER_CONFIG})"
+    return weights_problem(path)

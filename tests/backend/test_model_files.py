@@ -1,0 +1,96 @@
+"""What validate reads of a model or adapter without loading it (backend.core.model_files, model_modules): every model
+and adapter a run loads exists here, and every module a method key names is a module of the model; the module
+names read from the files are the ones the loader finds on the loaded model (so validate never refuses a name the
+run would take)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from backend.core.model_modules import model_folder, names_in_folder
+from backend.core.paths import DEFAULT_MODEL_ID
+from backend.core.spec import SpecError, validate_spec
+from backend.training.adapters import _decoder_layers, _module_short_names, find_all_linear_modules
+
+
+def _outer(model) -> set[str]:
+    """adapters._setup_freeze's modules outside the decoder layers."""
+    layers_name, _ = _decoder_layers(model)
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if name and name != layers_name and not name.startswith(layers_name + ".")
+            and any(True for _ in module.parameters(recurse=False))}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mistral", "default"])
+def test_names_read_from_the_files_are_the_loaded_models(family, tiny_models, default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    folder = default_model_dir if family == "default" else tiny_models[family]
+    if family == "default":
+        assert model_folder(DEFAULT_MODEL_ID) == default_model_dir  # the bundled GGUF, read from its converted folder
+    names = names_in_folder(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    _, layers = _decoder_layers(model)
+    assert names.linear == set(find_all_linear_modules(model))
+    assert names.layer_parts == {name for name, _ in layers[0].named_children()}
+    assert names.outer == _outer(model)
+    assert names.modules <= _module_short_names(model) and names.linear | names.outer <= names.modules
+
+
+def _messages(data: dict) -> dict[str, str]:
+    try:
+        validate_spec({"dataset": "extraction_demo", **data})
+    except SpecError as exc:
+        return dict(exc.errors)
+    return {}
+
+
+def test_a_module_the_model_lacks_is_refused_at_validate(tiny_llama):
+    model = str(tiny_llama)
+    assert _messages({"model_name_or_path": model, "lora_target": "q_proj,v_proj", "additional_target": "embed_tokens"}) == {}
+    m = _messages({"model_name_or_path": model, "lora_target": "q_proj,qproj"})
+    assert m["lora_target"].startswith("unknown module 'qproj' in ") and "available: down_proj, gate_proj" in m["lora_target"]
+    m = _messages({"model_name_or_path": model, "lora_target": "embed_tokens", "additional_target": "embed_token"})
+    assert "unknown module 'embed_tokens'" in m["lora_target"]  # an embedding is no linear layer: LoRA cannot adapt it
+    assert "unknown module 'embed_token'" in m["additional_target"]
+    m = _messages({"model_name_or_path": model, "finetuning_type": "oft", "oft_target": "o_proj,c_attn"})
+    assert "unknown module 'c_attn'" in m["oft_target"]
+    m = _messages({"model_name_or_path": model, "finetuning_type": "freeze", "freeze_trainable_modules": "mlp,attn",
+                   "freeze_extra_modules": "norm,embeddings"})
+    assert "unknown module 'attn'" in m["freeze_trainable_modules"] and "self_attn" in m["freeze_trainable_modules"]
+    assert "unknown module 'embeddings'" in m["freeze_extra_modules"] and "embed_tokens" in m["freeze_extra_modules"]
+    m = _messages({"model_name_or_path": model, "finetuning_type": "full", "use_galore": True, "galore_target": "mlp"})
+    assert "unknown module 'mlp'" in m["galore_target"]
+
+
+def test_models_and_adapters_a_run_loads_exist(tmp_path, tiny_llama, hub_cache):
+    m = _messages({"model_name_or_path": "someone/some-model"})
+    assert "'someone/some-model' is not in this machine's Hugging Face cache" in m["model_name_or_path"]
+    hub_cache("someone/some-model", tiny_llama)
+    assert _messages({"model_name_or_path": "someone/some-model"}) == {}
+    assert "unknown module 'x'" in _messages({"model_name_or_path": "someone/some-model", "lora_target": "x"})["lora_target"]
+
+    m = _messages({"adapter_name_or_path": str(tmp_path / "nope")})
+    assert m["adapter_name_or_path"].startswith(f"{tmp_path / 'nope'} does not exist: give an adapter folder")
+    run = tmp_path / "run"  # a run stopped after its second checkpoint: no adapter of its own
+    for step in (2, 4):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "adapter_config.json").write_text("{}")
+    assert f"give one of them ({run / 'checkpoint-4'})" in _messages({"adapter_name_or_path": str(run)})["adapter_name_or_path"]
+    assert _messages({"adapter_name_or_path": str(run / "checkpoint-4")}) == {}
+    assert "is a full model" in _messages({"adapter_name_or_path": str(tiny_llama)})["adapter_name_or_path"]
+    assert _messages({"adapter_name_or_path": str(run), "checkpoints": "all"}).get("adapter_name_or_path") is None
+
+    m = _messages({"stage": "kd", "teacher_model_name_or_path": str(tmp_path / "teacher")})
+    assert m["teacher_model_name_or_path"] == f"{tmp_path / 'teacher'} does not exist"
+    shutil.copytree(tiny_llama, tmp_path / "ref")
+    (tmp_path / "ref" / "config.json").unlink()
+    m = _messages({"stage": "dpo", "dataset": "dpo_en_demo", "ref_model": str(tmp_path / "ref"),
+                   "finetuning_type": "full"})
+    assert m["ref_model"] == f"{tmp_path / 'ref'} is not a model folder (no config.json and no .gguf file)"
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "ref_model" not in _messages({"stage": "dpo", "dataset": "dpo_en_demo", "ref_model": str(tmp_path / "ref"),
+                                         "finetuning_type": "full"})

@@ -1,0 +1,25 @@
+"""The top bar says when a picked model is not on this machine (a registry id not in the Hugging Face cache, a path
+that is not there): validate refuses it at Start; the note says it at the pick. A model that is here gets none."""
+from __future__ import annotations
+
+from backend.core.paths import DEFAULT_MODEL_ID
+from webui.app import create_app
+
+
+def _on_model():
+    demo = create_app()
+    return next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "on_model")
+
+
+def test_a_model_not_on_this_machine_is_named_at_the_pick(tiny_llama, hub_cache, tmp_path):
+    on_model = _on_model()
+    template, note = on_model("Qwen/Qwen2.5-7B-Instruct", "en")  # in the registry, not in this test's cache
+    assert template == "auto" and note.startswith("Start will refuse this model: model 'Qwen/Qwen2.5-7B-Instruct' "
+                                                  "is not in this machine's Hugging Face cache")
+    template, note = on_model("Qwen/Qwen2.5-7B", "de")  # a base model: both notes, in the page's language
+    assert template == "default" and note.startswith("Start wird dieses Modell ablehnen:") and "Basismodell" in note
+    assert "does not exist" in on_model(str(tmp_path / "gone"), "en")[1]
+    hub_cache("Qwen/Qwen2.5-7B-Instruct")
+    assert on_model("Qwen/Qwen2.5-7B-Instruct", "en") == ("auto", "")
+    assert on_model(DEFAULT_MODEL_ID, "en") == ("auto", "")
+    assert on_model(str(tiny_llama), "en")[1] == ""

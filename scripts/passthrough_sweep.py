@@ -1,4 +1,5 @@
-"""Set TrainingArguments passthrough keys one at a time in a short `tuneboard train` and say what each did.
+"""Set TrainingArguments passthrough keys (or the train group's keys, or every optimizer) one at a time in a short
+`tuneboard train` and say what each did.
 
 Why: a passthrough key that `validate` accepts reaches transformers as written, and that alone does not make it
 work here (torch_compile, push_to_hub, tf32 on a CPU, ... stopped runs after launch; others changed nothing).
@@ -7,8 +8,11 @@ key in backend/core/hf_training_args.json) or a change to the training path. One
 validate (with the message), or the run's exit code and its FAILED line. A run that passes may still change
 nothing: that part is read, not run.
 
-Usage:  .venv/bin/python scripts/passthrough_sweep.py [--stage sft|pt|dpo|kto|rm] [--model DIR] [KEY ...]
-        (default: every key below, stage sft, the bundled default model; ~10 s a key)
+--train runs TRAIN_CASES instead (the train group's keys with the keys beside them; backend/core/train_rules.py
+refuses what it found), --optim every optimizer name transformers knows (backend/core/optim_names.py).
+
+Usage:  .venv/bin/python scripts/passthrough_sweep.py [--stage sft|pt|dpo|kto|rm] [--model DIR] [--train | --optim]
+        [KEY ...]   (default: every passthrough key below, stage sft, the bundled default model; ~10 s a run)
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.core.spec import SpecError, validate_spec  # noqa: E402
+from backend.core.spec import SpecError, training_args_fields, validate_spec  # noqa: E402
 
 DATASETS = {"sft": "alpaca_en_demo", "pt": "c4_demo", "dpo": "dpo_en_demo", "kto": "kto_en_demo", "rm": "dpo_en_demo"}
 EVALUATING = {"val_size": 0.25, "eval_strategy": "steps", "eval_steps": 1}
@@ -46,6 +50,21 @@ VALUES = {
     "eval_accumulation_steps": 2, "eval_do_concat_batches": False, "eval_use_gather_object": True,
     "include_for_metrics": ["inputs"], "batch_eval_metrics": True, "greater_is_better": True,
 }
+# (key, value, the keys set beside it): schedules, saves, evaluations (run with validate's rules in place, a refused
+# case prints its message; at a commit before a rule, the run shows what it did)
+TRAIN_CASES = [
+    ("lr_scheduler_type", "cosine_with_restarts", {}), ("lr_scheduler_type", "polynomial", {}),
+    ("lr_scheduler_type", "inverse_sqrt", {}), ("lr_scheduler_type", "cosine_with_min_lr", {}),
+    ("lr_scheduler_type", "cosine_with_min_lr", {"lr_scheduler_kwargs": {"min_lr_rate": 0.5}}),
+    ("lr_scheduler_type", "warmup_stable_decay", {}),
+    ("lr_scheduler_type", "warmup_stable_decay", {"lr_scheduler_kwargs": {"num_decay_steps": 1}}),
+    ("lr_scheduler_type", "reduce_lr_on_plateau", {}), ("lr_scheduler_type", "reduce_lr_on_plateau", EVALUATING),
+    ("warmup_ratio", 0.5, {"warmup_steps": 1}), ("warmup_ratio", 0.5, {"lr_scheduler_type": "constant"}),
+    ("save_steps", 1, {"save_strategy": "no"}), ("save_total_limit", 1, {"save_strategy": "no"}),
+    ("save_strategy", "best", {}), ("save_strategy", "best", {**EVALUATING, "metric_for_best_model": "eval_loss"}),
+    ("eval_steps", 1, {"val_size": 0.25}), ("resume_from_checkpoint", True, {}),
+    ("fp16", True, {}), ("pure_bf16", True, {}), ("max_grad_norm", 0.0, {}), ("ddp_timeout", 60, {}),
+]
 EVAL_LOOP = {"bf16_full_eval", "fp16_full_eval", "eval_delay", "prediction_loss_only", "eval_on_start",
              "eval_accumulation_steps", "eval_do_concat_batches", "eval_use_gather_object", "include_for_metrics",
              "batch_eval_metrics", "greater_is_better"}
@@ -56,29 +75,40 @@ def main() -> int:
     ap.add_argument("--stage", default="sft", choices=sorted(DATASETS))
     ap.add_argument("--model", help="model folder (default: the bundled default model)")
     ap.add_argument("--out", default="/tmp/tb-passthrough-sweep", help="where the runs' folders go")
-    ap.add_argument("keys", nargs="*", help="only these keys")
+    ap.add_argument("--train", action="store_true", help="the train group's cases (TRAIN_CASES)")
+    ap.add_argument("--optim", action="store_true", help="every optimizer name transformers knows")
+    ap.add_argument("keys", nargs="*", help="only these keys (with --optim: these optimizer names)")
     args = ap.parse_args()
     base = {"stage": args.stage, "dataset": DATASETS[args.stage], "template": "default", "finetuning_type": "lora",
             "max_samples": 16, "cutoff_len": 128, "per_device_train_batch_size": 2, "max_steps": 2,
             "save_strategy": "no", "report_to": "none", "logging_steps": 1, "overwrite_output_dir": True}
     if args.model:
         base["model_name_or_path"] = args.model
-    for key, value in VALUES.items():
-        if args.keys and key not in args.keys:
+    if args.train:
+        cases = TRAIN_CASES
+    elif args.optim:
+        cases = [("optim", name, {}) for name in training_args_fields()["optim"]["choices"]]
+    else:
+        cases = [(key, value, EVALUATING if key in EVAL_LOOP else {}) for key, value in VALUES.items()]
+    for n, (key, value, beside) in enumerate(cases):
+        if args.keys and key not in args.keys and value not in args.keys:
             continue
-        spec = {**base, **(EVALUATING if key in EVAL_LOOP else {}), key: value,
-                "output_dir": f"{args.out}/{args.stage}-{key}"}
+        spec = {**base, **beside, key: value, "output_dir": f"{args.out}/{args.stage}-{key}-{n}"}
         try:
             validate_spec(spec)
         except SpecError as exc:
-            print(json.dumps({"key": key, "refused": [m for f, m in exc.errors if f == key] or
+            print(json.dumps({"key": key, "value": value, "beside": beside,
+                              "refused": [m for f, m in exc.errors if f == key] or
                               [f"{f}: {m}" for f, m in exc.errors]}), flush=True)
             continue
         argv = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in spec.items()]
         done = subprocess.run([sys.executable, "-m", "backend.cli", "train", *argv], capture_output=True, text=True,
                               cwd=ROOT)
         failed = [line for line in (done.stdout + done.stderr).splitlines() if "FAILED" in line][-1:]
-        print(json.dumps({"key": key, "exit": done.returncode, "failed": failed}), flush=True)
+        lr = [line.split("lr=")[1].split()[0] for line in done.stdout.splitlines() if " lr=" in line]
+        saved = sorted(p.name for p in Path(spec["output_dir"]).glob("checkpoint-*"))
+        print(json.dumps({"key": key, "value": value, "beside": beside, "exit": done.returncode, "failed": failed,
+                          "lr": lr, "checkpoints": saved}), flush=True)
     return 0
 
 

@@ -66,6 +66,10 @@ def task_metric_errors(spec, has_eval_data: bool, check_files: bool) -> list[tup
             + (f"name the eval_metric ({task}), the one scored at each save, or " if task else "")
             + "set eval_strategy (steps or epoch) for eval_loss and the eval_ metrics", "eval_metric", "eval_strategy")
     if not task:
+        if spec.eval_samples != type(spec).model_fields["eval_samples"].default:
+            err("eval_samples", f"{REFUSED}: eval_samples is the number of held-out rows eval_metric scores at each "
+                "save, and eval_metric is not set: set eval_metric (e.g. json_field_f1), or drop eval_samples",
+                "eval_metric")
         return errors
     refusal = get_stage(spec.stage).task_metric_refusal
     if refusal:

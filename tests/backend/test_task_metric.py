@@ -190,11 +190,12 @@ def _errors(data: dict) -> list[tuple[str, str]]:
     ({"eval_metric": "rouge_l", "val_size": 0.1, "accelerate_config": "examples/accelerate/fsdp_config.yaml"},
      "sharded weights"),
     ({"metric_for_best_model": "rouge_l"}, "only used with load_best_model_at_end"),
+    ({"eval_samples": 8}, "eval_metric is not set"),  # it shapes nothing else
     ({"metric_for_best_model": "bleu", "eval_metric": "rouge_l", "val_size": 0.1, "load_best_model_at_end": True},
      "never measured"),
 ])
 def test_eval_metric_refusals_are_one_line_each(data, says):
-    errors = [(f, m) for f, m in _errors(data) if f in ("eval_metric", "metric_for_best_model")]
+    errors = [(f, m) for f, m in _errors(data) if f in ("eval_metric", "metric_for_best_model", "eval_samples")]
     assert len(errors) == 1 and says in errors[0][1], errors
     assert "\n" not in errors[0][1]
 

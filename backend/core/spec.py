@@ -799,6 +799,13 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
     errors.extend(eval_rules.task_metric_errors(spec, has_eval_data, check_files))
     errors.extend(eval_rules.judge_errors(spec))
     errors.extend(eval_rules.checkpoint_errors(spec, check_files))
+    fields = type(spec).model_fields
+    if spec.export_format != "gguf" and spec.export_gguf_type != fields["export_gguf_type"].default:
+        err("export_gguf_type", f"{REFUSED}: it is the tensor type of a GGUF export, and export_format is "
+            f"{spec.export_format}: set export_format: gguf, or drop export_gguf_type", "export_format")
+    if spec.export_format == "gguf" and spec.export_size != fields["export_size"].default:
+        err("export_size", f"{REFUSED}: it is the shard size of a safetensors export, and a GGUF export is one file: "
+            "drop export_size, or set export_format: safetensors", "export_format")
     if spec.export_format == "gguf" and spec.export_quantization_bit is not None:
         err("export_quantization_bit", "is for safetensors export; for gguf choose export_gguf_type instead",
             "export_format")

@@ -203,6 +203,7 @@ SAMPLES = {
     "num_fewshot": (2, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),  # they shape tasks (refused alone)
     "limit": (5, {"tasks": "data/lm_eval_tasks/tuneboard_mc.yaml"}),
     "eval_samples": (8, {"eval_metric": "rouge_l", "val_size": 0.1}),  # it shapes eval_metric (refused alone)
+    "export_gguf_type": ("q8_0", {"export_format": "gguf"}),  # the GGUF file's type (refused with safetensors)
     # a shipped config: reaches the Trainer (deepspeed=...), or, for FSDP on a CPU-only machine, is refused
     "deepspeed": ("examples/deepspeed/ds_z2_config.json", {}),
     "accelerate_config": ("examples/accelerate/fsdp_config.yaml", {}),

@@ -39,7 +39,10 @@ def test_export_spec_and_refusals(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNEBOARD_SAVES", str(tmp_path))
     flat = export.export_flat("/models/tiny", "/saves/run-a", "lora", "default", "", "gguf", "q8_0", 2, "cpu", False)
     assert flat["export_dir"].startswith(str(tmp_path / "exports" / "tiny-run-a" / "gguf"))
-    assert (flat["export_format"], flat["export_gguf_type"], flat["export_size"]) == ("gguf", "q8_0", 2)
+    assert (flat["export_format"], flat["export_gguf_type"]) == ("gguf", "q8_0") and "export_size" not in flat
+    # each format's own field only: a hidden box keeps its value, and validate refuses the other format's key
+    safetensors = export.export_flat("m", None, "full", "default", "", "safetensors", "q8_0", 2, "cpu", False)
+    assert safetensors["export_size"] == 2 and "export_gguf_type" not in safetensors
     assert "export_imatrix" not in flat
     # the importance-matrix box counts where it is offered (the types llama.cpp quantizes), not when hidden
     assert "export_imatrix" not in export.export_flat("m", None, "full", "default", "", "gguf", "q8_0", 2, "cpu", False, True)

@@ -75,18 +75,20 @@ def imatrix_offered(fmt, gguf_type) -> bool:
 def export_flat(model, adapter, method, template, export_dir, fmt, gguf_type, size, device, overwrite,
                 imatrix=False) -> dict:
     """The spec of one export, from the top bar and this tab's fields. An empty export dir becomes a
-    fresh folder under saves/exports (never an existing one). A ticked importance-matrix box counts only where
-    it is offered (a hidden box keeps its value)."""
+    fresh folder under saves/exports (never an existing one). The GGUF type counts only for a GGUF export, the shard
+    size only for safetensors, a ticked importance-matrix box only where it is offered (a hidden box keeps its
+    value; validate refuses the other format's key)."""
     adapter = (adapter or "").strip() or None
     if not (export_dir or "").strip():
         base = jobs.model_slug(model or "model")
         name = f"{base}-{Path(adapter).name}" if adapter else base
         export_dir = str(jobs.default_output_dir(name, fmt, root=paths.saves_dir() / "exports"))
+    gguf = fmt == "gguf"  # each format's own field only: the other one's hidden box keeps its value
     return {"model_name_or_path": model, "adapter_name_or_path": adapter, "finetuning_type": method,
             "template": template or "auto", "export_dir": str(Path(export_dir).expanduser()),
-            "export_format": fmt, "export_gguf_type": gguf_type,
-            "export_size": float(size) if size not in (None, "") else 5, "export_device": device,
-            "export_overwrite": bool(overwrite),
+            "export_format": fmt, **({"export_gguf_type": gguf_type} if gguf else {}),
+            **({} if gguf else {"export_size": float(size) if size not in (None, "") else 5}),
+            "export_device": device, "export_overwrite": bool(overwrite),
             **({"export_imatrix": True} if imatrix and imatrix_offered(fmt, gguf_type) else {})}
 
 

@@ -871,9 +871,9 @@ def _code_policy_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
 
 def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     """Each model and adapter the run loads is on this machine, whole, as loading will need (backend.core.model_files):
-    model_name_or_path, ref_model and teacher_model_name_or_path (a local folder or .gguf file, or a hub id in the local cache), each
-    adapter_name_or_path (an adapter folder; with `checkpoints` a run folder, which checkpoint_errors checks; with
-    `tasks` a merged export too)."""
+    model_name_or_path, ref_model and teacher_model_name_or_path (a local folder or .gguf file, or a hub id in the
+    local cache), each adapter_name_or_path (an adapter folder; with `checkpoints` a run folder, which
+    checkpoint_errors checks; with `tasks` a merged export too)."""
     errors = []
 
     def check(field: str, problem: str | None, *involved: str) -> None:

@@ -42,7 +42,7 @@ from backend.training.losses import causal_lm_loss, liger_usable
 from backend.core.methods import method, quantizable_methods
 from backend.core.model_files import cached_snapshot, gguf_cache_folder, looks_like_path
 from backend.core.optim_names import GALORE_OPTIMIZERS
-from backend.core.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
+from backend.core.paths import DEFAULT_MODEL_ID, default_model_file
 from backend.core.registry import lookup_registry
 from backend.core.precision import bf16_default_applies, native_bf16_cpu
 

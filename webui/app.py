@@ -97,30 +97,35 @@ def build_topbar(reg: Registry) -> dict:
 
 
 def wire_topbar(top: dict) -> None:
-    def on_model(model, lang="en"):
-        """Picking a known model sets its template and warns about a chat template on a base model, and says when the
-        model is not on this machine (validate refuses it at Start).
-        Inputs: model, language. Outputs: template, note."""
+    def top_note(model, template, lang="en") -> str:
+        """The top bar's note for a model and template: the model is not on this machine (validate refuses it at
+        Start), a base model's template was set to default, a chat template on a base model."""
         info = choices.model_info(model)
         missing = model_files.model_problem(model or "")  # a registry id not in this machine's cache, a typo
-        note = tr(lang, "top.model_missing", why=missing) if missing else ""
+        notes = [tr(lang, "top.model_missing", why=missing)] if missing else []
+        if info and not info["instruct"] and template == "default":
+            notes.append(tr(lang, "top.base_model", model=model))
+        elif info and not info["instruct"] and template not in (None, "empty", "auto"):
+            notes.append(tr(lang, "top.chat_on_base", template=template, model=model))
+        return " ".join(notes)
+
+    def on_model(model, lang="en"):
+        """Picking a known model sets its template (default for a base model); the note says what top_note says.
+        Inputs: model, language. Outputs: template, note."""
+        info = choices.model_info(model)
         if info is None:
-            return gr.skip(), note
-        if not info["instruct"]:
-            return "default", " ".join(filter(None, (note, tr(lang, "top.base_model", model=model))))
-        return "auto", note
+            return gr.skip(), top_note(model, None, lang)
+        template = "auto" if info["instruct"] else "default"
+        return template, top_note(model, template, lang)
 
     # .input, not .change: a spec loaded into the form (clone, reload) keeps its own template
     top["model_name_or_path"].input(on_model, [top["model_name_or_path"], top["lang"]],
                                     [top["template"], top["note"]])
 
     def on_template(model, template, lang="en"):
-        """Warns when a chat template is put on a base model. Inputs: model, template, language. Outputs:
-        note."""
-        info = choices.model_info(model)
-        if info and not info["instruct"] and template not in ("default", "empty", "auto"):
-            return tr(lang, "top.chat_on_base", template=template, model=model)
-        return ""
+        """The note again when the template changes (also when on_model set it: the same note, not an empty one).
+        Inputs: model, template, language. Outputs: note."""
+        return top_note(model, template, lang)
 
     top["template"].change(on_template, [top["model_name_or_path"], top["template"], top["lang"]], [top["note"]])
     # The adapter list changes as runs finish: re-list on the button (and on every tab switch, in create_app).

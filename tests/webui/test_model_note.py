@@ -23,3 +23,15 @@ def test_a_model_not_on_this_machine_is_named_at_the_pick(tiny_llama, hub_cache,
     assert on_model("Qwen/Qwen2.5-7B-Instruct", "en") == ("auto", "")
     assert on_model(DEFAULT_MODEL_ID, "en") == ("auto", "")
     assert on_model(str(tiny_llama), "en")[1] == ""
+
+
+def test_the_template_change_that_follows_a_pick_keeps_the_note():
+    """Picking a base model sets its template to default; that change runs on_template, whose note is the same
+    (it cleared the pick's note before)."""
+    demo = create_app()
+    fns = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    template, note = fns["on_model"]("Qwen/Qwen2.5-7B", "en")
+    assert template == "default" and fns["on_template"]("Qwen/Qwen2.5-7B", template, "en") == note
+    assert "its template is set to `default`" in note
+    chat = fns["on_template"]("Qwen/Qwen2.5-7B", "qwen", "en")
+    assert "`qwen` is a chat template" in chat and "its template is set to" not in chat

@@ -171,6 +171,8 @@ def probe_spec(spec: RunSpec, run_dir: Path, steps: int) -> RunSpec:
             flat[name] = field.default
     for name in ("save_steps", "save_total_limit"):
         flat[name] = fields[name].default
+    if flat.get("lr_scheduler_type") == "reduce_lr_on_plateau":  # it steps on evaluations; the rate moves no memory
+        flat["lr_scheduler_type"] = "constant"
     return validate_spec({**flat, **PROBE_VALUES, "output_dir": str(run_dir), "max_steps": steps})
 
 

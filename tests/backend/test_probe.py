@@ -125,10 +125,11 @@ def test_a_spec_that_saves_evaluates_and_picks_the_best_is_probed_without_them(t
     user = validate_spec({**dict(a.split("=", 1) for a in probe_args(tiny_llama, tmp_path / "data", tmp_path / "run")),
                           "val_size": 0.2, "eval_strategy": "steps", "eval_steps": 2, "eval_metric": "rouge_l",
                           "load_best_model_at_end": True, "metric_for_best_model": "rouge_l", "save_steps": 2,
-                          "save_total_limit": 2, "eval_accumulation_steps": 2, "early_stopping_patience": 2})
+                          "save_total_limit": 2, "eval_accumulation_steps": 2, "early_stopping_patience": 2,
+                          "lr_scheduler_type": "reduce_lr_on_plateau"})
     probe = probe_spec(user, tmp_path / "probe", 3)
     assert (probe.output_dir, probe.max_steps, probe.save_strategy, probe.eval_strategy) == (
         str(tmp_path / "probe"), 3, "no", "no")
     assert probe.eval_metric is None and not probe.load_best_model_at_end and probe.val_size == 0
-    assert "eval_accumulation_steps" not in probe.passthrough
+    assert "eval_accumulation_steps" not in probe.passthrough and probe.lr_scheduler_type == "constant"
     assert (probe.lora_rank, probe.cutoff_len, probe.per_device_train_batch_size) == (4, 128, 2)  # the run's own

@@ -213,7 +213,10 @@ def read_rows(path: Path, split: str = "train") -> list[dict]:
     finally:
         if bars:
             datasets.enable_progress_bars()
-    return ds.to_list()
+    try:
+        return ds.to_list()
+    except Exception as exc:  # pyarrow cannot return some nested objects as rows ("duplicate field names": '', '\x00')
+        raise DatasetError(f"could not read {path}: {type(exc).__name__}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from backend.core.passthrough_rules import EVAL_LOOP_KEYS  # noqa: E402
 from backend.core.spec import SpecError, training_args_fields, validate_spec  # noqa: E402
 
 DATASETS = {"sft": "alpaca_en_demo", "pt": "c4_demo", "dpo": "dpo_en_demo", "kto": "kto_en_demo", "rm": "dpo_en_demo"}
@@ -65,9 +66,9 @@ TRAIN_CASES = [
     ("eval_steps", 1, {"val_size": 0.25}), ("resume_from_checkpoint", True, {}),
     ("fp16", True, {}), ("pure_bf16", True, {}), ("max_grad_norm", 0.0, {}), ("ddp_timeout", 60, {}),
 ]
-EVAL_LOOP = {"bf16_full_eval", "fp16_full_eval", "eval_delay", "prediction_loss_only", "eval_on_start",
-             "eval_accumulation_steps", "eval_do_concat_batches", "eval_use_gather_object", "include_for_metrics",
-             "batch_eval_metrics", "greater_is_better"}
+# keys tried in an evaluating run: the evaluation loop's (passthrough_rules.EVAL_LOOP_KEYS) and three more that only an
+# evaluation reads
+EVAL_LOOP = set(EVAL_LOOP_KEYS) | {"bf16_full_eval", "fp16_full_eval", "greater_is_better"}
 
 
 def main() -> int:

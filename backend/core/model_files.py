@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from backend.core import gguf_header
-from backend.core.paths import DEFAULT_MODEL_ID, cache_dir
+from backend.core.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
 from backend.core.rundir import checkpoints
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's adapter folder marker
@@ -94,34 +94,50 @@ def weights_problem(folder: Path) -> str | None:
     return next((problem for problem in found if problem), None)
 
 
-def model_problem(name: str) -> str | None:
-    """Why model `name` cannot be loaded here (as backend.training.models.resolve_model would), or None."""
+def locate(name: str) -> tuple[Path, str | None]:
+    """Where model `name`'s files are: (folder, its .gguf file name or None): the bundled default, a .gguf file, a
+    folder with config.json or one .gguf file, or a hub id's cached snapshot. ValueError (one line) when there is
+    none. backend.core.model_modules reads the module names there."""
     name = str(name).strip()
-    if not name or name.lower() == DEFAULT_MODEL_ID.lower():
-        return None
+    if name.lower() == DEFAULT_MODEL_ID.lower():
+        gguf = default_model_file()
+        return gguf.parent, gguf.name
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            return f"{path} is a file but not a .gguf model file: give a model folder or a .gguf file"
-        return weights_file_problem(path)
+            raise ValueError(f"{path} is a file but not a .gguf model file: give a model folder or a .gguf file")
+        return path.parent, path.name
     if path.is_dir():
-        if (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
-            return (f"{path} is a LoRA adapter, not a model: set it as adapter_name_or_path and give its base "
-                    "model here")
-        if not (path / "config.json").is_file():
-            ggufs = sorted(p.name for p in path.glob("*.gguf"))
-            if not ggufs:
-                return f"{path} is not a model folder (no config.json and no .gguf file)"
-            if len(ggufs) > 1:
-                return f"{path} holds several .gguf files ({', '.join(ggufs)}): give one file"
-        return weights_problem(path)
+        if (path / "config.json").is_file():
+            return path, None
+        if (path / ADAPTER_CONFIG).is_file():
+            raise ValueError(f"{path} is a LoRA adapter, not a model: set it as adapter_name_or_path and give its "
+                             "base model here")
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if not ggufs:
+            raise ValueError(f"{path} is not a model folder (no config.json and no .gguf file)")
+        if len(ggufs) > 1:
+            raise ValueError(f"{path} holds several .gguf files ({', '.join(ggufs)}): give one file")
+        return path, ggufs[0]
     if looks_like_path(name):
-        return f"{path} does not exist"
+        raise ValueError(f"{path} does not exist")
+    return cached_snapshot(name)
+
+
+def model_problem(name: str) -> str | None:
+    """Why model `name` cannot be loaded here (as backend.training.models.resolve_model would), or None: `locate`'s
+    line, or a local weight file that is not whole."""
+    name = str(name).strip()
+    if not name or name.lower() == DEFAULT_MODEL_ID.lower():
+        return None
     try:
-        cached_snapshot(name)
-    except NotCachedError as exc:
+        folder, gguf = locate(name)
+    except ValueError as exc:
         return str(exc)
-    return None
+    path = Path(name).expanduser()
+    if path.is_file():
+        return weights_file_problem(path)
+    return weights_problem(folder) if path.is_dir() else None  # a hub id's snapshot: as the cache holds it
 
 
 def is_merged_model(path: Path) -> bool:

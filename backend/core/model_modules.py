@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.core import model_files
-from backend.core.paths import DEFAULT_MODEL_ID, default_model_file
 
 _LAYER = re.compile(r"^(.+?)\.(\d+)\.([^.]+)\.")
 
@@ -80,31 +79,12 @@ def names_in_folder(folder: Path) -> ModuleNames | None:
 
 
 def model_folder(name: str) -> Path | None:
-    """The folder holding model `name`'s config.json and safetensors, where one is on this machine: a local folder,
-    a hub id's cached snapshot, a .gguf model's converted folder (after its first use); else None."""
-    name = str(name or "").strip()
+    """The folder holding model `name`'s config.json and safetensors, where one is on this machine
+    (backend.core.model_files.locate; a .gguf model's converted folder after its first use); else None."""
     try:
-        if name.lower() == DEFAULT_MODEL_ID.lower():
-            gguf = default_model_file()
-        else:
-            path = Path(name).expanduser()
-            if path.is_dir() and (path / "config.json").is_file():
-                return path
-            if path.is_dir():
-                ggufs = sorted(path.glob("*.gguf"))
-                gguf = ggufs[0] if len(ggufs) == 1 else None
-            elif path.is_file():
-                gguf = path
-            elif model_files.looks_like_path(name):
-                return None
-            else:
-                snapshot, file = model_files.cached_snapshot(name)
-                gguf = snapshot / file if file else None
-                if gguf is None:
-                    return snapshot
-        if gguf is None or gguf.suffix.lower() != ".gguf":
-            return None
-        folder = model_files.gguf_cache_folder(gguf)
+        folder, gguf = model_files.locate(name)
+        if gguf:
+            folder = model_files.gguf_cache_folder(folder / gguf)
     except (OSError, ValueError):
         return None
     return folder if (folder / "config.json").is_file() else None

@@ -40,7 +40,7 @@ from backend.training.adapters import _check_names, _get, _split, find_all_linea
 from backend.core.checkpointing import checkpoint_kwargs, choose
 from backend.training.losses import causal_lm_loss, liger_usable
 from backend.core.methods import method, quantizable_methods
-from backend.core.model_files import cached_snapshot, gguf_cache_folder, looks_like_path
+from backend.core.model_files import gguf_cache_folder, locate
 from backend.core.optim_names import GALORE_OPTIMIZERS
 from backend.core.paths import DEFAULT_MODEL_ID, default_model_file
 from backend.core.registry import lookup_registry
@@ -155,35 +155,17 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
         gguf = default_model_file()
         return _resolved(gguf.parent, gguf.name, DEFAULT_MODEL_ID, "llama", is_default=True)
 
+    folder, gguf = locate(name)  # model_files says where (and why not) for validate and the run alike
     path = Path(name).expanduser()
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file: give a .gguf file or a model folder")
-        path = path.resolve()
-        return _resolved(path.parent, path.name, name, _family_from_gguf(path))
-    if path.is_dir():
-        path = path.resolve()
-        if (path / "config.json").is_file():
-            return _resolved(path, None, name, _family_from_folder(path))
-        if (path / "adapter_config.json").is_file():
-            raise ValueError(
-                f"{path} is a LoRA adapter, not a model: set it as adapter_name_or_path and give its base "
-                "model as model_name_or_path"
-            )
-        ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _resolved(path, ggufs[0], name, _family_from_gguf(path / ggufs[0]))
-        if ggufs:
-            raise ValueError(f"model folder {path} holds several .gguf files ({', '.join(ggufs)}): give one file")
-        raise ValueError(f"model folder {path} has no config.json and no .gguf file")
-    if looks_like_path(name):
-        raise ValueError(f"model path '{name}' does not exist")
-
-    # A hub id: only what is already in the local Hugging Face cache (the rule validate applies too).
-    snapshot, gguf = cached_snapshot(name)
-    family = _family_from_gguf(snapshot / gguf) if gguf else _family_from_folder(snapshot)
-    resolved = _resolved(snapshot, gguf, name, family)
-    resolved.model_id = name
+        path = path.resolve()  # a symlinked .gguf: its real folder
+        folder, gguf = path.parent, path.name
+    elif path.is_dir():
+        folder = folder.resolve()
+    family = _family_from_gguf(folder / gguf) if gguf else _family_from_folder(folder)
+    resolved = _resolved(folder, gguf, name, family)
+    if not path.exists():  # a hub id: its cached snapshot
+        resolved.model_id = name
     return resolved
 
 

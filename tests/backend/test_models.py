@@ -105,7 +105,7 @@ def test_resolve_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="is a LoRA adapter, not a model"):
         resolve_model(str(tmp_path / "adapter"))
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(ValueError, match="not a .gguf file"):
+    with pytest.raises(ValueError, match="is a file but not a .gguf model file"):
         resolve_model(str(tmp_path / "weights.bin"))
 
 

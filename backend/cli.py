@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import os
 import sys
 
@@ -48,6 +49,9 @@ def _offline_env() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    # HF's `kernels` (imported with bitsandbytes) warns on every start that offline it skips a hub trust check
+    # of kernels nothing here downloads: noise in every command's output
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     if not os.environ.get("DS_ACCELERATOR"):  # DeepSpeed (imported by transformers) warns when it has to guess
         if not visible_accelerators():
             os.environ["DS_ACCELERATOR"] = "cpu"

@@ -22,8 +22,12 @@ Any OpenAI client works against it (base_url http://HOST:PORT/v1). The request's
 served model; unknown names get 404. With an API key (--api-key or $TUNEBOARD_API_KEY) every /v1
 request needs `Authorization: Bearer KEY` (401 otherwise); a non-loopback --host needs a key (or an
 explicit --insecure-no-auth). Errors are always OpenAI-style JSON
-({"error": {"message", "type", "param", "code"}}): 400 bad values, 401, 404, 422 schema errors, 503 when
+({"error": {"message", "type", "param", "code"}}): 400 bad values (a field of the wrong type, out of range or
+unknown, named as OpenAI names it: messages[0].content), 401, 404, 413 a body over MAX_BODY_BYTES, 503 when
 the queue is full, and a 500 only for a real engine failure, with a one-line message and no traceback.
+What this server would not do is refused rather than ignored (`refuse_unsupported`): n > 1, presence /
+frequency penalties and logit_bias other than neutral, response_format other than text, a tool_choice that
+forces a call. A stop string cuts the logprobs with the text (`covering`).
 
 One request cannot hold the server:
 - requests on one model (transformers backend) are decoded in one running batch (backend.serving.batching:
@@ -73,8 +77,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit; its legacy completions allowed 5
 def _models():
     """Pydantic request models (built lazily so `tuneboard --help` does not import pydantic/fastapi)."""
 
+    strict = ConfigDict(extra="forbid", strict=True)  # "5" is not 5, true is not 1 (OpenAI answers 400 for both)
+
     class Message(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = strict
         role: Literal["system", "developer", "user", "assistant", "tool"]
         content: Union[str, list[dict[str, Any]], None] = None
         name: Optional[str] = None
@@ -83,29 +89,32 @@ def _models():
         refusal: Optional[str] = None
 
     class StreamOptions(BaseModel):
-        model_config = ConfigDict(extra="ignore")
-        include_usage: bool = False
+        model_config = ConfigDict(extra="ignore", strict=True)
+        include_usage: Optional[bool] = False
 
     class Sampling(BaseModel):
         """What both endpoints share; top_k and repetition_penalty are extensions (vLLM's names). Anything
-        not declared is a 422 naming the field."""
-        model_config = ConfigDict(extra="forbid")
+        not declared is a 400 naming the field. Values are not coerced: a string is not a number, a boolean not
+        a count."""
+        model_config = strict
         model: str
-        temperature: Optional[float] = Field(None, ge=0, le=2)
-        top_p: Optional[float] = Field(None, gt=0, le=1)
+        temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
+        top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
         top_k: Optional[int] = Field(None, ge=0)
-        repetition_penalty: Optional[float] = Field(None, gt=0)
+        repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
         stop: Union[str, list[str], None] = None
-        n: int = Field(1, ge=1)
-        stream: bool = False
+        n: Optional[int] = Field(1, ge=1)
+        stream: Optional[bool] = False
         stream_options: Optional[StreamOptions] = None
         seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.manual_seed's range
         fit_context: Optional[bool] = None  # TuneBoard's: max_tokens is a ceiling, cut to what the context leaves
-        # accepted for client compatibility, no effect here
-        frequency_penalty: Optional[float] = None
-        presence_penalty: Optional[float] = None
+        # accepted for client compatibility at their neutral values only (0, {}): others are refused (`neutral`)
+        frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
+        presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
         logit_bias: Optional[dict[str, Any]] = None
+        # no effect on an answer: accepted for client compatibility
         user: Optional[str] = None
+        service_tier: Optional[str] = None
 
     class ChatRequest(Sampling):
         """OpenAI's chat.completions fields."""
@@ -116,21 +125,22 @@ def _models():
         tool_choice: Union[str, dict[str, Any], None] = None
         logprobs: Optional[bool] = None
         top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-        # accepted for client compatibility, no effect here
+        response_format: Optional[dict[str, Any]] = None  # {"type": "text"} only (`neutral`)
+        modalities: Optional[list[str]] = None  # ["text"] only (`neutral`)
+        # no effect on an answer: accepted for client compatibility
         parallel_tool_calls: Optional[bool] = None
-        response_format: Optional[dict[str, Any]] = None
         metadata: Optional[dict[str, Any]] = None
         store: Optional[bool] = None
+        prediction: Optional[dict[str, Any]] = None  # a speed hint (predicted output): the answer is the same
 
     class CompletionRequest(Sampling):
         """OpenAI's legacy completions fields (raw prompt or token ids, no chat template). One prompt, n = 1."""
         prompt: Union[str, list[str], list[int], list[list[int]]]
         max_tokens: Optional[int] = Field(16, ge=0)
-        echo: bool = False
+        echo: Optional[bool] = False
         suffix: Optional[str] = None
         logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-        # accepted for client compatibility, no effect here
-        best_of: Optional[int] = None
+        best_of: Optional[int] = Field(None, ge=1, le=1)  # one answer per request here
 
     return ChatRequest, CompletionRequest
 
@@ -140,7 +150,7 @@ def _score_model():
     by the reward model's template, special tokens written out."""
 
     class ScoreRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
         model: str
         messages: list[str] = Field(min_length=1)
         max_length: Optional[int] = Field(None, ge=1)
@@ -158,7 +168,7 @@ class APIError(Exception):
 
 
 class _Invalid(Exception):
-    """A request that fails the schema (answered 422 with every problem named)."""
+    """A request that fails the schema (answered 400 with every problem named)."""
 
     def __init__(self, errors):
         super().__init__("invalid request")
@@ -170,11 +180,91 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def field_path(loc) -> str:
+    """A pydantic error location as OpenAI names a field: ("messages", 0, "content", "str") -> messages[0].content
+    (a union member's tag, such as "str" or "list[dict[str,any]]", is not part of the field's name)."""
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in part or "-" in part:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def unpaired_surrogate(value, where: str = "") -> str | None:
+    """The field of a decoded JSON body holding text that is not Unicode (a lone \\ud800-\\udfff escape: no
+    tokenizer or UTF-8 encoder takes it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and unpaired_surrogate(key) is not None:
+            return where or "body"
+        found = unpaired_surrogate(item, f"{where}[{key}]" if isinstance(key, int) else
+                                   f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def refuse_unsupported(req, tools: list | None = None) -> None:
+    """A 400 naming the field for what this server would otherwise silently not do: n > 1, the OpenAI penalties
+    and logit_bias at other than their neutral values, structured output, tool_choice forcing a call, audio."""
+    if req.n not in (None, 1):
+        raise APIError(400, f"n: only n=1 is supported (got {req.n})", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream: true", param="stream_options")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            raise APIError(400, f"{name}: not applied by this server: leave it out or send 0 (repetition_penalty, "
+                                "vLLM's name, is applied)", param=name)
+    if req.logit_bias:
+        raise APIError(400, "logit_bias: not applied by this server: leave it out", param="logit_bias")
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.get("type") != "text":
+        raise APIError(400, f"response_format: type {response_format.get('type')!r} is not enforced by this server "
+                            "(no constrained decoding): leave it out or send {\"type\": \"text\"}",
+                       param="response_format")
+    modalities = getattr(req, "modalities", None)
+    if modalities is not None and set(modalities) - {"text"}:
+        raise APIError(400, f"modalities: only [\"text\"] is served (got {modalities})", param="modalities")
+    choice = getattr(req, "tool_choice", None)
+    if choice is not None:
+        if not getattr(req, "tools", None):
+            raise APIError(400, "tool_choice: only allowed when tools are given", param="tool_choice")
+        if choice not in ("auto", "none"):
+            raise APIError(400, f"tool_choice: {choice!r} would force a tool call, which this server does not "
+                                "enforce: send \"auto\" (the model chooses) or \"none\"", param="tool_choice")
+
+
+def error_param(message: str, default: str) -> str:
+    """The request field an engine's ValueError names at its start ("tools[0]: ...", "stop: ..."), else default."""
+    head = message.split(":", 1)[0].split("[", 1)[0].strip()
+    return head if head in {"tools", "stop", "messages", "prompt", "temperature", "top_p", "top_k", "seed",
+                            "repetition_penalty", "max_tokens"} else default
+
+
 def to_engine_messages(messages) -> list[dict]:
-    """OpenAI messages -> the normalized messages the templates take (text content only)."""
+    """OpenAI messages -> the normalized messages the templates take (text content only). A message without
+    content (null, left out or no parts) is refused, but for an assistant's turn that calls tools."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
+        if (content is None or content == []) and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"messages[{i}].content: required (a {m.role} message needs its text)",
+                           param=f"messages[{i}].content")
         if isinstance(content, list):
             texts = []
             for k, part in enumerate(content):
@@ -192,6 +282,7 @@ def to_engine_messages(messages) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- app
 SCORE_PATH = "/v1/score/evaluation"
+MAX_BODY_BYTES = 8 << 20  # a 128k-token context is ~0.5 MB of text (~1 MB as token ids): a larger body is a 413
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", SCORE_PATH)
 DEFAULT_MAX_QUEUE = 8
 # Operator limits per request (issue #25: one 8000-token request held a model for ~10 minutes). 1024 tokens
@@ -287,18 +378,15 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     def validation_response(errors) -> JSONResponse:
         if any(e.get("type") == "json_invalid" for e in errors):
             return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
-        parts, param = [], None
+        said: dict[str, list[str]] = {}  # field -> what is wrong (a union's alternatives each say theirs)
         for e in errors:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            where = ".".join(loc) or "body"
-            param = param or where
-            if e.get("type") == "extra_forbidden":
-                parts.append(f"{where}: unknown field")
-            elif e.get("type") == "missing":
-                parts.append(f"{where}: required field missing")
-            else:
-                parts.append(f"{where}: {e.get('msg')}")
-        return JSONResponse(error_body("; ".join(parts), param=param), status_code=422)
+            where = field_path(e.get("loc", ()))
+            what = {"extra_forbidden": "unknown field", "missing": "required field missing"}.get(e.get("type"),
+                                                                                                  e.get("msg"))
+            if what not in said.setdefault(where, []):
+                said[where].append(what)
+        message = "; ".join(f"{where}: {' or '.join(whats)}" for where, whats in said.items())
+        return JSONResponse(error_body(message, param=next(iter(said))), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
@@ -309,16 +397,31 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
 
         from starlette.requests import ClientDisconnect  # heavy: loaded on use, so importing this module stays light
 
+        too_big = APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB, the most this server "
+                                f"reads", code="request_too_large")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise too_big
         try:
-            raw = await request.body()
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise too_big
+                chunks.append(chunk)
         except ClientDisconnect:  # it left before sending the whole body: nobody reads the answer
             raise APIError(400, "the client disconnected before sending its request") from None
         try:
-            data = json.loads(raw or b"null")
+            data = json.loads(b"".join(chunks) or b"null")
+            bad_text = unpaired_surrogate(data)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if bad_text:
+            raise APIError(400, f"{bad_text}: holds an unpaired surrogate (\\ud800-\\udfff), which is not Unicode text",
+                           param=bad_text)
         try:
             return (schema or ChatRequest).model_validate(data)
         except ValidationError as exc:
@@ -332,7 +435,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     async def _http_error(request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else None
         return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", code=code),
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))  # 405's Allow
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):
@@ -364,6 +467,13 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         return {"object": "list",
                 "data": [{"id": name, "object": "model", "created": created, "owned_by": "tuneboard"}
                          for name in [*engines, *scorers]]}
+
+    @app.get("/v1/models/{name:path}")
+    def retrieve_model(name: str):
+        if name not in engines and name not in scorers:
+            raise APIError(404, f"the model '{name}' does not exist; served: {', '.join([*engines, *scorers])}",
+                           param="model", code="model_not_found")
+        return {"id": name, "object": "model", "created": created, "owned_by": "tuneboard"}
 
     def pick(name: str):
         engine = engines.get(name)
@@ -468,8 +578,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
     async def chat_completions(request: Request):
         req = await parse(request)
         engine = pick(req.model)
-        if req.n != 1:
-            raise APIError(400, f"n: only n=1 is supported (got {req.n})", param="n")
+        refuse_unsupported(req)
         messages = to_engine_messages(req.messages)
         tools, sampling = tools_of(req), sampling_of(req)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -485,7 +594,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
             except TokenCapError as exc:
                 raise over_cap(exc, req) from None
             except ValueError as exc:
-                raise APIError(400, str(exc), param="messages") from None
+                raise APIError(400, str(exc), param=error_param(str(exc), "messages")) from None
             if reply is None:
                 return gone_response()
             message: dict[str, Any] = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls
@@ -497,6 +606,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                 prompt_ids = engine.prompt_ids(messages, tools)
                 answer = reply.token_ids[:-1] if reply.token_ids[-1:] and reply.token_ids[-1] in engine.eos_ids \
                     else reply.token_ids  # the end-of-turn token is not part of the answer
+                answer = covering(engine.tokenizer, answer, reply.text or "")
                 tokens = (await scored(engine, prompt_ids + answer, req.top_logprobs or 0, "messages"))[len(prompt_ids):]
                 logprobs = chat_logprobs(engine.tokenizer, tokens)
             return {"id": cid, "object": "chat.completion", "created": now, "model": req.model,
@@ -511,14 +621,16 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
                 reply_now = await generate(request, cid, engine.chat, messages, tools, **sampling, **limits)
                 if reply_now is None:
                     return gone_response()
-            else:
-                stream, reply_now = engine.stream(messages, None, stop_event=stop_event, **sampling, **limits), None
+            else:  # the prompt is tokenized in a worker thread: a huge one does not hold the other requests
+                stream = await run_in_threadpool(lambda: engine.stream(messages, None, stop_event=stop_event,
+                                                                       **sampling, **limits))
+                reply_now = None
         except ContextLengthError as exc:
             raise too_long(exc, req, "messages") from None
         except TokenCapError as exc:
             raise over_cap(exc, req) from None
         except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+            raise APIError(400, str(exc), param=error_param(str(exc), "messages")) from None
 
         def chunk(delta: dict | None, finish: str | None = None, usage: dict | None = None) -> dict:
             choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
@@ -541,10 +653,11 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         """Raw text completion with no chat template (what base models and eval harnesses use)."""
         req = await parse(request, CompletionRequest)
         engine = pick(req.model)
-        if req.n != 1:
-            raise APIError(400, f"n: only n=1 is supported (got {req.n})", param="n")
+        refuse_unsupported(req)
         one_ids = isinstance(req.prompt, list) and bool(req.prompt) and isinstance(req.prompt[0], int)
         prompts = [req.prompt] if isinstance(req.prompt, str) or one_ids else req.prompt
+        if not prompts or prompts[0] in ("", []):
+            raise APIError(400, "prompt: empty: give the text (or token ids) to continue", param="prompt")
         if len(prompts) != 1:
             raise APIError(400, f"prompt: one prompt per request is supported (got {len(prompts)})", param="prompt")
         if req.suffix:
@@ -561,31 +674,34 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         try:
             echo = "" if not req.echo else prompt if isinstance(prompt, str) else \
-                engine.tokenizer.decode(engine.prompt_ids(prompt))
+                await run_in_threadpool(lambda: engine.tokenizer.decode(engine.prompt_ids(prompt)))
             if not req.stream:
                 if req.max_tokens == 0:  # score the prompt, generate nothing
-                    reply = Reply("", finish_reason="length", prompt_tokens=len(engine.prompt_ids(prompt)))
+                    count = len(await run_in_threadpool(engine.prompt_ids, prompt))
+                    reply = Reply("", finish_reason="length", prompt_tokens=count)
                 else:
                     reply = await generate(request, cid, engine.chat, prompt, None, **sampling, **limits)
                 if reply is None:
                     return gone_response()
                 logprobs = None
                 if req.logprobs is not None:
-                    prompt_ids = engine.prompt_ids(prompt)
-                    tokens = await scored(engine, prompt_ids + reply.token_ids, req.logprobs, "prompt")
+                    prompt_ids = await run_in_threadpool(engine.prompt_ids, prompt)
+                    answer = covering(engine.tokenizer, reply.token_ids, reply.text)
+                    tokens = await scored(engine, prompt_ids + answer, req.logprobs, "prompt")
                     logprobs = legacy_logprobs(engine.tokenizer, tokens if req.echo else tokens[len(prompt_ids):])
                 return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
                         "choices": [{"index": 0, "text": echo + reply.text, "logprobs": logprobs,
                                      "finish_reason": _finish(reply.finish_reason)}],
                         "usage": _usage(reply)}
             stop_event = threading.Event()
-            stream = engine.stream(prompt, None, stop_event=stop_event, **sampling, **limits)
+            stream = await run_in_threadpool(lambda: engine.stream(prompt, None, stop_event=stop_event, **sampling,
+                                                                   **limits))
         except ContextLengthError as exc:
             raise too_long(exc, req, "prompt") from None
         except TokenCapError as exc:
             raise over_cap(exc, req) from None
         except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
+            raise APIError(400, str(exc), param=error_param(str(exc), "prompt")) from None
 
         def chunk(text: str | None, finish: str | None = None, usage: dict | None = None) -> dict:
             choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
@@ -604,6 +720,22 @@ def _token_names(tokenizer, tokens) -> dict[int, str]:
     """token id -> its text (special tokens written out), for every token and top token of `tokens`."""
     ids = sorted({t.token_id for t in tokens} | {i for t in tokens for i, _ in t.top})
     return dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}
+
+
+def covering(tokenizer, ids: list[int], text: str) -> list[int]:
+    """The first of the answer's token ids that make up `text`, the answer as returned: a stop string cuts the
+    text, not the tokens generated, and logprobs cover what the client gets (the last one kept may hold the
+    stop string's start where the cut falls inside a token)."""
+    if not ids or tokenizer.decode(ids, skip_special_tokens=True) == text:
+        return list(ids)
+    low, high = 0, len(ids)  # the fewest tokens whose text reaches len(text)
+    while low < high:
+        mid = (low + high) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= len(text):
+            high = mid
+        else:
+            low = mid + 1
+    return list(ids[:low])
 
 
 def legacy_logprobs(tokenizer, tokens) -> dict:
@@ -748,8 +880,13 @@ def bind(host: str, port: int) -> socket.socket:
 def end_when_stdin_closes() -> None:
     """SIGTERM this process (uvicorn's graceful shutdown) once standard input reaches end of file."""
     def watch() -> None:
-        while sys.stdin.buffer.read(65536):
-            pass
+        # the file descriptor, not sys.stdin: a thread blocked in the buffered reader holds its lock, and an exit
+        # while it waits (a startup error) aborts the interpreter ("could not acquire lock for <stdin>")
+        try:
+            while os.read(0, 65536):
+                pass
+        except OSError:  # no standard input at all: nothing to wait for
+            return
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
@@ -831,8 +968,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def option_problem(opts) -> str | None:
+    """The one line for a --host, --port or --api-key that cannot work, or None."""
+    if not opts.host:
+        return "--host is empty: give an address to listen on, such as 127.0.0.1"
+    if not 0 <= opts.port <= 65535:
+        return f"--port must be 0-65535 (got {opts.port})"
+    key = opts.api_key if opts.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key and not (key.isascii() and key.isprintable()):
+        return ("the API key holds characters other than printable ASCII: an HTTP client cannot send it in its "
+                "Authorization header")
+    return None
+
+
 def main(argv: list[str]) -> int:
     opts = build_parser().parse_intermixed_args(argv)
+    opts.host = opts.host.strip()
+    if opts.host.startswith("[") and opts.host.endswith("]"):  # [::1], as URLs write it
+        opts.host = opts.host[1:-1]
+    problem = option_problem(opts)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if opts.exit_with_stdin:  # before the model loads: a UI that dies meanwhile leaves nothing behind
         end_when_stdin_closes()
     spec = load_or_report(opts.spec)

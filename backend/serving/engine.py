@@ -202,11 +202,14 @@ class TokenCapError(ValueError):
 
 
 def fit_context(s: Sampling, prompt_tokens: int, context: int | None, explicit: bool,
-                cap: int | None = None) -> Sampling:
+                cap: int | None = None, asked: bool | None = None) -> Sampling:
     """Bound generation by the model's context, then by `cap`: a prompt that leaves no room, or an
     explicitly requested max_new_tokens past the context, is a ContextLengthError, and one past the cap a
     TokenCapError; a default one is cut to what fits and to the cap (as OpenAI does when max_tokens is not
-    given)."""
+    given). `asked` (default: explicit): max_new_tokens was given, though as a ceiling (fit_context): cut to the
+    context, yet refused past the cap."""
+    if cap and asked and not explicit and s.max_new_tokens > cap:
+        raise TokenCapError(s.max_new_tokens, cap)
     if context:
         room = context - prompt_tokens
         if room < 1:
@@ -525,9 +528,9 @@ class HFEngine:
 
     def _sampling(self, sampling: dict, prompt_tokens: int, cap: int | None = None) -> Sampling:
         s = make_sampling(self.defaults, sampling)
-        return fit_context(s, prompt_tokens, self.context_length,
-                           explicit=sampling.get("max_new_tokens") is not None and not s.fit_context,
-                           cap=cap)
+        asked = sampling.get("max_new_tokens") is not None
+        return fit_context(s, prompt_tokens, self.context_length, explicit=asked and not s.fit_context, cap=cap,
+                           asked=asked)
 
     def chat(self, messages, tools=None, *, stop_event=None, time_limit=None, max_tokens_cap=None,
              **sampling) -> Reply:

@@ -135,10 +135,10 @@ def test_malformed_requests_get_openai_style_4xx_json(client, server):
     url, headers = server[0] + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
     cases = [
         (b"{not json", 400, "not valid JSON"),
-        (json.dumps({"model": "my-adapter"}).encode(), 422, "messages: required field missing"),
-        (json.dumps({"model": "my-adapter", "messages": HELLO, "temprature": 1}).encode(), 422, "temprature: unknown field"),
-        (json.dumps({"model": "my-adapter", "messages": HELLO, "top_p": 7}).encode(), 422, "top_p"),
-        (json.dumps({"model": "my-adapter", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 422, "role"),
+        (json.dumps({"model": "my-adapter"}).encode(), 400, "messages: required field missing"),
+        (json.dumps({"model": "my-adapter", "messages": HELLO, "temprature": 1}).encode(), 400, "temprature: unknown field"),
+        (json.dumps({"model": "my-adapter", "messages": HELLO, "top_p": 7}).encode(), 400, "top_p"),
+        (json.dumps({"model": "my-adapter", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "role"),
         (json.dumps([1, 2]).encode(), 400, "JSON object"),
     ]
     for body, status, words in cases:
@@ -149,6 +149,118 @@ def test_malformed_requests_get_openai_style_4xx_json(client, server):
         assert "Traceback" not in r.text
     r = httpx.get(server[0] + "/v1/nowhere", headers=headers)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_what_the_server_would_not_do_is_refused_naming_the_field(client, server):
+    """Client mistakes and unsupported options: 400 (413 for a huge body) naming the field as OpenAI does,
+    never a 500 or a silently ignored option; the neutral values and OpenAI's nulls pass."""
+    url, headers = server[0], {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    chat = {"model": "my-adapter", "messages": HELLO, "max_tokens": 2}
+    text = {"model": "my-adapter", "prompt": "Hi", "max_tokens": 2}
+    cases = [  # (route, body, status, param, words)
+        ("chat", {**chat, "messages": [{"role": "user"}]}, 400, "messages[0].content", "required"),
+        ("chat", {**chat, "messages": [{"role": "user", "content": []}]}, 400, "messages[0].content", "required"),
+        ("chat", {**chat, "messages": [{"role": "user", "content": 123}]}, 400, "messages[0].content",
+         "valid string or"),
+        ("chat", {**chat, "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
+        ("chat", {**chat, "temperature": True}, 400, "temperature", "valid number"),
+        ("chat", {**chat, "presence_penalty": 0.5}, 400, "presence_penalty", "not applied"),
+        ("chat", {**chat, "frequency_penalty": 3}, 400, "frequency_penalty", "less than or equal to 2"),
+        ("chat", {**chat, "logit_bias": {"42": -100}}, 400, "logit_bias", "not applied"),
+        ("chat", {**chat, "response_format": {"type": "json_object"}}, 400, "response_format", "not enforced"),
+        ("chat", {**chat, "tool_choice": "auto"}, 400, "tool_choice", "only allowed when tools"),
+        ("chat", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+         400, "tool_choice", "force a tool call"),
+        ("chat", {**chat, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream: true"),
+        ("text", {**text, "prompt": ""}, 400, "prompt", "empty"),
+        ("text", {**text, "prompt": [""]}, 400, "prompt", "empty"),
+        ("text", {**text, "prompt": [True, False]}, 400, "prompt", "valid"),
+        ("text", {**text, "logprobs": True}, 400, "logprobs", "valid integer"),
+    ]
+    routes = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+    for route, body, status, param, words in cases:
+        r = httpx.post(url + routes[route], content=json.dumps(body), headers=headers, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"], (body, error)
+        assert "list[" not in error["message"] and "Traceback" not in r.text
+
+    raw = [  # bodies json.dumps would not write
+        ('{"model": "my-adapter", "messages": [{"role": "user", "content": "Hi \\ud800"}]}', 400,
+         "messages[0].content", "unpaired surrogate"),
+        ('{"model": "x", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None, "nested too deeply"),
+        ('{"model": "' + "x" * (9 << 20) + '"}', 413, None, "larger than 8 MiB"),
+    ]
+    for body, status, param, words in raw:
+        r = httpx.post(url + routes["chat"], content=body.encode(), headers=headers, timeout=60)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text[:300]
+        assert r.json()["error"]["param"] == param
+    for body in ({**chat, "n": None, "stream": None, "presence_penalty": 0, "response_format": {"type": "text"}},
+                 {**chat, "service_tier": "auto", "user": "u1"}):
+        r = httpx.post(url + routes["chat"], content=json.dumps(body), headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+
+    assert client.models.retrieve("my-adapter").id == "my-adapter"
+    assert client.models.retrieve(server[1]).id == server[1]  # a path as the id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    r = httpx.get(url + routes["chat"], headers=headers)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert server[2] and not any("Traceback" in line for line in server[2])
+
+
+def test_logprobs_cover_the_text_a_stop_string_cut(client, server):
+    """A stop string cuts the text; the logprobs end with it (the last token kept may hold the stop string's
+    start): the text of one token fewer is shorter than the answer, of as many is not."""
+    def answer(max_tokens, **extra):
+        return client.chat.completions.create(model=server[1], messages=HELLO, max_tokens=max_tokens,
+                                              temperature=0, **extra).choices[0]
+
+    def stop_in_second_half(text):  # 3 characters from the middle on, whose first place is where they stand
+        at = next(i for i in range(len(text) // 2, len(text) - 3) if text.find(text[i:i + 3]) == i)
+        return at, text[at:at + 3]
+
+    full = answer(12).message.content
+    at, stop = stop_in_second_half(full)
+    cut = answer(12, stop=[stop], logprobs=True)
+    assert cut.message.content == full[:at], (full, stop)
+    kept = len(cut.logprobs.content)
+    assert cut.finish_reason == "stop" and 0 < kept < 12
+    assert answer(kept).message.content.startswith(cut.message.content)
+    assert len(answer(kept - 1).message.content) < len(cut.message.content) if kept > 1 else True
+
+    def complete(**extra):
+        return client.completions.create(model=server[1], prompt="Hello there", max_tokens=12, temperature=0,
+                                         **extra).choices[0]
+
+    at, stop = stop_in_second_half(complete().text)
+    cut = complete(stop=[stop], logprobs=0)
+    assert cut.finish_reason == "stop" and len(cut.logprobs.tokens) < 12
+    assert "".join(cut.logprobs.tokens).startswith(cut.text)
+    assert all(offset < len(cut.text) for offset in cut.logprobs.text_offset)  # none past the text's end
+
+
+def test_bad_server_options_are_one_line_even_when_ending_with_stdin(tiny_qwen2, tmp_path):
+    """--exit-with-stdin (how the web UI starts its chat server) used to abort the interpreter on any startup
+    error ("could not acquire lock for <stdin>", rc 134)."""
+    def api(*args, env=None):
+        proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "api", f"model_name_or_path={tiny_qwen2}",
+                                 *args], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        try:
+            err = proc.stderr.read()  # stdin stays open until the process has ended (communicate would close it)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            proc.stdin.close()
+        return proc.returncode, err.strip().splitlines()
+
+    rc, err = api("--adapter", str(tmp_path / "missing"), "--port", "0", "--exit-with-stdin")
+    assert rc == 1 and len(err) == 1 and "does not exist" in err[0], err
+    assert api("--port", "99999", "--exit-with-stdin") == (2, ["error: --port must be 0-65535 (got 99999)"])
+    rc, err = api("--port", "0", env={"TUNEBOARD_API_KEY": "sëkret"})
+    assert rc == 2 and err[0].startswith("error: the API key holds characters other than printable ASCII")
+    assert api("--host", "", "--port", "0")[1][0].startswith("error: --host is empty")
 
 
 def test_a_bad_adapter_path_fails_fast_with_a_clear_message(tiny_qwen2, tmp_path):
@@ -280,6 +392,11 @@ def test_max_tokens_is_bounded_by_the_models_context(client, server):
                                            max_tokens=1020, temperature=0, stop=["never-seen-stop"],
                                            extra_body={"fit_context": True})
     assert reply.usage.total_tokens == 1024 and reply.choices[0].finish_reason == "length", reply.usage
+    # ... but a ceiling past the server's per-request cap (1024 here) is still refused, naming the cap
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="my-adapter", messages=HELLO, max_tokens=5000,
+                                       extra_body={"fit_context": True})
+    assert err.value.body["code"] == "max_tokens_exceeded" and "1024" in err.value.body["message"]
 
 
 def test_every_route_stops_generating_when_its_client_leaves(client, server):

@@ -57,6 +57,15 @@ ALWAYS = {
                             "keys): set those instead",
 }
 
+# key -> (the values that work, said as a range): torch's optimizers and data loader refuse the others after launch
+RANGES = {
+    "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_epsilon": (lambda v: v >= 0, ">= 0"),
+    "neftune_noise_alpha": (lambda v: v > 0, "> 0 (leave it out for no noise)"),
+    "dataloader_num_workers": (lambda v: v >= 0, ">= 0"),
+}
+
 
 def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: int) -> list[tuple[str, str, frozenset]]:
     """(field, message, involved) for the passthrough keys that would stop the run after launch or change nothing.
@@ -71,6 +80,10 @@ def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: in
     for key, reason in ALWAYS.items():
         if key in given:
             refuse(key, reason)
+    for key, (works, text) in RANGES.items():
+        value = given.get(key)
+        if value is not None and not works(value):
+            errors.append((key, f"must be {text} (got {value})", frozenset((key,))))
     for key in HUB_KEYS:
         if key in given:
             refuse(key, "pushing to the Hugging Face Hub is not available here (no network): upload output_dir "

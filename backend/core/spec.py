@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -148,16 +149,17 @@ def _coerce_passthrough(name: str, info: dict, value: Any) -> Any:
                 pass
         raise ValueError(f"must be an integer (got {_show(value)})")
     if kind == "float":
-        if isinstance(value, bool):
-            raise ValueError(f"must be a number (got {_show(value)})")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ValueError(f"must be a number (got {_show(value)})")
+        if number is None or not math.isfinite(number):
+            raise ValueError(f"must be a finite number (got {_show(value)})")
+        return number
     if kind == "str":
         if isinstance(value, bool) and choices:  # YAML 1.1 reads `no` as false
             value = _bool_to_choice(value, choices)
@@ -228,7 +230,7 @@ class RunSpec(*key_order(GROUPS, _ModelKeys, _MethodKeys, *STAGE_KEYS, *METHOD_K
     `json_schema_extra` carries UI metadata: group, stages (where the field matters; absent = all) and methods
     (finetuning types; absent = all)."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=False)
+    model_config = ConfigDict(extra="forbid", validate_default=False, allow_inf_nan=False)
 
     # ---------------------------------------------------------------- quantization
     quantization_bit: Optional[Literal[4, 8]] = _f(None, "Load the base model in 4 or 8 bits for QLoRA (bitsandbytes).", "quantization", methods=list(quantizable_methods()))
@@ -697,6 +699,8 @@ def _field_message(name: str, errs: list[dict]) -> str:
     for e in errs:
         if e["type"] == "value_error":  # our own field validators
             return str(e.get("ctx", {}).get("error", e["msg"]))
+    if "finite_number" in types_:  # inf or nan: no run can use it (an infinite rate trains NaN weights)
+        return f"must be a finite number {_range_text(info)} {got}".replace("  ", " ")
     if types_ & {"greater_than_equal", "less_than_equal", "greater_than", "less_than"}:
         return f"must be {_range_text(info)} {got}"
     if info["choices"]:
@@ -784,6 +788,8 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
             f"(got {spec.finetuning_type})", "finetuning_type")
     for field, message, involved in method_errors(spec):
         err(field, message, *involved)
+    if spec.val_size >= 1 and not float(spec.val_size).is_integer():
+        err("val_size", f"a fraction below 1 or a whole row count (got {spec.val_size:g})")
     has_eval_data = spec.val_size > 0 or bool(spec.eval_dataset)
     if spec.eval_strategy != "no" and not has_eval_data:
         err("eval_strategy", f"evaluating ({spec.eval_strategy}) needs val_size > 0 or an eval_dataset",

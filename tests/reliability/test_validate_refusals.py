@@ -96,3 +96,30 @@ def test_a_mistake_prints_no_traceback_through_the_real_command(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert {line.split(":")[0].strip() for line in proc.stderr.splitlines()[1:]} == {"passthrough", "seed", "template"}
+
+
+@pytest.mark.parametrize("key, value, says", [
+    # inf / nan passed validate for every number key: learning_rate=inf trained 2 steps into NaN weights and
+    # reported success; the rest stopped after launch (OverflowError) or shard sizes of inf
+    ("learning_rate", "inf", "must be a finite number > 0 (got 'inf')"),
+    ("num_train_epochs", "inf", "must be a finite number > 0"),
+    ("val_size", "inf", "must be a finite number >= 0"),
+    ("export_size", "inf", "must be a finite number > 0"),
+    ("limit", "inf", "must be a finite number"),
+    ("temperature", "nan", "must be a finite number >= 0"),
+    ("adam_beta1", "inf", "must be a finite number (got 'inf')"),  # a TrainingArguments passthrough key
+    # torch's optimizers and data loader refused these after launch
+    ("adam_beta1", "1.5", "must be in [0, 1) (got 1.5)"),
+    ("adam_beta2", "1", "must be in [0, 1) (got 1.0)"),
+    ("adam_epsilon", "-1", "must be >= 0 (got -1.0)"),
+    ("neftune_noise_alpha", "-1", "must be > 0 (leave it out for no noise) (got -1.0)"),
+    ("dataloader_num_workers", "-1", "must be >= 0 (got -1)"),
+    ("val_size", "2.5", "a fraction below 1 or a whole row count (got 2.5)"),
+])
+def test_numbers_no_run_can_use_are_refused(capsys, key, value, says):
+    assert says in refusal(capsys, f"{key}={value}")[key]
+
+
+def test_numbers_in_range_pass(capsys):
+    assert tuneboard(["validate", "val_size=3", "adam_beta1=0", "adam_epsilon=0", "neftune_noise_alpha=5",
+                      "learning_rate=1e-3"]) == 0

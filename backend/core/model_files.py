@@ -163,4 +163,17 @@ def adapter_problem(name: str) -> str | None:
             return (f"{path} is a full model (config.json, no {ADAPTER_CONFIG}): give it as model_name_or_path, "
                     "without an adapter")
         return f"{path} is not an adapter folder (no {ADAPTER_CONFIG})"
-    return weights_problem(path)
+    return adapter_config_problem(path / ADAPTER_CONFIG) or weights_problem(path)
+
+
+def adapter_config_problem(file: Path) -> str | None:
+    """Why an adapter_config.json is not one peft can read (not JSON, not an object), or None."""
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot read {file}: {exc}"
+    except json.JSONDecodeError as exc:
+        return f"{file} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+    if not isinstance(config, dict):
+        return f"{file} must hold a JSON object (peft's adapter settings)"
+    return None

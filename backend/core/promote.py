@@ -29,6 +29,7 @@ import yaml
 
 from backend.core.atomic import fsync_dir, read_json_dict, replace_path, write_json_atomic
 from backend.core.methods import is_adapter
+from backend.core.model_files import adapter_problem, weights_problem
 from backend.core.rundir import (ACTIVE_STATES, CHECKPOINT_PREFIX, CHECKPOINT_SCORES_FILE, LOG_FILE, PROMOTION_FILE,
                             PROMOTION_KEEP_DIR, RUNNING_LOG, SPEC_FILE, checkpoint_step, checkpoints,
                             is_complete_checkpoint, now_iso, read_status, stamp, unique_dir)
@@ -139,9 +140,12 @@ def promote(run_dir: str | Path, checkpoint: str) -> dict:
     found = checkpoints(run_dir)
     if not found:
         raise PromoteError(f"{run_dir.name}: the run folder has no checkpoints (checkpoint-N folders) to promote")
-    name = str(checkpoint).strip().rstrip("/").split("/")[-1]
+    given = Path(str(checkpoint).strip()).expanduser()
+    name = given.name
     name = f"{CHECKPOINT_PREFIX}{name}" if name.isdigit() else name
     folder = run_dir / name
+    if len(given.parts) > 1 and given.parent.resolve() != run_dir.resolve():
+        raise PromoteError(f"{checkpoint}: not a checkpoint of {run_dir} (a run promotes its own checkpoint-N)")
     if checkpoint_step(name) is None or not folder.is_dir():
         raise PromoteError(f"{name}: no such checkpoint in {run_dir.name} (it has: "
                            f"{', '.join(p.name for p in found)})")
@@ -152,6 +156,9 @@ def promote(run_dir: str | Path, checkpoint: str) -> dict:
     if not any(not n.endswith(".json") for n in names):
         what = "adapter" if adapter else "model"
         raise PromoteError(f"{name}: holds no {what} weights to promote")
+    broken = adapter_problem(str(folder)) if adapter else weights_problem(folder)
+    if broken:  # promoted, it would become the run's adapter for Chat, Export and the API, which refuse it
+        raise PromoteError(f"{name}: cannot be promoted: {broken}")
     keep = run_dir / PROMOTION_KEEP_DIR
     record = read_promotion(run_dir)
     previous = promoted_checkpoint(run_dir)

@@ -94,3 +94,19 @@ def test_models_and_adapters_a_run_loads_exist(tmp_path, tiny_llama, hub_cache):
     (tmp_path / "ref" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert "ref_model" not in _messages({"stage": "dpo", "dataset": "dpo_en_demo", "ref_model": str(tmp_path / "ref"),
                                          "finetuning_type": "full"})
+
+
+def test_an_adapter_config_peft_cannot_read_is_named(tmp_path):
+    """validate said ok to an adapter_config.json holding `{bad` (or `[]`); train, chat and api then failed with
+    json's bare "Expecting property name ..." naming no file."""
+    from backend.core.model_files import adapter_problem
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{bad")
+    assert adapter_problem(str(adapter)) == (f"{adapter / 'adapter_config.json'} is not valid JSON (line 1, column 2: "
+                                             "Expecting property name enclosed in double quotes)")
+    (adapter / "adapter_config.json").write_text("[]")
+    assert "must hold a JSON object" in adapter_problem(str(adapter))
+    (adapter / "adapter_config.json").write_text("{}")
+    assert adapter_problem(str(adapter)) is None

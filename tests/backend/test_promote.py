@@ -112,6 +112,16 @@ def test_refusals_are_one_line(run):
     assert "nothing to undo" in refused(str(run), "--undo")
     assert "checkpoint-9: no such checkpoint" in refused(str(run), "checkpoint-9")
     assert "no checkpoints" in refused(str(run.parent), "checkpoint-2")
+    other = run.parent / "other-run"  # another run's checkpoint-2 is not this run's (only its name was read)
+    shutil.copytree(run, other)
+    assert "not a checkpoint of" in refused(str(run), str(other / "checkpoint-2"))
+    weights = run / "checkpoint-4" / "adapter_model.safetensors"  # cut short: it would have become the adapter
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:1000])
+    assert "checkpoint-4: cannot be promoted" in refused(str(run), "checkpoint-4")
+    weights.write_bytes(whole)
+    (run / "checkpoint-4" / "adapter_config.json").write_text("{bad")
+    assert "is not valid JSON (line 1, column 2" in refused(str(run), "checkpoint-4")
     (run / "checkpoint-2" / "trainer_state.json").unlink()
     assert "incomplete checkpoint" in refused(str(run), "checkpoint-2")
     status = json.loads((run / STATUS_FILE).read_text())
@@ -188,12 +198,20 @@ def test_promote_full_run(tiny_qwen2, tmp_path):
 
 
 # ------------------------------------------------------------------ fast tier: a run folder written by hand
+def _weights(tag: bytes) -> bytes:
+    """A whole safetensors file whose one tensor holds `tag` (promote checks the files it promotes)."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    return save({"tag": np.frombuffer(tag, dtype=np.uint8)})
+
+
 def _hand_made_run(root: Path) -> Path:
     """The files of a finished LoRA run with two checkpoints (the weights' bytes only need to differ)."""
     run = root / "run"
     for folder, tag in ((run, b"final"), (run / "checkpoint-10", b"ten"), (run / "checkpoint-20", b"twenty")):
         folder.mkdir(parents=True)
-        (folder / "adapter_model.safetensors").write_bytes(b"weights of " + tag)
+        (folder / "adapter_model.safetensors").write_bytes(_weights(b"weights of " + tag))
         (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
         (folder / "tokenizer.json").write_text("{}")
         if folder != run:
@@ -219,10 +237,10 @@ def test_rows_promote_undo_on_a_hand_made_run(tmp_path):
     assert [(r["step"], r["loss"], r["metric"], r["best"], r["adapter"]) for r in rows] == [
         (10, 1.9, 0.6, True, False), (20, 1.8, 0.4, False, False)]
     promote.promote(run, "checkpoint-10")
-    assert (run / "adapter_model.safetensors").read_bytes() == b"weights of ten"
+    assert (run / "adapter_model.safetensors").read_bytes() == _weights(b"weights of ten")
     assert [r["adapter"] for r in promote.checkpoint_rows(run)[0]] == [True, False]
     promote.undo(run)
-    assert (run / "adapter_model.safetensors").read_bytes() == b"weights of final"
+    assert (run / "adapter_model.safetensors").read_bytes() == _weights(b"weights of final")
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".") or "promot" in p.name) == [PROMOTION_FILE]
     with pytest.raises(promote.PromoteError, match="nothing to undo"):
         promote.undo(run)

@@ -6,11 +6,19 @@ from backend.core.rundir import CHECKPOINT_SCORES_FILE, STATUS_FILE
 from webui.promotion import checkpoint_frame, checkpoint_names, promote_checkpoint
 
 
+def _weights(tag: str) -> bytes:
+    """A whole safetensors file whose one tensor holds `tag` (promote checks the files it promotes)."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    return save({"tag": np.frombuffer(tag.encode(), dtype=np.uint8)})
+
+
 def _run(root):
     run = root / "run"
     for folder, tag in ((run, "final"), (run / "checkpoint-5", "five"), (run / "checkpoint-10", "ten")):
         folder.mkdir(parents=True)
-        (folder / "adapter_model.safetensors").write_text(tag)
+        (folder / "adapter_model.safetensors").write_bytes(_weights(tag))
         (folder / "adapter_config.json").write_text("{}")
     (run / "checkpoint-10" / "trainer_state.json").write_text("{}")  # checkpoint-5 was cut short
     (run / "run_spec.yaml").write_text("finetuning_type: lora\n")
@@ -39,8 +47,8 @@ def test_table_and_messages(tmp_path):
     ok, message = promote_checkpoint(run, "checkpoint-10", lang="de")
     assert ok and "`checkpoint-10` ist jetzt der Adapter" in message
     assert checkpoint_frame(run)["adapter"].tolist() == ["", "✓"]
-    assert (run / "adapter_model.safetensors").read_text() == "ten"
+    assert (run / "adapter_model.safetensors").read_bytes() == _weights("ten")
     ok, message = promote_checkpoint(run, None, undo=True)
     assert ok and "has its own final adapter again" in message
-    assert (run / "adapter_model.safetensors").read_text() == "final"
+    assert (run / "adapter_model.safetensors").read_bytes() == _weights("final")
     assert promote_checkpoint(run, None, undo=True)[0] is False

@@ -58,6 +58,31 @@ def answer(engine, messages: list[dict], out=None) -> str:
     return "".join(text).strip()
 
 
+def not_text(text: str) -> str | None:
+    """Why `text` cannot be a message (bytes that were not UTF-8 arrive as lone surrogates), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"the input is not UTF-8 text (byte {text[exc.start].encode('utf-8', 'surrogateescape')!r} at "
+                f"character {exc.start}): set the terminal to UTF-8 or fix the text")
+    return None
+
+
+def say(engine, messages: list[dict]) -> str | None:
+    """answer(), with the problems a user can act on as one line (None then): a conversation the template
+    refuses, or an adapter whose weights are not numbers (sampling stops on inf / nan probabilities)."""
+    try:
+        return answer(engine, messages)
+    except ValueError as exc:
+        _stderr(f"error: {exc}")
+    except RuntimeError as exc:
+        if "inf" not in str(exc) and "nan" not in str(exc):
+            raise
+        _stderr(f"\nerror: the model's next-token probabilities are not numbers (inf / nan): its weights (or the "
+                f"adapter's) hold non-finite values, e.g. from a run whose loss diverged ({exc})")
+    return None
+
+
 def main(spec, query: str | None = None) -> int:
     try:
         engines = load_engines(spec, include_base=not spec.adapter_name_or_path,
@@ -67,12 +92,11 @@ def main(spec, query: str | None = None) -> int:
         return 1
     engine = list(engines.values())[-1]
     if query is not None:
-        try:
-            answer(engine, [{"role": "user", "content": query}])
-        except ValueError as exc:
-            _stderr(f"error: {exc}")
+        problem = not_text(query)
+        if problem:
+            _stderr(f"error: --query: {problem}")
             return 1
-        return 0
+        return 0 if say(engine, [{"role": "user", "content": query}]) is not None else 1
     history: list[dict] = []
     print(f"TuneBoard chat with {engine.name}. Type 'clear' to start over, 'exit' to quit; Ctrl-C stops an answer.")
     while True:
@@ -88,12 +112,13 @@ def main(spec, query: str | None = None) -> int:
             continue
         if not text:
             continue
+        if not_text(text):
+            _stderr(f"error: {not_text(text)}; the conversation so far is kept")
+            continue
         history.append({"role": "user", "content": text})
         print("Assistant: ", end="", flush=True)
-        try:
-            reply = answer(engine, history)
-        except ValueError as exc:
+        reply = say(engine, history)
+        if reply is None:
             history.pop()
-            _stderr(f"error: {exc}")
             continue
         history.append({"role": "assistant", "content": reply})

@@ -1,6 +1,8 @@
 """backend.serving.engine on tiny random models: adapters vs merged weights, streaming vs not, stop handling,
 prompt ids, tool-call parsing, the vLLM fallback."""
 import copy
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -242,6 +244,20 @@ def test_chat_query_prints_one_clean_streamed_answer(tiny_qwen2, qwen_engine):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == qwen_engine.chat(HELLO, max_new_tokens=12).text.strip() + "\n"
+
+
+def test_chat_input_that_is_not_utf8_is_one_line_and_the_session_goes_on(tiny_qwen2):
+    """Bytes that are not UTF-8 (a latin-1 terminal) reached the tokenizer as lone surrogates: a TypeError traceback
+    ended the session and its history."""
+    from backend.core.paths import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "chat", f"model_name_or_path={tiny_qwen2}",
+                           "do_sample=false", "max_new_tokens=3"], input=b"hi\n\xff\xfe\nhello\nexit\n",
+                          cwd=REPO_ROOT, capture_output=True, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "error: the input is not UTF-8 text (byte b'\\xff' at character 0)" in err
+    assert proc.stdout.decode().count("Assistant: ") == 2  # the turns before and after it were answered
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import difflib
 import logging
 import os
 import sys
+import warnings
 
 USAGE = """usage: tuneboard <command> [args]
 
@@ -52,6 +53,8 @@ def _offline_env() -> None:
     # HF's `kernels` (imported with bitsandbytes) warns on every start that offline it skips a hub trust check
     # of kernels nothing here downloads: noise in every command's output
     logging.getLogger("kernels").setLevel(logging.ERROR)
+    # peft reads transformers' renamed `is_gradient_checkpointing` on every adapter load (chat, eval, export, api)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     if not os.environ.get("DS_ACCELERATOR"):  # DeepSpeed (imported by transformers) warns when it has to guess
         if not visible_accelerators():
             os.environ["DS_ACCELERATOR"] = "cpu"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import random
@@ -45,6 +46,11 @@ from backend.core.hub_data import hub_key
 from backend.dataprep.hub import hub_source, read_hub_rows
 from backend.stages import STAGE_IDS, get_stage, stages_with_data
 from backend.dataprep.templates import tool_arguments
+
+# datasets' file builders log "Failed to load JSON from file ..." before raising; read_rows says it in its own
+# DatasetError (naming the file and the row), so the log line was a second, rawer copy in every command's output
+logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
+
 
 # ---------------------------------------------------------------------------------------------
 # Schema
@@ -157,20 +163,27 @@ def _data_files(name: str, entry: dict, dataset_dir: Path, info_path: Path) -> l
 
 
 def _json_location(path: Path) -> str | None:
-    """Where a JSON/JSONL file is malformed, for an error message that names the line."""
+    """Where a JSON/JSONL file is malformed, for an error message that names the line, or its first row that is
+    not an object (valid JSON that pyarrow cannot make rows of: its own message names row 0 of a column)."""
     text = path.read_text(encoding="utf-8", errors="replace")
+    rows: list = []
     if path.suffix.lower() == ".jsonl":
         for lineno, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    json.loads(line)
+                    rows.append((f"line {lineno}", json.loads(line)))
                 except json.JSONDecodeError as exc:
-                    return f"line {lineno} column {exc.colno}: {exc.msg}"
-        return None
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as exc:
-        return f"line {exc.lineno} column {exc.colno}: {exc.msg}"
+                    return f"not valid JSON at line {lineno} column {exc.colno}: {exc.msg}"
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return f"not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        rows = [(f"row {i}", row) for i, row in enumerate(data)] if isinstance(data, list) else []
+    for where, row in rows:
+        if not isinstance(row, dict):
+            kind = {"str": "a string", "list": "a list", "NoneType": "null", "bool": "true or false"}.get(type(row).__name__, "a number")
+            return f"{where} is {kind}, not an object (each row of a data file is a JSON object)"
     return None
 
 
@@ -207,7 +220,7 @@ def read_rows(path: Path, split: str = "train") -> list[dict]:
                 raise DatasetError(f"{path}: not UTF-8 text (byte {bad.start}: {bad.reason}); save it as UTF-8") from None
         where = _json_location(path) if builder == "json" else None
         if where:
-            raise DatasetError(f"{path}: not valid JSON at {where}") from None
+            raise DatasetError(f"{path}: {where}") from None
         cause = exc.__cause__ or exc
         raise DatasetError(f"could not read {path}: {type(cause).__name__}: {cause}") from None
     finally:

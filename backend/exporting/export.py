@@ -723,12 +723,10 @@ def main(args: list[str]) -> int:
               flush=True)
         return 130
     except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        print(f"export FAILED: {exc}", flush=True)
+        print(f"export FAILED: {exc}", flush=True)  # the one line (the Export tab reads it too)
         return 1
     except Exception as exc:  # GGUF/template refusals and load errors: one clear line
         if isinstance(exc, (GGUFExportError, ValueError, FileNotFoundError, NotImplementedError)):
-            print(f"error: {exc}", file=sys.stderr, flush=True)
             print(f"export FAILED: {exc}", flush=True)
             return 1
         raise

@@ -411,6 +411,23 @@ def test_malformed_data_file_names_file_and_line(tmp_path):
         load_examples("t", d)
 
 
+def test_a_row_that_is_not_an_object_is_named(tmp_path):
+    """pyarrow's own message named row 0 of a column ("changed from object to string in row 0"), after datasets
+    logged a second, rawer line."""
+    rows = [{"instruction": "a", "output": "b"}] * 3
+    d = make_dir(tmp_path, {"a": {"file_name": "a.json"}, "l": {"file_name": "l.jsonl"}},
+                 {"a.json": json.dumps(rows + ["oops"]), "l.jsonl": "".join(json.dumps(r) + "\n" for r in rows) + "[1]\n"})
+    with pytest.raises(DatasetError, match=r"a\.json: row 3 is a string, not an object \(each row of a data file"):
+        load_examples("a", d)
+    with pytest.raises(DatasetError, match=r"l\.jsonl: line 4 is a list, not an object"):
+        load_examples("l", d)
+    proc = subprocess.run([sys.executable, "-m", "backend.cli", "preview", "--dataset", "a", "--dataset-dir", str(d)],
+                          cwd=paths.REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Failed to load JSON" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: dataset 'a': {d / 'a.json'}: row 3 is a string, not an "
+                                                    "object (each row of a data file is a JSON object)")
+
+
 def test_malformed_dataset_info_names_file_line_and_column(tmp_path):
     (tmp_path / "dataset_info.json").write_text('{\n  "a": {"file_name": "a.json"},\n  "b": {"file_name" "b.json"}\n}\n')
     with pytest.raises(DatasetError) as err:

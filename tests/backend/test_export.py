@@ -140,7 +140,7 @@ def test_refuses_non_empty_dir_unless_overwrite(tiny_llama, adapter, tmp_path, c
         export(_spec(tiny_llama, adapter, out))
     # through the CLI: exit 1, one clear line, nothing touched
     code = main([f"model_name_or_path={tiny_llama}", f"adapter_name_or_path={adapter}", f"export_dir={out}"])
-    assert code == 1 and "is not empty" in capsys.readouterr().err
+    assert code == 1 and capsys.readouterr().out.count("is not empty") == 1  # once: the "export FAILED" line
     assert (out / "keep.txt").read_text() == "mine"
 
 

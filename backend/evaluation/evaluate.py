@@ -32,7 +32,9 @@ from backend.dataprep.preprocess import build_sft_dataset
 from backend.dataprep.resolve import pick_template
 from backend.evaluation.reward_score import encode_pairs, load_reward_model, pair_metrics, score_pairs, write_scores
 from backend.core.rundir import (EVAL_RESULTS_FILE, JUDGE_FILE, PREDICTIONS_FILE, RUNNING_LOG, STATUS_FILE,  # noqa: F401  (public here)
-                            PHASE_PREDICTING, RunDir, default_output_dir, write_json_atomic)
+                            CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PHASE_PREDICTING, PHASE_TRAINING, SPEC_FILE, RunDir,
+                            checkpoints, default_output_dir, last_value, read_status, write_json_atomic)
+from backend.distill import SPEC_FILE as DISTILL_SPEC_FILE
 from backend.core.spec import load_or_report
 from backend.stages import get_stage
 
@@ -43,6 +45,38 @@ def eval_output_dir(spec) -> Path:
     if spec.output_dir:
         return Path(spec.output_dir).expanduser().resolve()
     return default_output_dir(spec.model_name_or_path, "eval")
+
+
+def training_run_marks(out: Path) -> list[str]:
+    """What shows that `out` holds a training (or distill) run: its spec file, the Trainer's state, checkpoint-N
+    folders, losses in trainer_log.jsonl, a status.json that went through the training phase. An eval writes
+    status.json, running_log.txt and trainer_log.jsonl into its output_dir, so it must never write into such a
+    folder (the run's final status and metrics would be gone, its log mixed with the eval's). An eval's own
+    folder has none of these (its trainer_log.jsonl lines carry eval_loss only)."""
+    if not out.is_dir():
+        return []
+    marks = [name for name in (SPEC_FILE, DISTILL_SPEC_FILE, CHECKPOINT_COMPLETE_MARKER) if (out / name).exists()]
+    found = checkpoints(out)
+    if found:
+        marks.append(found[0].name + (f" ... {found[-1].name}" if len(found) > 1 else ""))
+    if last_value(out / LOG_FILE, "loss") is not None:
+        marks.append(f"training losses in {LOG_FILE}")
+    if PHASE_TRAINING in (read_status(out).get("phase_started") or {}):
+        marks.append(f"a training {STATUS_FILE}")
+    return marks
+
+
+def refuse_training_run(spec, out: Path) -> bool:
+    """Print the one-line refusal and return True when output_dir holds a training run (training_run_marks);
+    overwrite_output_dir does not lift it: an eval never replaces a run's records."""
+    marks = training_run_marks(out)
+    if not marks:
+        return False
+    default = default_output_dir(spec.model_name_or_path, "eval")
+    print(f"error: output_dir {out} holds a training run ({', '.join(marks[:2])}): an eval writes its own "
+          f"{STATUS_FILE}, {RUNNING_LOG} and {LOG_FILE} there and would overwrite the run's; leave output_dir out "
+          f"(the eval then goes to {default.parent}/<time stamp>) or give another folder", file=sys.stderr)
+    return True
 
 
 def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:
@@ -93,6 +127,8 @@ def run(spec) -> int:
     if not any(parts.values()):
         parts = {"eval": True, "predict": True, "judge": False}
     out = eval_output_dir(spec)
+    if refuse_training_run(spec, out):  # before any mode (benchmarks, checkpoints, the parts) writes its status
+        return 1
     if spec.tasks:  # lm-evaluation-harness benchmarks, base and tuned (backend/evaluation/benchmarks.py), instead of the parts
         return benchmarks.run(spec, out)
     if spec.checkpoints:  # each checkpoint of a training run on the same rows (backend/evaluation/checkpoint_eval.py)

@@ -15,7 +15,10 @@ read_api_key, Budget, the connect-time guard; backend.core.teacher_access for th
 from an environment variable or a key file, is sent only in the Authorization header and is never written
 (the spec, the run folder, the logs). `max_requests` (retries included) stops the judging cleanly: a row is
 started only while the budget still holds both its requests, the rows judged so far are reported and the
-report says `complete: false`. Every answered request is cached in
+report says `complete: false`. A judge that answers none of the first requests (max(3, concurrency) rows failed
+after their retries, none answered: an endpoint that is down, refuses connections, answers 5xx) ends the judging
+there, as the distill teacher's does: the report keeps the count of failed rows (`failed`), the requests the
+judge answered (`answered`) and the first error (`first_error`). Every answered request is cached in
 `cache_dir` (one JSON file per request, named by the hash of the judge's URL, model and the exact messages:
 the same prompt and answers asked of the same judge make no new request).
 """
@@ -164,7 +167,8 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
     rows = [{"index": i, "prompt": prompts[i], "a": answers_a[i], "b": answers_b[i], "orders": [],
              "verdict": "not judged"} for i in range(len(prompts))]
     budget = Budget(settings.max_requests)
-    state = {"fatal": None, "spent": False, "failed": 0, "cached": 0, "done": 0, "reserved": 0}
+    state = {"fatal": None, "spent": False, "failed": 0, "cached": 0, "done": 0, "reserved": 0, "answered": 0,
+             "first_error": None, "dead": None}
     lock = threading.Lock()
     try:
         check_access(settings)
@@ -175,7 +179,7 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
     if api_key is None:
         log(f"judge: no API key (${settings.api_key_env} is not set)" if settings.api_key_env and
             not settings.api_key_file else "judge: no API key")
-    stopped = lambda: bool(stop() or state["fatal"])  # noqa: E731
+    stopped = lambda: bool(stop() or state["fatal"] or state["dead"])  # noqa: E731
     client = Teacher(settings.url, settings.model, api_key, timeout=settings.timeout, max_retries=settings.max_retries,
                      backoff=settings.backoff, temperature=0.0, max_tokens=settings.max_tokens, budget=budget,
                      stop=stopped, log=lambda message: log(judge_words(message)), guard=_guarded(settings))
@@ -198,6 +202,8 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
             return hit, True
         cached = Path(settings.cache_dir) / f"{cache_key(settings, messages)}.json" if settings.cache_dir else None
         answer = client.ask(messages)
+        with lock:
+            state["answered"] += 1
         if cached is not None:
             write_text_atomic(cached, json.dumps({"text": answer.text, "finish_reason": answer.finish_reason,
                                                   "model": settings.model}, ensure_ascii=False))
@@ -227,9 +233,16 @@ def judge_pairs(prompts: list[list[dict]], answers_a: list[str], answers_b: list
                     state["fatal"] = state["fatal"] or judge_words(str(exc))
                 return
             except TeacherError as exc:
+                if stopped():  # a stop (or a fatal reply, or a judge that answers nothing) cut its retries short
+                    return
+                message = judge_words(str(exc))
                 with lock:
                     state["failed"] += 1
-                row["error"] = judge_words(str(exc))
+                    state["first_error"] = state["first_error"] or message
+                    if not state["answered"] and not state["dead"] and state["failed"] >= max(3, settings.concurrency):
+                        state["dead"] = (f"the judge answered none of the first {state['failed']} rows' requests; "
+                                         f"first error: {state['first_error']}")
+                row["error"] = message
                 return
             verdict = parse_verdict(text)
             prefers = "tie" if verdict in (None, "tie") else ("a" if (verdict == "A") == (order == "AB") else "b")
@@ -274,6 +287,8 @@ def summarize(rows: list[dict], settings: JudgeSettings, budget: Budget, state: 
         stopped = state["fatal"]
     elif stop_reason:
         stopped = f"stopped ({stop_reason})"
+    elif state.get("dead"):
+        stopped = state["dead"]
     elif state["spent"]:
         stopped = f"judge_max_requests {settings.max_requests} spent"
     elif state["failed"]:
@@ -283,6 +298,7 @@ def summarize(rows: list[dict], settings: JudgeSettings, budget: Budget, state: 
             "interval_method": "Wilson score interval, 95%, of (wins + ties/2) / judged rows",
             "unparsed": sum(not o["parsed"] for r in judged for o in r["orders"]),
             "requests": budget.used, "cached": state["cached"], "max_requests": settings.max_requests,
+            "answered": state.get("answered", 0), "failed": state["failed"], "first_error": state.get("first_error"),
             "complete": n == len(rows), "stopped": stopped, "error": state["fatal"], "per_row": rows}
 
 

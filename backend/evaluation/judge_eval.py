@@ -49,7 +49,9 @@ def answers(model, tokenizer, template, examples: list[dict], spec, out: Path, w
 def judge(spec, examples: list[dict], tuned: list[str], other: list[str], out: Path, run_dir, stop) -> dict:
     """Asks the judge, writes JUDGE_FILE, logs the summary; returns the figures for eval_results.json
     (judge_wins, judge_ties, judge_losses, judge_win_rate, judge_low, judge_high, judge_requests), plus
-    judge_error when the judge refused and judge_incomplete when not every row was judged."""
+    judge_error when the judge refused or judged no row because every row it was asked failed (a judge that
+    answers nothing: the eval fails, as distill does when its teacher answers nothing), judge_incomplete when
+    not every row was judged, judge_failed: the rows that failed at the judge after their retries."""
     n = min(len(tuned), len(other))
     prompts = [split_prompt(example)[0] for example in examples[:n]]
     settings = JudgeSettings.from_spec(spec, out / JUDGE_CACHE_DIRNAME)
@@ -70,8 +72,25 @@ def judge(spec, examples: list[dict], tuned: list[str], other: list[str], out: P
     if report["win_rate"] is not None:
         figures.update(judge_win_rate=report["win_rate"], judge_low=report["interval"][0],
                        judge_high=report["interval"][1])
+    if report.get("failed"):
+        figures["judge_failed"] = report["failed"]
     if report["error"]:
         figures["judge_error"] = report["error"]
+    elif not report["judged"] and report.get("failed") and not stop():
+        figures["judge_error"] = no_row_judged(report)
     elif not report["complete"]:
         figures["judge_incomplete"] = report["stopped"] or "not every row was judged"
     return figures
+
+
+def no_row_judged(report: dict) -> str:
+    """One line: the judge judged no row, every row asked failed at it (after its retries), and the first error."""
+    if not report.get("answered"):
+        head = f"the judge at {report.get('judge_url')} answered no request"
+    else:
+        head = f"the judge at {report.get('judge_url')} judged no row (each row had a request that failed)"
+    failed, rows = report["failed"], report["rows"]
+    line = f"{head}: {failed} of {rows} rows failed after their retries"
+    if failed < rows:
+        line += f" (the other {rows - failed} were not asked)"
+    return line + (f"; first error: {report['first_error']}" if report.get("first_error") else "")

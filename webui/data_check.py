@@ -2,14 +2,18 @@
 Start shows once per (data files, spec) before it starts: counts per severity, the worst findings in one line each,
 and where to see them all with their rows (the Data tab's Check). Only errors and warnings about the data's rows
 hold Start (a model-level one, such as the template auto picks for a model without one, is listed with them but
-holds nothing alone: the Data tab's preview and the run log say it too); pressed again, it starts.
+holds nothing alone: the Data tab's preview and the run log say it too); pressed again, it starts. What would stop
+the run at once on this data (the lint's `refused`: the run's own loading of it failed, e.g. a mapped column no row
+has, no usable row, a val_size that leaves no training rows) never starts: Start refuses it as it refuses a form
+error (refusal). A lint that could not run for another reason (its tokenizer, a package) holds nothing.
 
-The lint loads a tokenizer and the data stack, which this process never imports: `tuneboard lint --json --max-rows
-MAX_ROWS` runs as a subprocess into <saves>/.cache/lint/<key>/, keyed by what it reads (the spec's data keys, and
-each data file's state as the tokenized cache keys it: backend/core/tokenized.py), and its result there is reused
-by every later Start of the same data. The first MAX_ROWS rows of each dataset are linted, so a big set costs a
-Start no more than a small one; a Start waits at most WAIT_S for a lint that has not finished (it finishes in the
-background, for the next press). One lint runs at a time: a newer one stops the older."""
+The lint loads a tokenizer and the data stack, which this process never imports: `tuneboard lint --json --load-check
+--max-rows MAX_ROWS` runs as a subprocess into <saves>/.cache/lint/<key>/, keyed by what it reads (the spec's data
+keys, and each data file's state as the tokenized cache keys it: backend/core/tokenized.py), and its result there is
+reused by every later Start of the same data. The first MAX_ROWS rows of each dataset are linted, so a big set costs
+a Start no more than a small one (its load check is skipped where it would read all of a bigger set); a Start waits
+at most WAIT_S for a lint that has not finished (it finishes in the background, for the next press). One lint runs
+at a time: a newer one stops the older."""
 from __future__ import annotations
 
 import hashlib
@@ -40,7 +44,9 @@ RESULT, SPEC, LOG = "lint.json", "spec.yaml", "lint_output.log"
 # what the lint reads of a spec, besides the data files (the rest of a spec does not change its findings)
 DATA_KEYS = ("stage", "dataset", "eval_dataset", "val_size", "seed", "model_name_or_path", "template", "cutoff_len",
              "train_on_prompt", "mask_history", "identity_name", "identity_author", "default_system",
-             "new_special_tokens", "enable_thinking")
+             "new_special_tokens", "enable_thinking", "max_samples", "mix_strategy", "interleave_probs", "streaming")
+# the form field a refusal of the run's data is shown beside: the spec key its message starts with, else `dataset`
+REFUSAL_FIELDS = ("val_size", "max_samples", "mix_strategy", "interleave_probs", "eval_dataset")
 
 _running: dict[str, tuple[subprocess.Popen, threading.Event]] = {}
 _lock = threading.Lock()
@@ -89,7 +95,8 @@ def start(spec_yaml: str, k: str) -> None:
         _prune()
         folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(folder / SPEC, spec_yaml)
-        argv = jobs.tuneboard_argv() + ["lint", str(folder / SPEC), "--json", "--max-rows", str(MAX_ROWS)]
+        argv = jobs.tuneboard_argv() + ["lint", str(folder / SPEC), "--json", "--max-rows", str(MAX_ROWS),
+                                          "--load-check"]
         with open(folder / LOG, "wb") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=str(paths.REPO_ROOT), close_fds=True)
@@ -144,6 +151,17 @@ def before_start(spec, wait_s: float | None = None) -> tuple[str, dict | None]:
             done.wait(wait_s)
         found = result(k)
     return k, found
+
+
+def refusal(found: dict | None, lang: str = "en") -> tuple[str, str] | None:
+    """(form field, message) when the lint found what would stop the run at once on this data (its `refused`: the
+    run's own loading failed), else None. Start refuses it like a form error: nothing is launched."""
+    refused = (found or {}).get("refused")
+    if not refused:
+        return None
+    refused = str(refused)
+    field = next((f for f in REFUSAL_FIELDS if refused.startswith(f)), "dataset")
+    return field, tr(lang, "pf.lint_refused", error=refused[:500])  # plain text, as validate's
 
 
 def summary_md(found: dict | None, lang: str = "en") -> str:

@@ -23,6 +23,10 @@ dataset_info.json as <name>_vN (the same entry, the new file), for JSON and JSON
 
 The whole dataset is linted (max_samples is ignored: the file is what a fix rewrites), or its first rows with
 --max-rows (the Train tab's pre-flight does, so a big set never holds up Start; fixes need the whole set).
+
+--load-check (the Train tab's pre-flight asks for it) also loads the data as the run will (run_refusal: max_samples,
+the val_size split, eval_dataset) and reports the error that would stop the run at once, so Start refuses it
+instead of launching a run that fails: JSON key `refused`, exit 1.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from pathlib import Path
 
 from backend.core import dataset_versions
 from backend.core.dataset_info import DatasetError, read_dataset_info, resolve_dataset_dir
+from backend.core.hub_data import hub_key
 from backend.dataprep import data
 from backend.dataprep.resolve import PLAIN_TEMPLATES
 from backend.stages import get_stage
@@ -73,6 +78,7 @@ class Finding:
 class LintReport:
     datasets: dict[str, int] = field(default_factory=dict)  # name -> rows in its files
     findings: list[Finding] = field(default_factory=list)
+    usable: dict[str, int] = field(default_factory=dict)  # name -> rows the loader converts (not in the JSON)
 
     def to_dict(self) -> dict:
         return {"datasets": self.datasets, "count": len(self.findings),
@@ -352,6 +358,7 @@ def lint(spec, max_rows: int | None = None) -> LintReport:
     evals = {n: _load(n, dataset_dir, stage, spec, max_rows) for n in spec.eval_dataset_names}
     for d in list(loaded.values()) + list(evals.values()):
         report.datasets[d.name] = len(d.examples) + len(d.bad)
+        report.usable[d.name] = len(d.examples)
 
     resolved = resolve_model(spec.model_name_or_path)
     tokenizer = load_tokenizer(resolved, new_special_tokens=spec.new_special_tokens)
@@ -379,6 +386,52 @@ def lint(spec, max_rows: int | None = None) -> LintReport:
     order = {s: i for i, s in enumerate(SEVERITIES)}
     report.findings.sort(key=lambda f: order[f.severity])
     return report
+
+
+def run_refusal(spec, report: LintReport | None = None, max_rows: int | None = None) -> str | None:
+    """The error that stops the run at once on this spec's data, or None: the run's own loading of it
+    (backend/stages/base.py train_and_eval_rows: load_examples with max_samples, then the val_size split, and
+    eval_dataset), so what it refuses the run would refuse too (a mapped column no row has, no usable row, a
+    val_size that leaves no training rows, a missing file or entry). Other errors of the lint (the tokenizer,
+    the datasketch package) stop the lint, not the run: they are not this answer.
+
+    Not checked (None) for a streamed run (it reads its data another way), data on a hub (it would be
+    downloaded here), nor when `report` (the lint's, on its first `max_rows` rows) saw usable rows of a dataset
+    bigger than that which max_samples does not cap: a full pass over a big set would hold up Start."""
+    if spec.streaming:
+        return None
+    try:
+        dataset_dir = resolve_dataset_dir(spec.resolved_dataset_dir())
+        info = read_dataset_info(dataset_dir)
+        for key, names in (("dataset", spec.dataset_names), ("eval_dataset", spec.eval_dataset_names)):
+            for name in names:
+                if hub_key(_entry(info, name, key)) is not None:  # `org/name` too: info.entry makes one for it
+                    return None
+        if report is not None and max_rows and not (spec.max_samples and spec.max_samples < max_rows) and any(
+                rows >= max_rows and report.usable.get(n) for n, rows in report.datasets.items()):
+            return None
+        common = dict(stage=spec.stage, max_samples=spec.max_samples, identity_name=spec.identity_name,
+                      identity_author=spec.identity_author, seed=spec.seed, default_system=spec.default_system,
+                      mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs)
+        examples, _ = data.load_examples(spec.dataset, dataset_dir, **common)
+        data.split_train_val(examples, spec.val_size, spec.seed)
+        if spec.eval_dataset:
+            try:
+                data.load_examples(spec.eval_dataset, dataset_dir, **common)
+            except DatasetError as exc:
+                raise DatasetError(f"eval_dataset: {exc}") from None
+    except DatasetError as exc:
+        return str(exc)
+    except (ValueError, OSError):  # not the data's refusal: the run says what it is, if it meets it too
+        return None
+    return None
+
+
+def _entry(info, name: str, key: str) -> dict:
+    try:
+        return info.entry(name)
+    except DatasetError as exc:
+        raise DatasetError(f"eval_dataset: {exc}" if key == "eval_dataset" else str(exc)) from None
 
 
 def data_template(spec, resolved, tokenizer, warnings: list[str]):
@@ -426,6 +479,8 @@ def main(args: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--max-rows", type=int, default=None, help="lint only the first N rows of each dataset (fast on "
                    "a big set; --fix needs the whole set)")
+    p.add_argument("--load-check", action="store_true", help="also load the data as the run will (max_samples, "
+                   "val_size, eval_dataset) and report what would stop it at once (JSON key `refused`)")
     opts = p.parse_args(args)
     if opts.max_rows is not None and (opts.max_rows < 1 or opts.fix):
         return _fail(opts, "--max-rows: " + ("a fix rewrites the whole dataset: drop --max-rows to fix" if opts.fix
@@ -433,24 +488,33 @@ def main(args: list[str]) -> int:
     spec = load_or_report(opts.spec)
     if spec is None:
         return 1
+    report, failed = None, None
     try:
         report = lint(spec, opts.max_rows)
         fixed = apply_fixes(spec, report, [f.strip() for f in opts.fix.split(",") if f.strip()]) if opts.fix else []
     except ImportError as exc:
-        return _fail(opts, f"the lint needs the datasketch package ({exc}): pip install -e '.[lint]'")
+        failed = f"the lint needs the datasketch package ({exc}): pip install -e '.[lint]'"
     except (DatasetError, ValueError, OSError) as exc:
-        return _fail(opts, str(exc))
+        failed = str(exc)
+    # the run's own load, even when the lint could not run (its tokenizer or package may be what failed)
+    refused = run_refusal(spec, report, opts.max_rows) if opts.load_check else None
+    if failed is not None:
+        return _fail(opts, failed, refused)
     if opts.json:
         capped = {"max_rows": opts.max_rows} if opts.max_rows else {}
-        print(json.dumps(dict(report.to_dict(), fixed=fixed, **capped), ensure_ascii=False))
+        print(json.dumps(dict(report.to_dict(), fixed=fixed, **capped, **({"refused": refused} if refused else {})),
+                         ensure_ascii=False))
     else:
-        print("\n".join(report.lines() + fixed))
-    return 1 if any(f.severity == "error" for f in report.findings) else 0
+        stops = [f"refused: the run would stop at once: {refused}"] if refused else []
+        print("\n".join(report.lines() + fixed + stops))
+    return 1 if refused or any(f.severity == "error" for f in report.findings) else 0
 
 
-def _fail(opts, message: str) -> int:
+def _fail(opts, message: str, refused: str | None = None) -> int:
     if opts.json:
-        print(json.dumps({"error": message}))
+        print(json.dumps({"error": message, **({"refused": refused} if refused else {})}))
     else:
         print(f"error: {message}", file=sys.stderr)
+        if refused:
+            print(f"refused: the run would stop at once: {refused}", file=sys.stderr)
     return 1

@@ -106,10 +106,38 @@ def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, boo
         spec = validate_spec(flat)
     except SpecError as exc:
         return st, "✖ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors), False
+    taken = folder_refusal(spec, lang)
+    if taken:
+        return st, taken, False
     job = tools.new_job_dir("export")
     tools.start("export", job, spec.to_yaml(include_defaults=False))
     st = {"job": str(job), "export_dir": str(spec.export_dir), "log": None, "lines": []}
     return st, tr(lang, "msg.exporting", dir=spec.export_dir), True
+
+
+def folder_refusal(spec, lang: str = "en") -> str:
+    """Why the export could not write to its folder, in the tab's words, or "": a file there, or a folder with
+    something in it while the Overwrite box is not ticked (`tuneboard export` refuses both at its first step:
+    backend/exporting/export.py check_request; refused here, nothing is launched)."""
+    out = Path(spec.export_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        return tr(lang, "msg.export_dir_file", dir=out)
+    if not spec.export_overwrite and out.is_dir() and any(out.iterdir()):
+        return tr(lang, "msg.export_not_empty", dir=out, overwrite=tr(lang, "export-overwrite"))
+    return ""
+
+
+def job_report(st: dict) -> dict:
+    """The export report in the state's export_dir when this job wrote it: one older than the job's launch is an
+    earlier export's (this one failed before writing its own) and is not shown as this one's checks."""
+    report = tools.read_report(st.get("export_dir"))
+    launched = jobs.read_json(Path(st["job"]) / jobs.LAUNCH_FILE).get("launched_at")
+    try:
+        written = (Path(st["export_dir"]) / tools.EXPORT_REPORT).stat().st_mtime
+    except (OSError, KeyError, TypeError):
+        return report
+    # a second's slack: the file system's clock ticks coarser than time.time(); a re-export takes longer to press
+    return report if not isinstance(launched, (int, float)) or written >= launched - 1.0 else {}
 
 
 def attach(job_dir: str | None) -> dict:
@@ -157,7 +185,7 @@ def poll(st: dict, lang: str = "en") -> tuple:
                               else tr(lang, "msg.export_starting"), lang)
     if running:
         return st, bar, "", gr.skip(), log, gr.Timer(active=True)
-    report = tools.read_report(st.get("export_dir"))
+    report = job_report(st)
     rows = tools.checks_rows(report, st["lines"])
     if outcome == "passed":
         result = f"✓ **{line}**"
@@ -195,8 +223,11 @@ def wire(ctx, c: dict) -> None:
         """Inputs: state, language, top bar (model, adapter, method, template), export fields. Outputs:
         message, then the view (state, progress, result, checks, log, timer)."""
         st, message, started = start_export(st, export_flat(*values), lang)
-        if not started:
+        if not started and tools.alive((st or {}).get("job")):  # the export that runs keeps its view
             return message, st, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        if not started:  # refused: an earlier export's result and checks are not this one's
+            return (message, new_state(), tools.progress_html("idle", 0, 6, lang=lang), "",
+                    headers(lang, empty_checks()), "", gr.Timer(active=False))
         return (message, st, tools.progress_html("starting", 0, 6, tr(lang, "msg.export_starting"), lang), "",
                 headers(lang, empty_checks()), "",
                 gr.Timer(active=True))

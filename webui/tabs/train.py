@@ -390,7 +390,8 @@ def attached_form(run_dir: str, lang: str = "en") -> tuple[str, list | None]:
 def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devices, values: list) -> tuple:
     """The Start button. `names`, `top_names`: the form's and the top bar's field names (collect's order);
     then the inputs: state, log-scale, language, picked GPUs (the run's CUDA_VISIBLE_DEVICES), the form values.
-    Validates first; says once what the pre-flight found (memory too close to call, the data check's findings:
+    Validates first; refuses what the data check found the run would fail on at once (as a validation error);
+    says once what the pre-flight found (memory too close to call, the data check's findings:
     webui/data_check.py), then launches (or queues) `tuneboard train` with run_spec.yaml written into the new run
     dir. Outputs: errors, per-field errors, message, live view."""
     all_names = top_names + names
@@ -409,6 +410,9 @@ def start_run(names: list[str], top_names: list[str], st, log_scale, lang, devic
         return (gr.update(value="", visible=False), *error_updates([], all_names, lang), dict(st or {}, pf_warned=key),
                 *([gr.skip()] * (N_VIEW - 1)), preflight.unsure_md(doubt, lang), gr.skip())
     data_key, linted = data_check.before_start(spec)  # the lint's summary of this data: shown once, if it finds any
+    stops = data_check.refusal(linted, lang)  # the run would fail at once on this data: never launched
+    if stops:
+        return refused([stops])
     note = data_check.summary_md(linted, lang)
     if note and (st or {}).get("lint_shown") != key + data_key:
         return (gr.update(value="", visible=False), *error_updates([], all_names, lang),

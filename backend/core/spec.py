@@ -116,9 +116,8 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if value is None:
         return "null"
-    if isinstance(value, str):
-        return repr(value)
-    return str(value)
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"  # an error is one line
 
 
 def _coerce_passthrough(name: str, info: dict, value: Any) -> Any:
@@ -1190,9 +1189,9 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
             errors.append((str(item), "override has an empty key"))
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
+            value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else None  # noqa: S506 (SafeLoader's)
+        except (yaml.YAMLError, _DuplicateKey, _AliasUsed):
+            value = raw  # the text as typed: a str key takes it, any other says what it got
         # `default_system=You are: x` is a string, not a mapping; a string field keeps the text as typed.
         if isinstance(value, dict) and not raw.lstrip().startswith("{"):
             value = raw
@@ -1211,8 +1210,21 @@ class _DuplicateKey(Exception):
         self.key, self.first, self.second = key, first, second
 
 
+class _AliasUsed(Exception):
+    def __init__(self, line: int):
+        super().__init__(line)
+        self.line = line
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice (PyYAML would silently keep the last one)."""
+    """SafeLoader that refuses a key written twice (PyYAML would silently keep the last one), and aliases (*name):
+    a flat spec has no use for them, and nested ones expand exponentially (a 1 KB file of 9 x 9 aliases took
+    5.5 GB and never finished)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise _AliasUsed(self.peek_event().start_mark.line + 1)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -1239,6 +1251,9 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except _DuplicateKey as exc:
         raise SpecError([(exc.key, f"duplicate key in {p} (lines {exc.first} and {exc.second})")]) from None
+    except _AliasUsed as exc:
+        raise SpecError([(str(p), f"line {exc.line}: a YAML alias (*name): a run spec is read without them, write "
+                                  "the value out")]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

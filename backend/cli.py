@@ -134,7 +134,7 @@ def cmd_chat(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tuneboard chat", description="Chat with a model (+ adapter) in the terminal.")
     parser.add_argument("spec", nargs="*", help="[SPEC.yaml] [key=value ...] (model_name_or_path, adapter_name_or_path, template, ...)")
     parser.add_argument("--query", help="ask one question, print the answer and exit")
-    opts = parser.parse_args(args)
+    opts = parser.parse_intermixed_args(args)  # key=value after --query TEXT too
     spec = load_or_report(opts.spec)
     if spec is None:
         return 1

@@ -1285,6 +1285,11 @@ def split_spec_args(args: list[str]) -> tuple[str | None, list[str]]:
 def load_or_report(args: list[str]) -> RunSpec | None:
     """The validated spec of a command line, or None after printing every error (one per line) to
     stderr. Shared by every command that takes a spec (train, validate, api, export, eval)."""
+    options = [a for a in args if a.startswith("-") and "=" not in a and not Path(a).exists()]
+    if options:  # `--bogus` was read as a spec file ("spec file not found")
+        print(f"error: unknown option {options[0]}: this command takes [SPEC.yaml] [key=value ...] (see its --help)",
+              file=sys.stderr)
+        return None
     path, overrides = split_spec_args(args)
     try:
         return load_spec(path, overrides)

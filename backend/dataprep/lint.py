@@ -481,7 +481,7 @@ def main(args: list[str]) -> int:
                    "a big set; --fix needs the whole set)")
     p.add_argument("--load-check", action="store_true", help="also load the data as the run will (max_samples, "
                    "val_size, eval_dataset) and report what would stop it at once (JSON key `refused`)")
-    opts = p.parse_args(args)
+    opts = p.parse_intermixed_args(args)  # key=value after --json too
     if opts.max_rows is not None and (opts.max_rows < 1 or opts.fix):
         return _fail(opts, "--max-rows: " + ("a fix rewrites the whole dataset: drop --max-rows to fix" if opts.fix
                                              else f"{opts.max_rows} is not a positive number of rows"))

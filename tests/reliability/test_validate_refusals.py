@@ -135,3 +135,12 @@ def test_yaml_aliases_are_not_expanded(capsys, tmp_path):
         "line 2: a YAML alias (*name): a run spec is read without them, write the value out")
     said = refusal(capsys, "learning_rate=" + "x" * 100_000)["learning_rate"]
     assert said.endswith("... (100002 characters))") and len(said) < 300
+
+
+def test_an_unknown_option_is_named_as_one(capsys):
+    """`tuneboard train --bogus` said "--bogus: spec file not found"."""
+    for command in ("train", "validate", "eval", "export"):
+        assert tuneboard([command, "--bogus", "max_steps=2"]) != 0
+        assert capsys.readouterr().err.strip() == ("error: unknown option --bogus: this command takes [SPEC.yaml] "
+                                                   "[key=value ...] (see its --help)")
+    assert tuneboard(["validate", "--max_steps=2"]) == 0  # an override written as an option still is one

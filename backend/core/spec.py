@@ -899,11 +899,35 @@ def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
 def _resume_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     """resume_from_checkpoint names a checkpoint there is (backend.core.rundir.resume_choice, as the run decides)."""
     try:
-        resume_choice(spec.resume_from_checkpoint, spec.output_dir)
+        found, _ = resume_choice(spec.resume_from_checkpoint, spec.output_dir)
     except ResumeError as exc:
         return [("resume_from_checkpoint", str(exc).removeprefix("resume_from_checkpoint: "),
                  frozenset({"resume_from_checkpoint", "output_dir"}))]
-    return []
+    problem = _checkpoint_mismatch(spec, found) if found is not None else None
+    return [("resume_from_checkpoint", problem, frozenset({"resume_from_checkpoint", "finetuning_type", "lora_rank"}))] \
+        if problem else []
+
+
+def _checkpoint_mismatch(spec: RunSpec, folder: Path) -> str | None:
+    """Why the checkpoint's weights cannot be this spec's (a LoRA rank or a method other than its run's): the
+    resumed run failed with one 'size mismatch' line per adapter matrix, or found no model weights to load."""
+    config_file = folder / model_files.ADAPTER_CONFIG
+    wants_adapter = method(spec.finetuning_type).adapter
+    full = any(folder.glob("model*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+    if (wants_adapter and full and not config_file.is_file()) or (not wants_adapter and config_file.is_file()):
+        what = "an adapter (adapter_config.json)" if config_file.is_file() else "full weights, no adapter"
+        return (f"{folder} holds {what}, and this spec trains finetuning_type {spec.finetuning_type}: resume with "
+                "the settings of the run that saved it")
+    if not wants_adapter:
+        return None
+    try:
+        rank = json.loads(config_file.read_text(encoding="utf-8")).get("r")
+    except (OSError, ValueError, AttributeError):
+        return None  # adapter_problem's check says what is wrong with the file where it matters
+    if spec.finetuning_type == "lora" and isinstance(rank, int) and rank != spec.lora_rank:
+        return (f"{folder} was trained with lora_rank {rank} (its adapter_config.json) and this spec says "
+                f"{spec.lora_rank}: resume with the run's own lora_rank")
+    return None
 
 
 def _module_name_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:

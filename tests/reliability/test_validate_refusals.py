@@ -144,3 +144,19 @@ def test_an_unknown_option_is_named_as_one(capsys):
         assert capsys.readouterr().err.strip() == ("error: unknown option --bogus: this command takes [SPEC.yaml] "
                                                    "[key=value ...] (see its --help)")
     assert tuneboard(["validate", "--max_steps=2"]) == 0  # an override written as an option still is one
+
+
+def test_a_checkpoint_resumed_with_another_rank_or_method_is_refused(capsys, tmp_path):
+    """Resumed with lora_rank 16, a rank-8 checkpoint failed after launch with one 'size mismatch' line per adapter
+    matrix (420 for the default model); with finetuning_type freeze, it found no model weights to load."""
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    (ckpt / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    out = f"output_dir={tmp_path / 'again'}"
+    said = refusal(capsys, f"resume_from_checkpoint={ckpt}", "lora_rank=16", out)["resume_from_checkpoint"]
+    assert said == f"{ckpt} was trained with lora_rank 8 (its adapter_config.json) and this spec says 16: resume " \
+                   "with the run's own lora_rank"
+    said = refusal(capsys, f"resume_from_checkpoint={ckpt}", "finetuning_type=freeze", out)["resume_from_checkpoint"]
+    assert said.startswith(f"{ckpt} holds an adapter (adapter_config.json), and this spec trains finetuning_type freeze")
+    assert tuneboard(["validate", f"resume_from_checkpoint={ckpt}", "lora_rank=8", out]) == 0

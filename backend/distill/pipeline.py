@@ -31,7 +31,9 @@ from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, 
 from backend.distill.documents import (DocumentError, chunk_documents, load_documents, near_duplicates,
                                        split_documents)
 from backend.distill.scorecard import score
-from backend.distill.spec import DistillSpec, DistillSpecError, distill_fields, load_distill
+from backend.distill.spec import (DistillSpec, DistillSpecError, dataset_dir_problem, dataset_entry, distill_fields,
+                                  load_distill, train_cli_args)
+from backend.distill.spec import train_overrides  # noqa: F401 - the web UI's distill tab imports it from here
 from backend.distill.teacher import (CUT, Budget, BudgetExhausted, LocalTeacher, Teacher, TeacherError, TeacherFatal,
                                      read_api_key, reply_budget, teacher_messages)
 from backend.core.metrics import parse_json
@@ -218,6 +220,9 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     from backend.training.models import load_tokenizer, resolve_model  # heavy (torch): the UI imports this module
 
     check_teacher_access(spec)
+    problem = dataset_dir_problem(spec)
+    if problem:  # refused before any teacher request, not after them all
+        raise DistillError(f"dataset_dir: {problem}")
     out = spec.resolved_output_dir()
     progress = Progress(out / PROGRESS_FILE, documents=0, chunks=0, to_ask=0, train_chunks=0, eval_chunks=0,
                         duplicates=0, dataset=None, teacher=teacher_id(spec), dataset_name=spec.dataset_name)
@@ -435,7 +440,10 @@ def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokeni
     from backend.dataprep.data import DatasetError, load_dataset_info, register_dataset  # heavy (datasets): UI imports this
 
     ddir = spec.resolved_dataset_dir()
-    ddir.mkdir(parents=True, exist_ok=True)
+    problem = dataset_dir_problem(spec)
+    if problem:
+        raise DistillError(f"dataset_dir: {problem}")
+    ddir.mkdir(parents=not spec.dataset_dir, exist_ok=True)  # a given one: the folder itself, never its parents
     names = [(spec.dataset_name, train), (f"{spec.dataset_name}_eval", held)]
     info = load_dataset_info(ddir) if (ddir / "dataset_info.json").exists() else {}
     for name, _ in names:
@@ -450,8 +458,7 @@ def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokeni
         data = [{"instruction": spec.task.strip(), "input": r["prompt"], "output": r["answer"],
                  "document": r["document"], "chunk": r["chunk"]} for r in rows]
         write_text_atomic(ddir / f"{name}.json", json.dumps(data, ensure_ascii=False, indent=1) + "\n")
-        entry = {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input",
-                                                          "response": "output"}}
+        entry = dataset_entry(name)
         try:
             register_dataset(ddir, name, entry, overwrite=name in info)
         except DatasetError as exc:
@@ -466,28 +473,13 @@ def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokeni
 
 
 # ------------------------------------------------------------------------------------------- train
-def train_overrides(spec: DistillSpec, dataset: dict | None, output_dir: Path | None = None) -> dict:
-    """The run-spec keys of a LoRA SFT run on the distilled dataset (the UI's "Fine-tune on it" fills the
-    Train form with them; step train runs them): cutoff_len from the longest pair, rounded up to 64."""
-    flat = {"stage": "sft", "model_name_or_path": spec.model_name_or_path, "finetuning_type": "lora",
-            "template": spec.template, "dataset": spec.dataset_name,
-            "cutoff_len": (dataset or {}).get("cutoff_len") or spec.cutoff_len}
-    if spec.dataset_dir:
-        flat["dataset_dir"] = str(spec.resolved_dataset_dir())
-    if output_dir is not None:
-        flat.update(output_dir=str(output_dir), overwrite_output_dir=True)
-    flat.update(spec.train_args)
-    return flat
-
-
 def train(spec: DistillSpec, run_dir) -> int:
     """`tuneboard train` on the dataset (a child process: its own run folder, status and log)."""
     dataset = read_progress(spec.resolved_output_dir()).get("dataset")
     if not dataset:
         raise DistillError("step train: no registered dataset in this run folder yet (run step generate first)")
     out = spec.resolved_output_dir() / TRAIN_DIRNAME
-    flat = train_overrides(spec, dataset, out)
-    args = [f"{k}={_cli(v)}" for k, v in flat.items()]
+    args = train_cli_args(spec, dataset, out)  # what validate_distill checked up front (train_spec_errors)
     argv = paths.tuneboard_argv("train", *args)
     run_dir.log("train: tuneboard train " + " ".join(args))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -498,14 +490,6 @@ def train(spec: DistillSpec, run_dir) -> int:
     if code != 0:
         raise DistillError(f"step train: tuneboard train ended with exit code {code} (see {out / RUNNING_LOG})")
     return 0
-
-
-def _cli(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    return str(value)
 
 
 # --------------------------------------------------------------------------------------------- run

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import difflib
 import json
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from backend.core import paths
-from backend.distill import STEPS
+from backend.distill import STEPS, TRAIN_DIRNAME, read_progress
 import yaml
-from backend.core.spec import RunSpec, SpecError, parse_overrides, read_spec_file
+from backend.core.spec import RunSpec, SpecError, parse_overrides, read_spec_file, validate_spec
 
 SECRET_KEYS = ("teacher_api_key", "api_key", "openai_api_key", "key")
 
@@ -194,6 +195,8 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
         unknown = [k for k in spec.train_args if k not in RunSpec.model_fields]
         if unknown:
             errors.append(("train_args", f"unknown run-spec key(s) {', '.join(unknown)} (see `tuneboard fields`)"))
+        else:  # the run spec step train will build, checked before any teacher request (a paid API call)
+            errors += train_spec_errors(spec, check_files)
     if check_files:
         docs = [p.strip() for p in spec.documents.split(",") if p.strip()]
         for d in docs:
@@ -204,6 +207,123 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
         if spec.adapter_name_or_path and not Path(spec.adapter_name_or_path).expanduser().is_dir():
             errors.append(("adapter_name_or_path", f"{spec.adapter_name_or_path} is not a folder"))
     return errors
+
+
+# ------------------------------------------------------------------------------------ step train's spec
+def _cli(value) -> str:
+    """A run-spec value as a `key=value` override of `tuneboard train` (parsed back by parse_overrides)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def train_overrides(spec: DistillSpec, dataset: dict | None, output_dir: Path | None = None) -> dict:
+    """The run-spec keys of a LoRA SFT run on the distilled dataset (the UI's "Fine-tune on it" fills the
+    Train form with them; step train runs them): cutoff_len from the longest pair, rounded up to 64."""
+    flat = {"stage": "sft", "model_name_or_path": spec.model_name_or_path, "finetuning_type": "lora",
+            "template": spec.template, "dataset": spec.dataset_name,
+            "cutoff_len": (dataset or {}).get("cutoff_len") or spec.cutoff_len}
+    if spec.dataset_dir:
+        flat["dataset_dir"] = str(spec.resolved_dataset_dir())
+    if output_dir is not None:
+        flat.update(output_dir=str(output_dir), overwrite_output_dir=True)
+    flat.update(spec.train_args)
+    return flat
+
+
+def train_cli_args(spec: DistillSpec, dataset: dict | None, output_dir: Path | None = None) -> list[str]:
+    """The `key=value` arguments step train passes to `tuneboard train` (which validates them with
+    backend.core.spec.load_or_report: parse_overrides, then validate_spec)."""
+    return [f"{k}={_cli(v)}" for k, v in train_overrides(spec, dataset, output_dir).items()]
+
+
+def dataset_entry(name: str) -> dict:
+    """The dataset_info.json entry step generate registers for dataset `name` (alpaca columns)."""
+    return {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input", "response": "output"}}
+
+
+# the distill keys that step train's spec takes its keys from (any other key comes from train_args or a default)
+_DERIVED = {"model_name_or_path": "model_name_or_path", "template": "template", "cutoff_len": "cutoff_len",
+            "dataset": "dataset_name", "dataset_dir": "dataset_dir", "output_dir": "output_dir",
+            "overwrite_output_dir": "output_dir"}
+
+
+def _train_key(spec: DistillSpec, field: str) -> str:
+    if field in spec.train_args:
+        return f"train_args.{field}"
+    if field in ("dataset", "eval_dataset") and "stage" in spec.train_args:
+        return "train_args.stage"  # the distilled dataset is what generate makes: the stage asks for another kind
+    return _DERIVED.get(field, f"train_args.{field}")
+
+
+def train_spec_errors(spec: DistillSpec, check_files: bool = True) -> list[tuple[str, str]]:
+    """What `tuneboard train` would refuse in the run spec step train builds (train_cli_args, parsed and validated
+    as `tuneboard train` does: parse_overrides + validate_spec), each named by the distill key it comes from
+    (`train_args.<key>`, or model_name_or_path, template, cutoff_len, dataset_name, dataset_dir, output_dir).
+
+    Before step generate has run, the dataset it will register does not exist yet: the files are checked
+    against a stand-in dataset folder that holds just the entries generate registers (so a stage that cannot
+    train on an alpaca dataset is still refused); where train_args mix such a name with other datasets, the
+    dataset checks are left to the train step. cutoff_len is the spec's, the most the train step will use
+    (it lowers it to the longest pair)."""
+    out = spec.resolved_output_dir()
+    dataset = None if "generate" in spec.steps else read_progress(out).get("dataset")
+    try:
+        data = parse_overrides(train_cli_args(spec, dataset, out / TRAIN_DIRNAME))
+        run_spec = validate_spec(data, check_files=False)
+        if check_files:
+            _train_files(spec, data, run_spec)
+    except SpecError as exc:
+        return [(_train_key(spec, field), f"{message} (step train's run spec)") for field, message in exc.errors]
+    return []
+
+
+def _train_files(spec: DistillSpec, data: dict, run_spec: RunSpec) -> None:
+    """validate_spec with its file checks, on the dataset folder as it will be when step train starts."""
+    generated = {spec.dataset_name, f"{spec.dataset_name}_eval"}
+    names = set(run_spec.dataset_names) | set(run_spec.eval_dataset_names)
+    same_dir = run_spec.resolved_dataset_dir() == spec.resolved_dataset_dir()
+    if "generate" not in spec.steps or not same_dir or not names & generated:
+        validate_spec(data, check_files=True)  # the datasets are there already (or never made by this run)
+        return
+    if not names <= generated:  # a distilled name next to other datasets: all but the dataset checks
+        try:
+            validate_spec(data, check_files=True)
+        except SpecError as exc:
+            kept = [(f, m) for f, m in exc.errors if f not in ("dataset", "eval_dataset")]
+            if kept:
+                raise SpecError(kept) from None
+        return
+    real = str(spec.resolved_dataset_dir())
+    with tempfile.TemporaryDirectory(prefix="distill-train-check-") as tmp:
+        info = {}
+        for name in sorted(names):
+            entry = dataset_entry(name)
+            row = {"instruction": spec.task, "input": "chunk", "output": "answer"}
+            (Path(tmp) / entry["file_name"]).write_text(json.dumps([row]), encoding="utf-8")
+            info[name] = entry
+        (Path(tmp) / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+        try:
+            validate_spec({**data, "dataset_dir": tmp}, check_files=True)
+        except SpecError as exc:
+            raise SpecError([(f, m.replace(tmp, real)) for f, m in exc.errors]) from None
+
+
+def dataset_dir_problem(spec: DistillSpec) -> str | None:
+    """Why step generate cannot register its dataset in dataset_dir, or None. A dataset_dir that does not exist
+    is created (one level: the folder itself), so its parent must be a folder already; a typo'd path is refused
+    rather than created with every missing folder above it."""
+    if not spec.dataset_dir:
+        return None
+    ddir = spec.resolved_dataset_dir()
+    if ddir.exists():
+        return None if ddir.is_dir() else f"{ddir} is a file, not a folder"
+    if not ddir.parent.is_dir():
+        return (f"{ddir} does not exist, nor does its parent {ddir.parent}: give an existing folder, or a new "
+                "folder in an existing one")
+    return None
 
 
 def validate_distill(data: dict[str, Any], check_files: bool = True) -> DistillSpec:
@@ -246,7 +366,11 @@ def load_distill(args: list[str], check_files: bool = True) -> DistillSpec:
         raise DistillSpecError(exc.errors) from None
     except (OSError, ValueError) as exc:
         raise DistillSpecError([(str(path or "spec"), str(exc))]) from None
-    return validate_distill(data, check_files=check_files)
+    spec = validate_distill(data, check_files=check_files)
+    problem = dataset_dir_problem(spec) if check_files else None
+    if problem:  # the command line's check, before any teacher request (step generate checks it too)
+        raise DistillSpecError([("dataset_dir", problem)])
+    return spec
 
 
 def distill_fields() -> list[dict]:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import yaml
 
 from backend.core.methods import is_adapter
+from backend.core.model_files import adapter_problem, weights_problem
 from backend.core.promote import promoted_checkpoint
 from backend.core.rundir import (CHECKPOINT_PREFIX, PROMOTION_KEEP_DIR, SPEC_FILE, checkpoint_step, checkpoints,
                             is_complete_checkpoint, is_reward_model_dir, last_logged_step, read_status)
@@ -135,6 +136,10 @@ def pick(run_dir: str | Path | None, wanted: str | None, models: bool = False) -
             offered = ", ".join(list(by_name) + ([FINAL] if final else []))
             raise CheckpointChoiceError(f"checkpoints: {name} is not a checkpoint of {run} (it has {offered})")
     unique = list({c.name: c for c in out}.values())
+    for choice in unique:  # each is loaded in turn: a broken one would stop the eval after the ones before it
+        problem = weights_problem(choice.folder) if models else adapter_problem(str(choice.folder))
+        if problem:
+            raise CheckpointChoiceError(f"checkpoints: {choice.name} of {run} cannot be loaded: {problem}")
     return sorted(unique, key=lambda c: (c.name == FINAL, c.step if c.step is not None else -1))
 
 

@@ -129,6 +129,12 @@ def test_refusals_one_line_each(lora_checkpoints_run, tiny_qwen2, tmp_path):
     assert "checkpoint-4 of" in refused(adapter_name_or_path=str(cut), checkpoints="checkpoint-4")
     assert [c.name for c in pick(cut, "all")] == ["checkpoint-2", "final"]
     assert available(cut) == ["checkpoint-2", "final"]
+    # a checkpoint whose weights are cut short: refused up front, named (the eval stopped after the ones before it
+    # with "SafetensorError: invalid header length", naming none)
+    weights = cut / "checkpoint-2" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    said = refused(adapter_name_or_path=str(cut), checkpoints="all")
+    assert said.startswith(f"checkpoint-2 of {cut} cannot be loaded: {weights} is truncated"), said
     # a full-weights run: its checkpoints are whole models
     full = tmp_path / "full"
     shutil.copytree(tiny_qwen2, full / "checkpoint-2")

@@ -229,3 +229,15 @@ def no_key_under(*folders: Path, key: str = KEY) -> None:
         for f in Path(folder).rglob("*"):
             if f.is_file():
                 assert key.encode() not in f.read_bytes(), f"the API key is written in {f}"
+
+
+def distill_flat(tmp_path: Path, teacher: "FakeTeacher", model: Path, **keys) -> dict:
+    """A distill spec on the fake teacher (its key only in $FAKE_TEACHER_KEY, which the caller sets), documents,
+    data and run folder under tmp_path; `keys` on top."""
+    teacher.mode, teacher.requests, teacher.failures = "valid", [], {}
+    return {"documents": str(make_docs(tmp_path / "docs")), "text_column": "body", "task": TASK,
+            "json_schema": SCHEMA, "teacher": teacher.url, "teacher_model": "fake",
+            "teacher_api_key_env": "FAKE_TEACHER_KEY", "model_name_or_path": str(model), "template": "auto",
+            "cutoff_len": 128, "answer_tokens": 40, "chunk_overlap": 8, "concurrency": 2, "retry_backoff": 0.0,
+            "max_retries": 2, "request_timeout": 20, "eval_ratio": 0.3, "dataset_dir": str(tmp_path / "data"),
+            "output_dir": str(tmp_path / "run"), "dataset_name": "facts", **keys}

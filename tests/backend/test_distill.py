@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from fake_teacher import KEY, LONG, SCHEMA, TASK, FakeTeacher, make_docs, no_key_under
+from fake_teacher import KEY, LONG, TASK, FakeTeacher, distill_flat, make_docs, no_key_under
 
 from backend.distill import PAIRS_FILE, PROGRESS_FILE, REJECTED_FILE, read_progress
 from backend.distill.spec import DistillSpecError, validate_distill
@@ -24,13 +24,7 @@ def teacher():
 def flat(tmp_path, tiny_qwen2, teacher, monkeypatch):
     """A distill spec on the fake teacher, with its key in an environment variable only."""
     monkeypatch.setenv("FAKE_TEACHER_KEY", KEY)
-    teacher.mode, teacher.requests, teacher.failures = "valid", [], {}
-    return {"documents": str(make_docs(tmp_path / "docs")), "text_column": "body", "task": TASK,
-            "json_schema": SCHEMA, "teacher": teacher.url, "teacher_model": "fake",
-            "teacher_api_key_env": "FAKE_TEACHER_KEY", "model_name_or_path": str(tiny_qwen2), "template": "auto",
-            "cutoff_len": 128, "answer_tokens": 40, "chunk_overlap": 8, "concurrency": 2, "retry_backoff": 0.0,
-            "max_retries": 2, "request_timeout": 20, "eval_ratio": 0.3, "dataset_dir": str(tmp_path / "data"),
-            "output_dir": str(tmp_path / "run"), "dataset_name": "facts"}
+    return distill_flat(tmp_path, teacher, tiny_qwen2)
 
 
 def generate(flat: dict) -> tuple[int, Path]:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_teacher import KEY, SCHEMA, TASK, FakeTeacher, make_docs
+from fake_teacher import KEY, TASK, FakeTeacher, distill_flat
 
 from backend.distill.spec import DistillSpecError, validate_distill
 
@@ -28,13 +28,7 @@ def teacher():
 @pytest.fixture
 def flat(tmp_path, tiny_qwen2, teacher, monkeypatch):
     monkeypatch.setenv("FAKE_TEACHER_KEY", KEY)
-    teacher.mode, teacher.requests, teacher.failures = "valid", [], {}
-    return {"documents": str(make_docs(tmp_path / "docs")), "text_column": "body", "task": TASK,
-            "json_schema": SCHEMA, "teacher": teacher.url, "teacher_model": "fake",
-            "teacher_api_key_env": "FAKE_TEACHER_KEY", "model_name_or_path": str(tiny_qwen2), "template": "auto",
-            "cutoff_len": 128, "answer_tokens": 40, "chunk_overlap": 8, "concurrency": 2, "retry_backoff": 0.0,
-            "max_retries": 0, "request_timeout": 20, "eval_ratio": 0.3, "dataset_dir": str(tmp_path / "data"),
-            "output_dir": str(tmp_path / "run"), "dataset_name": "facts"}
+    return distill_flat(tmp_path, teacher, tiny_qwen2, max_retries=0)
 
 
 def errors(flat: dict, **data) -> dict:

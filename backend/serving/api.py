@@ -108,7 +108,8 @@ def _models():
         stream_options: Optional[StreamOptions] = None
         seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.manual_seed's range
         fit_context: Optional[bool] = None  # TuneBoard's: max_tokens is a ceiling, cut to what the context leaves
-        # accepted for client compatibility at their neutral values only (0, {}): others are refused (`neutral`)
+        # accepted for client compatibility at their neutral values only (0, {}): others are refused
+        # (refuse_unsupported)
         frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
         presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
         logit_bias: Optional[dict[str, Any]] = None
@@ -125,8 +126,8 @@ def _models():
         tool_choice: Union[str, dict[str, Any], None] = None
         logprobs: Optional[bool] = None
         top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-        response_format: Optional[dict[str, Any]] = None  # {"type": "text"} only (`neutral`)
-        modalities: Optional[list[str]] = None  # ["text"] only (`neutral`)
+        response_format: Optional[dict[str, Any]] = None  # {"type": "text"} only (refuse_unsupported)
+        modalities: Optional[list[str]] = None  # ["text"] only (refuse_unsupported)
         # no effect on an answer: accepted for client compatibility
         parallel_tool_calls: Optional[bool] = None
         metadata: Optional[dict[str, Any]] = None
@@ -219,7 +220,7 @@ def unpaired_surrogate(value, where: str = "") -> str | None:
     return None
 
 
-def refuse_unsupported(req, tools: list | None = None) -> None:
+def refuse_unsupported(req) -> None:
     """A 400 naming the field for what this server would otherwise silently not do: n > 1, the OpenAI penalties
     and logit_bias at other than their neutral values, structured output, tool_choice forcing a call, audio."""
     if req.n not in (None, 1):
@@ -399,7 +400,8 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
 
         too_big = APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB, the most this server "
                                 f"reads", code="request_too_large")
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        declared = request.headers.get("content-length") or "0"
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise too_big
         try:
             chunks, size = [], 0

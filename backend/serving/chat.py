@@ -76,7 +76,7 @@ def say(engine, messages: list[dict]) -> str | None:
     except ValueError as exc:
         _stderr(f"error: {exc}")
     except RuntimeError as exc:
-        if "inf" not in str(exc) and "nan" not in str(exc):
+        if not ("inf" in str(exc) and "nan" in str(exc)):  # torch: "probability tensor contains either inf, nan ..."
             raise
         _stderr(f"\nerror: the model's next-token probabilities are not numbers (inf / nan): its weights (or the "
                 f"adapter's) hold non-finite values, e.g. from a run whose loss diverged ({exc})")
@@ -112,8 +112,9 @@ def main(spec, query: str | None = None) -> int:
             continue
         if not text:
             continue
-        if not_text(text):
-            _stderr(f"error: {not_text(text)}; the conversation so far is kept")
+        problem = not_text(text)
+        if problem:
+            _stderr(f"error: {problem}; the conversation so far is kept")
             continue
         history.append({"role": "user", "content": text})
         print("Assistant: ", end="", flush=True)

@@ -90,6 +90,17 @@ def model_folder(name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+def hidden_size(model: str) -> int | None:
+    """The width of `model`'s hidden states (config.json's hidden_size, a multimodal model's text part), where its
+    folder is on this machine; else None."""
+    folder = model_folder(model)
+    try:
+        value = _text_config(folder).get("hidden_size") if folder else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def unknown_names(model: str, wanted: dict[str, tuple[list[str], str]]) -> list[tuple[str, str]]:
     """(key, message) for each key whose names are not modules of `model`: wanted maps a key to (its names, which
     ModuleNames set they come from). Nothing when the model's names cannot be read here."""

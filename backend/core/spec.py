@@ -839,6 +839,7 @@ def _cross_field_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[s
         errors.extend(_dataset_errors(spec))
         errors.extend(_model_path_errors(spec))
         errors.extend(_module_name_errors(spec))
+        errors.extend(_rank_errors(spec))
         errors.extend(_resume_errors(spec))
         errors.extend(_output_dir_errors(spec))
     errors.extend(_code_policy_errors(spec))
@@ -924,7 +925,7 @@ def _checkpoint_mismatch(spec: RunSpec, folder: Path) -> str | None:
         rank = json.loads(config_file.read_text(encoding="utf-8")).get("r")
     except (OSError, ValueError, AttributeError):
         return None  # adapter_problem's check says what is wrong with the file where it matters
-    if spec.finetuning_type == "lora" and isinstance(rank, int) and rank != spec.lora_rank:
+    if field_applies(spec, "lora_rank") and isinstance(rank, int) and rank != spec.lora_rank:
         return (f"{folder} was trained with lora_rank {rank} (its adapter_config.json) and this spec says "
                 f"{spec.lora_rank}: resume with the run's own lora_rank")
     return None
@@ -942,6 +943,19 @@ def _module_name_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
         return []
     return [(key, message, frozenset({key, "model_name_or_path"}))
             for key, message in model_modules.unknown_names(spec.model_name_or_path, wanted)]
+
+
+def _rank_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
+    """A LoRA rank above the model's width: every adapted layer has the hidden size on one side, so its update has
+    at most that rank, and the rest only costs memory (lora_rank 100000 on the default model: all of it, then
+    SIGKILL)."""
+    if "lora_rank" not in RunSpec.model_fields or not field_applies(spec, "lora_rank"):
+        return []
+    width = model_modules.hidden_size(spec.model_name_or_path)
+    if width is None or spec.lora_rank <= width:
+        return []
+    return [("lora_rank", f"{spec.lora_rank} is above the model's hidden size {width}: an adapted layer's update has "
+                          f"rank {width} at most, a larger rank only costs memory", frozenset({"lora_rank"}))]
 
 
 def _output_dir_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:

@@ -160,3 +160,12 @@ def test_a_checkpoint_resumed_with_another_rank_or_method_is_refused(capsys, tmp
     said = refusal(capsys, f"resume_from_checkpoint={ckpt}", "finetuning_type=freeze", out)["resume_from_checkpoint"]
     assert said.startswith(f"{ckpt} holds an adapter (adapter_config.json), and this spec trains finetuning_type freeze")
     assert tuneboard(["validate", f"resume_from_checkpoint={ckpt}", "lora_rank=8", out]) == 0
+
+
+def test_a_lora_rank_above_the_models_width_is_refused(capsys):
+    """lora_rank 100000 on the default model (hidden size 576) took all the memory and was killed after ~60 s."""
+    assert refusal(capsys, "lora_rank=100000")["lora_rank"] == (
+        "100000 is above the model's hidden size 576: an adapted layer's update has rank 576 at most, a larger rank "
+        "only costs memory")
+    assert tuneboard(["validate", "lora_rank=576"]) == 0
+    assert tuneboard(["validate", "lora_rank=100000", "finetuning_type=freeze"]) == 0  # no adapter: no rank

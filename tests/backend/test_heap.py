@@ -87,7 +87,7 @@ LEAVE_OUT = textwrap.dedent("""
     (["model_name_or_path=someorg/some-model-bnb-4bit"], True),  # a hub id may be saved quantized: not read here
 ])
 def test_bitsandbytes_is_loaded_only_by_runs_that_use_it(overrides, kept, hub_cache):
-    """peft imports bitsandbytes whenever it is installed (~50 MiB of a run's peak RSS); a training process leaves
+    """peft (before 0.22) imports bitsandbytes whenever it is installed (~50 MiB of a run's peak RSS); a training process leaves
     it out unless the spec uses it (QLoRA, its optimizers, GaLore) or names a model it cannot tell loads without it,
     and then transformers and peft see it absent."""
     pytest.importorskip("bitsandbytes")
@@ -98,4 +98,5 @@ def test_bitsandbytes_is_loaded_only_by_runs_that_use_it(overrides, kept, hub_ca
     assert out.returncode == 0, out.stderr[-2000:]
     left_out, loaded, peft_sees, transformers_sees = json.loads(out.stdout.strip().splitlines()[-1])
     assert left_out is (not kept)
-    assert loaded is kept and peft_sees is kept and transformers_sees is kept
+    assert peft_sees is kept and transformers_sees is kept
+    assert not loaded if not kept else True  # peft 0.22 imports it only when used: "kept" means it still can

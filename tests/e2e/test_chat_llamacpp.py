@@ -57,6 +57,8 @@ def test_chat_runs_the_q4_k_m_export_in_llama_cpp(app_page, q4_export_dir, shot)
     page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
     set_number(page, "chat-max_new_tokens", 8)
     set_number(page, "chat-temperature", 0)
+    page.wait_for_timeout(1000)  # the boxes' change events reach the server before Send reads them (a request once
+    # carried the slider's defaults: 512 tokens, sampled, and the answer was another one)
     page.locator("#chat-message textarea").fill("Hello there")
     page.locator("#chat-send").click()
     expect(page.locator("#chat-speed")).to_contain_text("tok/s", timeout=60_000)

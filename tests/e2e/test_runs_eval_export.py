@@ -111,10 +111,13 @@ def test_export_tab_merges_and_verifies(app_page, finished_runs, tiny_llama, tmp
     assert report["ok"] and (out / "model.safetensors").exists()
     page.wait_for_timeout(500)
     shot("export")
-    # a second export into the same, now non-empty folder is refused unless overwrite is ticked
+    # a second export into the same, now non-empty folder is refused in the tab (nothing launched) unless overwrite
+    # is ticked, and the first export's checks are not shown as this one's
     page.locator("#export-start").click()
-    expect(page.locator("#export-result")).to_contain_text("export FAILED", timeout=120_000)
-    expect(page.locator("#export-progress .tb-progress")).to_have_attribute("data-state", "failed")
+    expect(page.locator("#export-message")).to_contain_text("is not empty", timeout=60_000)
+    expect(page.locator("#export-message")).to_contain_text("Overwrite")
+    expect(page.locator("#export-progress .tb-progress")).to_have_attribute("data-state", "idle")
+    expect(checks).not_to_contain_text("adapter_merged")
 
 
 def test_export_tab_reattaches_after_a_reload(app_page, finished_runs, tiny_llama, tmp_path):

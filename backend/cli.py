@@ -42,6 +42,7 @@ from backend.core import supervise  # light: no torch
 from backend.training import allocator
 from backend.core.launch import launch_commands, visible_accelerators  # light: no torch
 from backend.core.spec import load_or_report, spec_fields  # light: no torch
+from backend.core.train_rules import train_command_errors  # light: no torch
 
 
 def _offline_env() -> None:
@@ -83,17 +84,8 @@ def cmd_train(args: list[str]) -> int:
     spec = load_or_report(args)
     if spec is None:
         return 1
-    if spec.do_judge:
-        print("error: do_judge: the judge runs in `tuneboard eval` (this spec with do_judge: true); during training "
-              "use eval_metric: judge", file=sys.stderr)
-        return 1
-    if spec.checkpoints:
-        print("error: checkpoints: it evaluates a finished run's checkpoints in `tuneboard eval` (this spec with "
-              "adapter_name_or_path = the run folder); during training use eval_metric", file=sys.stderr)
-        return 1
-    if spec.tasks:
-        print("error: tasks: lm-eval benchmarks run in `tuneboard eval` (this spec with tasks, on the trained adapter)",
-              file=sys.stderr)
+    for key, message in train_command_errors(spec)[:1]:
+        print(f"error: {key}: {message}", file=sys.stderr)
         return 1
     if print_launch:
         for node, line in enumerate(launch_commands(args, spec)):

@@ -11,6 +11,7 @@ import gradio as gr
 
 from backend.core import allowed, teacher_access
 from backend.core.spec import SpecError, validate_spec
+from backend.core.train_rules import train_command_errors
 from webui import choices, jobs
 from webui import datasets as D
 from webui import fields as F
@@ -44,9 +45,9 @@ def collect(names: list[str], top_names: list[str], values: list) -> tuple[dict,
 
 
 def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None, list[tuple[str, str]]]:
-    """Validate like the CLI does, and refuse paths outside the allowed folders (backend.core.allowed: output_dir,
-    dataset_dir, a model that is not a model folder, ...) and a scoring endpoint the UI may not ask
-    (endpoint_refusals); returns (spec, []) or (None, [(field, message), ...])."""
+    """Validate like `tuneboard train` does (train_rules.train_command_errors too), and refuse paths outside the
+    allowed folders (backend.core.allowed: output_dir, dataset_dir, a model that is not a model folder, ...) and a
+    scoring endpoint the UI may not ask (endpoint_refusals); returns (spec, []) or (None, [(field, message), ...])."""
     if pre_errors:
         return None, pre_errors
     refused = [(exc.field, refusal(lang, exc, with_field=False)) for exc in allowed.spec_refusals(flat)]
@@ -56,6 +57,8 @@ def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None
         spec = validate_spec(flat)
     except SpecError as exc:
         return None, list(exc.errors)
+    if train_command_errors(spec):  # the Train tab's spec is a training run's (tuneboard train refuses the same)
+        return None, train_command_errors(spec)
     refused = [(exc.field, refusal(lang, exc, with_field=False)) for exc in endpoint_refusals(spec)]
     return (None, refused) if refused else (spec, [])
 

@@ -22,6 +22,21 @@ NO_WARMUP = ("constant", "reduce_lr_on_plateau")
 NEEDS_KWARGS = {"cosine_with_min_lr": ("min_lr", "min_lr_rate"), "cosine_warmup_with_min_lr": ("min_lr", "min_lr_rate"),
                 "warmup_stable_decay": ("num_decay_steps",)}
 
+# the lr_scheduler_kwargs each schedule takes (transformers' get_scheduler passes them to its schedule function;
+# reduce_lr_on_plateau's to torch's ReduceLROnPlateau; constant and constant_with_warmup are built without any):
+# another key stopped the run after launch ("got an unexpected keyword argument"). tests/backend/test_train_rules.py
+# holds this table to the installed functions' signatures.
+SCHEDULER_KWARGS = {
+    "linear": ("last_epoch",), "cosine": ("num_cycles", "last_epoch"),
+    "cosine_with_restarts": ("num_cycles", "last_epoch"), "polynomial": ("lr_end", "power", "last_epoch"),
+    "constant": (), "constant_with_warmup": (), "inverse_sqrt": ("timescale", "last_epoch"),
+    "reduce_lr_on_plateau": ("mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr", "eps"),
+    "cosine_with_min_lr": ("num_cycles", "last_epoch", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "last_epoch", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    "warmup_stable_decay": ("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
+                            "num_cycles", "last_epoch"),
+}
+
 
 def train_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
     """(key, the one line: why it would change nothing or cannot run, and what to do instead; the keys involved)."""
@@ -39,6 +54,16 @@ def train_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
                        "with val_size or an eval_dataset, or pick another schedule", ("eval_strategy",)))
     needed = NEEDS_KWARGS.get(spec.lr_scheduler_type)
     kwargs = (getattr(spec, "passthrough", None) or {}).get("lr_scheduler_kwargs") or {}
+    takes = SCHEDULER_KWARGS.get(spec.lr_scheduler_type)
+    if not isinstance(kwargs, dict):
+        errors.append(("lr_scheduler_kwargs", f"a mapping of the schedule's own arguments, e.g. {{\"num_cycles\": "
+                       f"0.5}} (got {str(kwargs)[:80]!r})", ("lr_scheduler_type",)))
+        kwargs = {}
+    elif takes is not None and set(kwargs) - set(takes):
+        unknown = ", ".join(sorted(set(kwargs) - set(takes)))
+        errors.append(("lr_scheduler_kwargs", f"{spec.lr_scheduler_type} takes no {unknown}" +
+                       (f" (it takes {', '.join(takes)})" if takes else " (it takes no arguments)"),
+                       ("lr_scheduler_type",)))
     if needed and not (isinstance(kwargs, dict) and any(k in kwargs for k in needed)):
         example = {"min_lr": '{"min_lr_rate": 0.1}', "num_decay_steps": '{"num_decay_steps": 100}'}[needed[0]]
         errors.append(("lr_scheduler_type", f"{spec.lr_scheduler_type} needs {' or '.join(needed)} in "
@@ -66,3 +91,25 @@ def train_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
         errors.append(("eval_steps", f"{REFUSED}: eval_strategy {spec.eval_strategy} does not evaluate every N "
                        "steps: set eval_strategy steps, or drop eval_steps", ("eval_strategy",)))
     return errors
+
+
+def train_command_errors(spec) -> list[tuple[str, str]]:
+    """(key, the one line) for what `tuneboard train` cannot do with a spec `validate` accepts for the other commands
+    (the same spec file serves eval, chat and export): the eval-only parts, and no dataset at all (`dataset:` left
+    empty stopped the run after launch with "'NoneType' object is not iterable"). Asked by the train command, the
+    Train tab's Start and distill's step train before anything starts."""
+    errors = []
+    if spec.do_judge:
+        errors.append(("do_judge", "the judge runs in `tuneboard eval` (this spec with do_judge: true); during "
+                                   "training use eval_metric: judge"))
+    if spec.checkpoints:
+        errors.append(("checkpoints", "it evaluates a finished run's checkpoints in `tuneboard eval` (this spec with "
+                                      "adapter_name_or_path = the run folder); during training use eval_metric"))
+    if spec.tasks:
+        errors.append(("tasks", "lm-eval benchmarks run in `tuneboard eval` (this spec with tasks, on the trained "
+                                "adapter)"))
+    if not spec.dataset_names:
+        errors.append(("dataset", "empty: name the registered dataset(s) to train on (comma-separated), e.g. "
+                                  "identity"))
+    return errors
+

@@ -19,6 +19,7 @@ from backend.core import paths
 from backend.distill import STEPS, TRAIN_DIRNAME, read_progress
 import yaml
 from backend.core.spec import RunSpec, SpecError, parse_overrides, read_spec_file, validate_spec
+from backend.core.train_rules import train_command_errors
 
 SECRET_KEYS = ("teacher_api_key", "api_key", "openai_api_key", "key")
 
@@ -273,6 +274,8 @@ def train_spec_errors(spec: DistillSpec, check_files: bool = True) -> list[tuple
     try:
         data = parse_overrides(train_cli_args(spec, dataset, out / TRAIN_DIRNAME))
         run_spec = validate_spec(data, check_files=False)
+        if train_command_errors(run_spec):  # what `tuneboard train` refuses beyond validate (do_judge, tasks, ...)
+            raise SpecError(train_command_errors(run_spec))
         if check_files:
             _train_files(spec, data, run_spec)
     except SpecError as exc:

@@ -370,6 +370,24 @@ def _remove_stale(root: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def option_problem(opts) -> str | None:
+    """The one line for a probe option that cannot work, or None."""
+    if opts.steps < 1:
+        return f"--steps must be >= 1 (got {opts.steps})"
+    if opts.available_mib is not None and not opts.available_mib > 0:
+        return f"--available-mib must be > 0 (got {opts.available_mib:g})"
+    if not opts.timeout > 0:
+        return f"--timeout must be > 0 (got {opts.timeout:g})"
+    if opts.out:
+        out = Path(opts.out).expanduser()
+        folder = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+        if out.is_dir():
+            return f"--out {out} is a folder: give a file name for the JSON result"
+        if folder is not None and not folder.is_dir():
+            return f"--out {out}: {folder} is a file, not a folder"
+    return None
+
+
 def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
@@ -383,9 +401,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before the probe gives up")
     parser.add_argument("--out", help=f"write the JSON result here too (the web UI reads {PROBE_RESULT_FILE})")
     parser.add_argument("--keep", action="store_true", help="keep the probe's temporary folder (debugging)")
-    opts = parser.parse_args(argv)
+    opts = parser.parse_intermixed_args(argv)
+    problem = option_problem(opts)
+    if problem:  # before the probe's minutes of training, not after them
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
-        result = run_probe(opts.spec, steps=max(1, opts.steps), available_mib=opts.available_mib,
+        result = run_probe(opts.spec, steps=opts.steps, available_mib=opts.available_mib,
                            timeout_s=opts.timeout, keep=opts.keep)
     except (SpecError, FileNotFoundError) as exc:
         print(f"error: invalid run spec: {exc}", file=sys.stderr)

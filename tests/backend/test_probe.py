@@ -133,3 +133,19 @@ def test_a_spec_that_saves_evaluates_and_picks_the_best_is_probed_without_them(t
     assert probe.eval_metric is None and not probe.load_best_model_at_end and probe.val_size == 0
     assert "eval_accumulation_steps" not in probe.passthrough and probe.lr_scheduler_type == "constant"
     assert (probe.lora_rank, probe.cutoff_len, probe.per_device_train_batch_size) == (4, 128, 2)  # the run's own
+
+
+def test_probe_options_that_cannot_work_are_one_line_before_it_trains(tmp_path, capsys):
+    """--out under a file ran the whole probe, then raised FileExistsError with a traceback; --steps 0 and a
+    negative --available-mib were taken silently."""
+    from backend.training.probe import main
+
+    (tmp_path / "afile").write_text("x")
+    cases = {("--steps", "0"): "error: --steps must be >= 1 (got 0)",
+             ("--available-mib", "-5"): "error: --available-mib must be > 0 (got -5)",
+             ("--out", str(tmp_path / "afile" / "x.json")): f"error: --out {tmp_path / 'afile' / 'x.json'}: "
+                                                            f"{tmp_path / 'afile'} is a file, not a folder",
+             ("--out", str(tmp_path)): f"error: --out {tmp_path} is a folder: give a file name for the JSON result"}
+    for args, said in cases.items():
+        assert main([*args, "max_steps=2"]) == 2
+        assert capsys.readouterr().err.strip() == said

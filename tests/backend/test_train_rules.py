@@ -128,3 +128,38 @@ def test_the_other_export_formats_key_is_refused():
     assert "a GGUF export is one file" in _errors(export_dir="/tmp/x", export_format="gguf", export_size=2)["export_size"]
     assert _errors(export_dir="/tmp/x", export_format="gguf", export_gguf_type="q8_0") == {}
     assert _errors(export_dir="/tmp/x", export_size=2) == {}
+
+
+def test_scheduler_kwargs_table_is_the_installed_schedules():
+    """SCHEDULER_KWARGS (what validate lets through in lr_scheduler_kwargs) equals what the installed transformers'
+    schedule functions (and torch's ReduceLROnPlateau) take, for every lr_scheduler_type the spec offers."""
+    import inspect
+    import typing
+
+    import torch
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, SchedulerType
+
+    from backend.core.spec import RunSpec
+    from backend.core.train_rules import SCHEDULER_KWARGS
+
+    offered = typing.get_args(RunSpec.model_fields["lr_scheduler_type"].annotation)
+    assert set(SCHEDULER_KWARGS) == set(offered)
+    own = {"optimizer", "num_warmup_steps", "num_training_steps"}
+    for name in offered:
+        if name == "reduce_lr_on_plateau":
+            takes = set(inspect.signature(torch.optim.lr_scheduler.ReduceLROnPlateau).parameters) - own
+        elif name in ("constant", "constant_with_warmup"):
+            takes = set()  # get_scheduler builds these without the kwargs
+        else:
+            takes = set(inspect.signature(TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]).parameters) - own
+        assert set(SCHEDULER_KWARGS[name]) == takes, name
+
+
+def test_a_scheduler_kwarg_the_schedule_does_not_take_is_refused():
+    """lr_scheduler_kwargs {"foo": 1} stopped the run after launch (get_cosine_schedule_with_warmup() got an
+    unexpected keyword argument 'foo'); a string stopped it too."""
+    assert _errors(lr_scheduler_kwargs={"foo": 1}) == {
+        "lr_scheduler_kwargs": "cosine takes no foo (it takes num_cycles, last_epoch)"}
+    assert "takes no num_cycles (it takes no arguments)" in _errors(
+        lr_scheduler_type="constant", lr_scheduler_kwargs={"num_cycles": 0.5})["lr_scheduler_kwargs"]
+    assert _errors(lr_scheduler_kwargs={"num_cycles": 0.5}) == {}

@@ -169,3 +169,18 @@ def test_a_lora_rank_above_the_models_width_is_refused(capsys):
         "only costs memory")
     assert tuneboard(["validate", "lora_rank=576"]) == 0
     assert tuneboard(["validate", "lora_rank=100000", "finetuning_type=freeze"]) == 0  # no adapter: no rank
+
+
+def test_train_refuses_a_spec_with_no_dataset_before_launch(capsys, tmp_path):
+    """`dataset:` left empty passed validate (export and chat specs need none) and the run stopped after launch with
+    "'NoneType' object is not iterable". The Train tab's checks are the same function (webui/form.check)."""
+    assert tuneboard(["train", "dataset=", "max_steps=1", f"output_dir={tmp_path / 'run'}"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: dataset: empty: name the registered dataset(s) to train on "
+                                               "(comma-separated), e.g. identity")
+    assert not (tmp_path / "run").exists()
+    from webui.form import check
+
+    spec, errors = check({"dataset": None, "max_steps": 1}, [])
+    assert spec is None and errors == [("dataset", "empty: name the registered dataset(s) to train on "
+                                                   "(comma-separated), e.g. identity")]
+    assert tuneboard(["validate", "dataset="]) == 0  # a spec for export or chat needs no dataset

@@ -57,8 +57,9 @@ def check(flat: dict, pre_errors: list, lang: str = "en") -> tuple[object | None
         spec = validate_spec(flat)
     except SpecError as exc:
         return None, list(exc.errors)
-    if train_command_errors(spec):  # the Train tab's spec is a training run's (tuneboard train refuses the same)
-        return None, train_command_errors(spec)
+    refused = train_command_errors(spec)  # the Train tab's spec is a training run's (tuneboard train refuses the same)
+    if refused:
+        return None, refused
     refused = [(exc.field, refusal(lang, exc, with_field=False)) for exc in endpoint_refusals(spec)]
     return (None, refused) if refused else (spec, [])
 

@@ -274,8 +274,9 @@ def train_spec_errors(spec: DistillSpec, check_files: bool = True) -> list[tuple
     try:
         data = parse_overrides(train_cli_args(spec, dataset, out / TRAIN_DIRNAME))
         run_spec = validate_spec(data, check_files=False)
-        if train_command_errors(run_spec):  # what `tuneboard train` refuses beyond validate (do_judge, tasks, ...)
-            raise SpecError(train_command_errors(run_spec))
+        beyond = train_command_errors(run_spec)  # what `tuneboard train` refuses beyond validate (do_judge, tasks, ...)
+        if beyond:
+            raise SpecError(beyond)
         if check_files:
             _train_files(spec, data, run_spec)
     except SpecError as exc:

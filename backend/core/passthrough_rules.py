@@ -10,8 +10,19 @@ liger-kernel; bf16_full_eval in a fp32 DPO run; group_by_length with pairs) or c
 options, which report_to does not offer, the evaluation loop's options in a run that never evaluates, the DDP and
 replica options of a one-process run, label smoothing in a stage whose loss is not the token cross-entropy,
 remove_unused_columns, which TuneBoard always sets). validate refuses them with the reason and what to do instead.
+
+And the values transformers reads only once the run has started, each passed validate and then stopped a short run of
+the default model (2026-12-07, a CLI bug hunt): optim_args that is not key=value pairs (split when the optimizer is
+created), accelerator_config naming a missing file, a checkpoint kwargs string that is not a JSON object; also
+refused: a key or value the optimizer, accelerate or torch's checkpoint does not take, and optim_args where the
+optimizer reads none (sgd given foo=1 trained as if it were not there). A mapping written as a JSON object string
+works where TrainingArguments parses one (`as_mapping`).
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 from backend.core.refusals import REFUSED
 from backend.stages import get_stage, stages_where, stages_with_data
@@ -67,10 +78,155 @@ RANGES = {
 }
 
 
-def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: int) -> list[tuple[str, str, frozenset]]:
+# optim -> {optim_args key: what its value must be} for transformers' optimizers that read optim_args (the handlers of
+# transformers/trainer_optimizer.py convert each value with float / int / strtobool when the optimizer is created, so
+# "momentum=x" stopped the run there, and drop the keys they do not read); every other optimizer reads none.
+# tests/backend/test_passthrough_rules.py holds this table to the installed handlers.
+_ADEMAMIX = {"beta1": "number", "beta2": "number", "beta3": "number", "alpha": "number", "eps": "number",
+             "t_alpha": "integer", "t_beta3": "integer"}
+_SCHEDULE_FREE = {"weight_lr_power": "number", "r": "number"}
+OPTIM_ARGS = {
+    "sgd": {"momentum": "number", "dampening": "number", "weight_decay": "number", "nesterov": "switch"},
+    "adagrad": {"lr_decay": "number", "weight_decay": "number", "eps": "number"},
+    "rmsprop": {"momentum": "number", "alpha": "number", "eps": "number", "weight_decay": "number",
+                "centered": "switch"},
+    **{name: _ADEMAMIX for name in ("ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit")},
+    "adamw_anyprecision": {"use_kahan_summation": "switch", "momentum_dtype": "text", "variance_dtype": "text",
+                           "compensation_buffer_dtype": "text"},
+    # block_size is handed on as the text written, not a number: only the switch is offered
+    **{name: {"bf16_stochastic_round": "switch"} for name in ("adamw_torch_4bit", "adamw_torch_8bit")},
+    "grokadamw": {"alpha_init": "number", "lamb": "number", "gamma": "number", "grokking_signal_decay_rate": "number",
+                  "gradient_clipping": "number"},
+    **{name: _SCHEDULE_FREE for name in ("schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd")},
+    **{name: {"rank": "integer", "proj": "text", "scale_type": "text", "update_proj_gap": "integer",
+              "scale": "number", "proj_type": "text"} for name in ("apollo_adamw", "apollo_adamw_layerwise")},
+    "stable_adamw": {"max_lr": "number", "kahan_sum": "text", "decouple_lr": "text"},
+}
+# bitsandbytes' RMSprop gets every optim_args value as the text written: its first step stopped ("'<=' not supported
+# between instances of 'float' and 'str'")
+OPTIM_ARGS_AS_TEXT = ("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")
+# the words every handler reads alike (strtobool takes y / on too, sgd and rmsprop read anything but true / 1 / yes as
+# false)
+SWITCH_WORDS = ("true", "false", "yes", "no", "1", "0")
+
+CHECKPOINT_KWARGS_KEYS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+# what those take: torch.utils.checkpoint.checkpoint's arguments (context_fn, a callable, cannot be written in YAML)
+# and the two the Trainer takes out first; another key stopped the run at the first step ("Unexpected keyword
+# arguments: foo"). Held to the installed torch and transformers by tests/backend/test_passthrough_rules.py.
+CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop",
+                     "every_n_layers", "offload")
+# accelerator_config's keys (transformers' AcceleratorConfig fields; another stopped the run after launch)
+ACCELERATOR_CONFIG = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+                      "gradient_accumulation_kwargs", "use_configured_state")
+
+
+def _cut(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def as_mapping(value: Any) -> Any:
+    """A mapping key's value (accelerator_config, lr_scheduler_kwargs, the checkpoint kwargs) as TrainingArguments
+    will hold it: a string that starts with "{" parsed as JSON, as its __post_init__ does (ValueError when it is not
+    JSON, which stopped the run there), anything else as given."""
+    if isinstance(value, str) and value.startswith("{"):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not a JSON object: {exc} (got {_cut(value)})") from None
+    return value
+
+
+def optim_args_problem(optim: str, optim_args: str, use_galore: bool) -> tuple[str | None, str | None]:
+    """(refusal, mistake): why optim_args changes nothing in this run (the refusal), or what is wrong with the value
+    that the optimizer would stop on; (None, None) when it works."""
+    if use_galore:
+        return ("use_galore builds GaLore's optimizer with its own optim_args from galore_rank, "
+                "galore_update_interval and galore_scale: set those instead"), None
+    if optim in OPTIM_ARGS_AS_TEXT:
+        return (f"optim {optim} hands every optim_args value to bitsandbytes as text, and its first step stopped on "
+                "it: drop the key (or use optim rmsprop, which takes momentum, alpha, eps, weight_decay, "
+                "centered)"), None
+    takes = OPTIM_ARGS.get(optim)
+    if not takes:
+        return (f"optim {optim} reads no optim_args: drop the key, or pick an optimizer that reads it (sgd, adagrad, "
+                "rmsprop, ademamix, ...)"), None
+    pairs = [pair.split("=") for pair in optim_args.replace(" ", "").split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        return None, (f"comma-separated key=value pairs, e.g. {next(iter(takes))}=... (got {_cut(optim_args)}; "
+                      f"optim {optim} takes {', '.join(takes)})")
+    unknown = [key for key, _ in pairs if key not in takes]
+    if unknown:
+        return None, f"optim {optim} takes no {', '.join(map(repr, unknown))} (it takes {', '.join(takes)})"
+    for key, value in pairs:
+        kind = takes[key]
+        if kind == "number" and not _parses(float, value) or kind == "integer" and not _parses(int, value):
+            return None, f"{key} must be a{'n' if kind == 'integer' else ''} {kind} (got {value!r})"
+        if kind == "switch" and value.lower() not in SWITCH_WORDS:
+            return None, f"{key} must be true or false (got {value!r})"
+    return None, None
+
+
+def _parses(kind: type, text: str) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
+def accelerator_config_problem(value: Any, check_files: bool = True) -> str | None:
+    """What is wrong with accelerator_config (a mapping of AcceleratorConfig's fields, the same as a JSON object
+    string, or the path of a JSON file holding one, read from the folder the run starts in), or None."""
+    where = ""
+    if isinstance(value, str) and not value.startswith("{"):
+        if not check_files:
+            return None
+        path = Path(value)
+        if not path.is_file():
+            return (f"{'is a folder' if path.is_dir() else 'file not found'}: {value} (a JSON file of accelerate's "
+                    f"settings, a mapping of them, or leave the key out)")
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"cannot read {path}: {exc}"
+        except ValueError as exc:
+            return f"{path} is not valid JSON: {exc}"
+        where = f"{path}: "
+    else:
+        try:
+            value = as_mapping(value)
+        except ValueError as exc:
+            return str(exc)
+    if not isinstance(value, dict):
+        return (f"{where}a mapping of accelerate's settings ({', '.join(ACCELERATOR_CONFIG)}), the same as a JSON "
+                f"object, or the path of a JSON file holding one (got {_cut(value)})")
+    unknown = [key for key in value if key not in ACCELERATOR_CONFIG]
+    if unknown:
+        return f"{where}no setting {', '.join(map(repr, unknown))} (it takes {', '.join(ACCELERATOR_CONFIG)})"
+    return None
+
+
+def checkpoint_kwargs_problem(value: Any) -> str | None:
+    """What is wrong with activation_checkpointing_kwargs / gradient_checkpointing_kwargs, or None."""
+    try:
+        value = as_mapping(value)
+    except ValueError as exc:
+        return str(exc)
+    if not isinstance(value, dict):
+        return (f"a mapping of torch.utils.checkpoint's arguments, e.g. {{\"use_reentrant\": false}} (got "
+                f"{_cut(value)})")
+    unknown = [key for key in value if key not in CHECKPOINT_KWARGS]
+    if unknown:
+        return f"takes no {', '.join(map(repr, unknown))} (it takes {', '.join(CHECKPOINT_KWARGS)})"
+    return None
+
+
+def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: int,
+                       check_files: bool = True) -> list[tuple[str, str, frozenset]]:
     """(field, message, involved) for the passthrough keys that would stop the run after launch or change nothing.
     defaults: hf_training_args.json's fields (their recorded defaults); gpus: NVIDIA GPUs visible here; processes:
-    the run's world size."""
+    the run's world size; check_files: read the file accelerator_config names."""
     errors: list[tuple[str, str, frozenset]] = []
     given = {k: v for k, v in (spec.passthrough or {}).items() if v != (defaults.get(k) or {}).get("default")}
 
@@ -129,4 +285,19 @@ def passthrough_errors(spec, defaults: dict[str, dict], gpus: int, processes: in
                f"{', '.join(stages_where('token_loss'))}, and stage {spec.stage} trains another loss" +
                (" (dpo_label_smoothing smooths DPO's preference labels)" if get_stage(spec.stage).module == "dpo"
                 else ""), "stage")
+    if given.get("optim_args"):
+        refusal, mistake = optim_args_problem(spec.optim, given["optim_args"], spec.use_galore)
+        if refusal:
+            refuse("optim_args", refusal, "optim", "use_galore")
+        elif mistake:
+            errors.append(("optim_args", mistake, frozenset(("optim_args", "optim"))))
+    if given.get("accelerator_config") is not None:
+        problem = accelerator_config_problem(given["accelerator_config"], check_files)
+        if problem:
+            errors.append(("accelerator_config", problem, frozenset(("accelerator_config",))))
+    for key in CHECKPOINT_KWARGS_KEYS:
+        if given.get(key) is not None:
+            problem = checkpoint_kwargs_problem(given[key])
+            if problem:
+                errors.append((key, problem, frozenset((key,))))
     return errors

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from backend.core import allowed, eval_rules, llamacpp, model_files, model_modules, paths
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
-from backend.core.dataset_info import DatasetError, read_dataset_info
+from backend.core.dataset_info import MEDIA_COLUMNS, DatasetError, entry_columns, read_dataset_info
 from backend.core.hub_data import hub_problem, is_hub_id
 from backend.core.launch import distributed_errors, visible_accelerators, world_size
 from backend.core.methods import (DEFAULT as DEFAULT_METHOD, METHOD_KEYS, METHODS, MODULE_KEYS, adapter_methods,
@@ -183,6 +183,14 @@ def _coerce_passthrough(name: str, info: dict, value: Any) -> Any:
             return value
         raise ValueError(f"must be a mapping (got {_show(value)})")
     return value
+
+
+def _as_typed(text: str) -> str:
+    """A string holding lone surrogates shown with the bytes they stand for (\\xff), printable as UTF-8."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte (a YAML "\\ud800")
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _bool_to_choice(value: bool, choices: list) -> Any:
@@ -431,6 +439,20 @@ class RunSpec(*key_order(GROUPS, _ModelKeys, _MethodKeys, *STAGE_KEYS, *METHOD_K
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"must be auto or a number of processes, 1 or more (got {_show(value)})")
+        return value
+
+    @field_validator("output_dir")
+    @classmethod
+    def _utf8_output_dir(cls, value: Optional[str]) -> Optional[str]:
+        """A byte that is not UTF-8 in the folder's name (Python keeps one from the command line as a lone surrogate)
+        stopped the run at its first write: status.json, which names the folder, is UTF-8."""
+        if value is not None:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{_as_typed(value)} is not UTF-8 text: the run writes the folder's name into its "
+                                 "status.json as UTF-8 (its first write stopped on it): name the folder in UTF-8") \
+                    from None
         return value
 
     @field_validator("optim")
@@ -1024,7 +1046,8 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
     for problem in tracker_problems(spec.report_to):
         refuse("report_to", problem)
     errors.extend((field, message, frozenset((field,) + involved)) for field, message, involved in train_errors(spec))
-    errors.extend(passthrough_errors(spec, training_args_fields(), visible_accelerators(), world_size(spec)))
+    errors.extend(passthrough_errors(spec, training_args_fields(), visible_accelerators(), world_size(spec),
+                                     check_files))
     errors.extend(_benchmark_errors(spec, check_files))
     errors.extend(cache_errors(spec, check_files))
     errors.extend(stream_errors(spec))
@@ -1105,6 +1128,47 @@ def _template_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     return [("template", f"unknown template {name!r} (no {tdir / (name + '.yaml')}){hint}", frozenset({"template"}))]
 
 
+# The suffixes of the data files the loader reads: backend.dataprep.data.FILE_TYPES's keys (that module imports
+# `datasets`, so this torch-free one keeps the list; tests/reliability/test_validate_refusals.py holds the two
+# together).
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt")
+
+
+def _data_file_problem(name: str, entry: dict, data_path: Path, stage: str, info_path: Path) -> str | None:
+    """What the loader would stop on in an existing file_name, said as it says it: a file type it does not read, a
+    folder without a data file, or a .txt file (read as one column, text, a row a line) for a stage that reads
+    other columns: stage pt with its entry's prompt (or text) column named text is the one that takes it."""
+    if data_path.is_dir():
+        files = [p for p in data_path.iterdir() if p.is_file() and not p.name.startswith(".")
+                 and p.suffix.lower() in DATA_FILE_SUFFIXES]
+        if not files:
+            return f"dataset {name!r}: folder {data_path} has no data files ({', '.join(DATA_FILE_SUFFIXES)})"
+    elif data_path.suffix.lower() not in DATA_FILE_SUFFIXES:
+        return (f"dataset {name!r}: {data_path}: unsupported file type '{data_path.suffix}' (supported: "
+                f"{', '.join(DATA_FILE_SUFFIXES)})")
+    else:
+        files = [data_path]
+    text_file = next((p for p in files if p.suffix.lower() == ".txt"), None)
+    if text_file is None:
+        return None
+    columns = entry_columns(entry)
+    if get_stage(stage).data != "text" or entry.get("formatting", "alpaca") != "alpaca":
+        keys = (("messages",) if entry.get("formatting", "alpaca") != "alpaca" else
+                ("prompt", "chosen", "rejected") if entry.get("ranking") else ("prompt", "response"))
+        return (f"dataset {name!r}: {text_file} is read as one column, text (a row a line), and stage {stage} reads "
+                f"the entry's {' and '.join(repr(columns[k]) for k in keys)} columns: save the rows as .json, .jsonl, "
+                f".csv or .parquet (stage {', '.join(stages_with_data('text'))} takes a .txt file, with \"columns\": "
+                f"{{\"prompt\": \"text\"}})")
+    declared = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
+    read = {columns["text"] if "text" in declared else columns["prompt"]}
+    read |= {column for key, column in declared.items() if key not in ("query", "response", *MEDIA_COLUMNS)}
+    if read != {"text"}:
+        return (f"dataset {name!r}: {text_file} is read as one column, text (a row a line), and its entry reads "
+                f"{', '.join(sorted(map(repr, read - {'text'})))}: set \"columns\": {{\"prompt\": \"text\"}} in "
+                f"{info_path}")
+    return None
+
+
 def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     """Names registered in <dataset_dir>/dataset_info.json, and of the kind the stage needs."""
     wanted = [("dataset", n) for n in spec.dataset_names] + [("eval_dataset", n) for n in spec.eval_dataset_names]
@@ -1149,6 +1213,10 @@ def _dataset_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
             if not data_path.exists():
                 errors.append((field, f"dataset {name!r}: file not found: {data_path} (file_name in {info_path})",
                                involved))
+                continue
+            problem = _data_file_problem(name, entry, data_path, spec.stage, info_path)
+            if problem:
+                errors.append((field, problem, involved))
                 continue
         problem = hub_problem(name, entry, info_path.parent)  # a hub entry: offline, not found, a missing package
         if problem:

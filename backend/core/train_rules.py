@@ -14,6 +14,7 @@ strategy"), cosine_with_min_lr / warmup_stable_decay without the lr_scheduler_kw
 without an evaluation that measures metric_for_best_model. Light."""
 from __future__ import annotations
 
+from backend.core.passthrough_rules import as_mapping
 from backend.core.refusals import REFUSED
 
 NO_WARMUP = ("constant", "reduce_lr_on_plateau")
@@ -55,6 +56,11 @@ def train_errors(spec) -> list[tuple[str, str, tuple[str, ...]]]:
     needed = NEEDS_KWARGS.get(spec.lr_scheduler_type)
     kwargs = (getattr(spec, "passthrough", None) or {}).get("lr_scheduler_kwargs") or {}
     takes = SCHEDULER_KWARGS.get(spec.lr_scheduler_type)
+    try:
+        kwargs = as_mapping(kwargs)  # a JSON object string: TrainingArguments parses it
+    except ValueError as exc:
+        errors.append(("lr_scheduler_kwargs", str(exc), ("lr_scheduler_type",)))
+        kwargs = {}
     if not isinstance(kwargs, dict):
         errors.append(("lr_scheduler_kwargs", f"a mapping of the schedule's own arguments, e.g. {{\"num_cycles\": "
                        f"0.5}} (got {str(kwargs)[:80]!r})", ("lr_scheduler_type",)))

@@ -163,3 +163,17 @@ def test_a_scheduler_kwarg_the_schedule_does_not_take_is_refused():
     assert "takes no num_cycles (it takes no arguments)" in _errors(
         lr_scheduler_type="constant", lr_scheduler_kwargs={"num_cycles": 0.5})["lr_scheduler_kwargs"]
     assert _errors(lr_scheduler_kwargs={"num_cycles": 0.5}) == {}
+
+
+def test_scheduler_kwargs_as_a_json_object_string_are_read_as_transformers_reads_them(tmp_path):
+    """TrainingArguments parses a string that starts with "{" as JSON (lr_scheduler_kwargs: '{"num_cycles": 0.5}' in
+    YAML quotes): validate checks its keys the same, and refuses one that is not JSON (it stopped the run there)."""
+    from backend.stages.base import training_arguments
+
+    assert _errors(lr_scheduler_kwargs='{"foo": 1}') == {
+        "lr_scheduler_kwargs": "cosine takes no foo (it takes num_cycles, last_epoch)"}
+    assert _errors(lr_scheduler_kwargs='{"foo": 1')["lr_scheduler_kwargs"].startswith("not a JSON object: Expecting")
+    assert _errors(lr_scheduler_kwargs="num_cycles=0.5")["lr_scheduler_kwargs"].startswith("a mapping of the schedule")
+    assert _errors(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs='{"min_lr_rate": 0.1}') == {}
+    spec = validate_spec({"lr_scheduler_kwargs": '{"num_cycles": 0.25}'}, check_files=False)
+    assert training_arguments(spec, tmp_path, has_eval=False).lr_scheduler_kwargs == {"num_cycles": 0.25}

@@ -184,3 +184,105 @@ def test_train_refuses_a_spec_with_no_dataset_before_launch(capsys, tmp_path):
     assert spec is None and errors == [("dataset", "empty: name the registered dataset(s) to train on "
                                                    "(comma-separated), e.g. identity")]
     assert tuneboard(["validate", "dataset="]) == 0  # a spec for export or chat needs no dataset
+
+
+# --- values that passed validate and stopped the run after launch (a CLI bug hunt on the default model, 2026-12-07)
+
+def test_optim_args_is_key_value_pairs_the_optimizer_reads(capsys):
+    """optim_args foo stopped the run when the optimizer was made ("not enough values to unpack (expected 2, got
+    1)"); sgd given foo=1 trained as if it were not there."""
+    assert refusal(capsys, "optim_args=foo")["optim_args"] == (
+        "not supported: optim adamw_torch reads no optim_args: drop the key, or pick an optimizer that reads it (sgd, "
+        "adagrad, rmsprop, ademamix, ...)")
+    assert refusal(capsys, "optim=sgd", "optim_args=foo")["optim_args"] == (
+        "comma-separated key=value pairs, e.g. momentum=... (got 'foo'; optim sgd takes momentum, dampening, "
+        "weight_decay, nesterov)")
+    assert refusal(capsys, "optim=sgd", "optim_args=foo=1")["optim_args"] == (
+        "optim sgd takes no 'foo' (it takes momentum, dampening, weight_decay, nesterov)")
+    assert tuneboard(["validate", "optim=sgd", "optim_args=momentum=0.9,nesterov=true"]) == 0
+
+
+def test_accelerator_config_is_a_mapping_or_a_json_file_of_one(capsys, tmp_path):
+    """A path to a file that did not exist stopped the run after launch ("No such file or directory")."""
+    missing = tmp_path / "missing.json"
+    assert refusal(capsys, f"accelerator_config={missing}")["accelerator_config"] == (
+        f"file not found: {missing} (a JSON file of accelerate's settings, a mapping of them, or leave the key out)")
+    yaml_file = tmp_path / "accelerate.yaml"
+    yaml_file.write_text("even_batches: true\n")
+    assert refusal(capsys, f"accelerator_config={yaml_file}")["accelerator_config"].startswith(
+        f"{yaml_file} is not valid JSON: Expecting value: line 1 column 1")
+    good = tmp_path / "accelerate.json"
+    good.write_text('{"even_batches": true}')
+    assert tuneboard(["validate", f"accelerator_config={good}"]) == 0
+    assert tuneboard(["validate", "accelerator_config={even_batches: true}"]) == 0  # the mapping itself
+
+
+def test_checkpoint_kwargs_are_a_mapping_or_its_json_string(capsys, tmp_path):
+    """gradient_checkpointing_kwargs junk stopped the run at its first step ("dictionary update sequence element #0
+    has length 1; 2 is required"). The mapping, and the same as a JSON string in YAML quotes (TrainingArguments parses
+    it; a run with it trained), pass."""
+    assert refusal(capsys, "gradient_checkpointing_kwargs=junk")["gradient_checkpointing_kwargs"] == (
+        "a mapping of torch.utils.checkpoint's arguments, e.g. {\"use_reentrant\": false} (got 'junk')")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("gradient_checkpointing_kwargs: '{use_reentrant: false}'\n")  # YAML's flow style is not JSON
+    assert refusal(capsys, str(spec))["gradient_checkpointing_kwargs"].startswith(
+        "not a JSON object: Expecting property name enclosed in double quotes")
+    spec.write_text("gradient_checkpointing_kwargs: '{\"use_reentrant\": false}'\n")
+    assert tuneboard(["validate", str(spec)]) == 0
+    assert tuneboard(["validate", "gradient_checkpointing_kwargs={use_reentrant: false}"]) == 0
+
+
+@pytest.mark.parametrize("stage, entry, files, says", [
+    ("sft", {"file_name": "x.yaml"}, {"x.yaml": "- instruction: hi\n  output: hello\n"},
+     "{d}/x.yaml: unsupported file type '.yaml' (supported: .json, .jsonl, .csv, .parquet, .arrow, .txt)"),
+    ("sft", {"file_name": "rows"}, {"rows/notes.md": "hi\n"},
+     "folder {d}/rows has no data files (.json, .jsonl, .csv, .parquet, .arrow, .txt)"),
+    ("sft", {"file_name": "x.txt"}, {"x.txt": "hello\n"},
+     "{d}/x.txt is read as one column, text (a row a line), and stage sft reads the entry's 'instruction' and "
+     "'output' columns: save the rows as .json, .jsonl, .csv or .parquet (stage pt takes a .txt file, with "
+     "\"columns\": {\"prompt\": \"text\"})"),
+    ("pt", {"file_name": "x.txt"}, {"x.txt": "hello\n"},
+     "{d}/x.txt is read as one column, text (a row a line), and its entry reads 'instruction': set \"columns\": "
+     "{\"prompt\": \"text\"} in {d}/dataset_info.json"),
+    ("pt", {"file_name": "x.txt", "columns": {"prompt": "text"}}, {"x.txt": "hello\n"}, None),
+    ("pt", {"file_name": "rows", "columns": {"text": "text"}}, {"rows/a.txt": "hello\n", "rows/b.md": "x"}, None),
+    ("sft", {"file_name": "x.jsonl"}, {"x.jsonl": '{"instruction": "hi", "output": "hello"}\n'}, None),
+])
+def test_a_dataset_file_the_loader_cannot_read_is_refused(capsys, tmp_path, stage, entry, files, says):
+    """A dataset registered with a .yaml file, a folder of none it reads or a .txt file for sft passed validate and
+    stopped the run after launch, when the loader read it; validate now says what the loader says, and what it
+    passes, the loader loads."""
+    from backend.core.dataset_info import DatasetError
+    from backend.dataprep.data import load_examples
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"mine": entry}))
+    args = [f"dataset_dir={tmp_path}", "dataset=mine", f"stage={stage}"]
+    if says is None:
+        assert tuneboard(["validate", *args]) == 0
+        assert load_examples("mine", tmp_path, stage=stage)[0]
+    else:
+        assert refusal(capsys, *args)["dataset"] == "dataset 'mine': " + says.replace("{d}", str(tmp_path))
+        with pytest.raises(DatasetError):
+            load_examples("mine", tmp_path, stage=stage)
+
+
+def test_data_file_suffixes_are_the_loaders():
+    from backend.core.spec import DATA_FILE_SUFFIXES
+    from backend.dataprep.data import FILE_TYPES
+
+    assert DATA_FILE_SUFFIXES == tuple(FILE_TYPES)
+
+
+def test_an_output_dir_that_is_not_utf8_is_refused(capsys, tmp_path):
+    """A byte that is not UTF-8 in output_dir (Python reads it from the command line as a lone surrogate) passed
+    validate, and `tuneboard train` stopped with a traceback at its first write (status.json: "surrogates not
+    allowed")."""
+    assert refusal(capsys, f"output_dir={tmp_path}/run\udcff")["output_dir"] == (
+        f"{tmp_path}/run\\xff is not UTF-8 text: the run writes the folder's name into its status.json as UTF-8 (its "
+        "first write stopped on it): name the folder in UTF-8")
+    assert tuneboard(["train", f"output_dir={tmp_path}/run\udcff", "max_steps=1"]) == 1
+    assert "output_dir: " in capsys.readouterr().err and not list(tmp_path.iterdir())
+    assert tuneboard(["validate", f"output_dir={tmp_path}/rün"]) == 0

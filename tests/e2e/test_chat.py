@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from ui_actions import open_tab, set_dropdown, set_number
+from ui_actions import open_chat_settings, open_tab, set_dropdown, set_number
 
 
 @pytest.fixture(autouse=True)
@@ -60,13 +60,13 @@ def test_chat_stream_stop_compare_unload(app_page, tiny_qwen2, tiny_llama, finis
     assert api_servers() == [], "a chat server was already running before the test"
     set_dropdown(page, "top-model_name_or_path", tiny_qwen2)  # has its own ChatML template ("auto")
     open_tab(page, "Chat")
+    open_chat_settings(page)
     load(page)
     expect(page.locator("#chat-status")).to_contain_text(str(tiny_qwen2))
     servers = api_servers()
     assert len(servers) == 1, servers
 
     # a long sampled reply (random weights: it practically never hits <|im_end|>) streams in pieces
-    page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
     set_number(page, "chat-max_new_tokens", 900)  # within the tiny model's 1024-token context (the API refuses more)
     seed = page.locator("#chat-seed textarea, #chat-seed input").first
     expect(seed).to_have_value("")  # empty = a random seed, as its label says (gr.Number showed and sent 0)
@@ -132,8 +132,8 @@ def test_stop_keeps_the_exchange_in_both_panes_and_the_chat_goes_on(app_page, ti
     probe = page.locator("#chat-probe")
     expect(probe).to_contain_text("“Who are you?”")
     page.locator("#chat-compare input").check()
+    open_chat_settings(page)
     load(page, " vs ")
-    page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
     # random weights: each side runs to the cap, the base pane long enough for Stop to land while it streams (300
     # tokens, 20 s at the serving speed of 2026-12-03, ended before the browser showed them and the Stop landed)
     set_number(page, "chat-max_new_tokens", 700)

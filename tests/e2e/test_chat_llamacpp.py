@@ -12,7 +12,7 @@ from playwright.sync_api import expect
 from test_chat import api_servers, bot_text, gone, load
 
 from backend.core import llamacpp
-from ui_actions import open_tab, set_dropdown, set_number
+from ui_actions import open_chat_settings, open_tab, set_dropdown, set_number
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not llamacpp.available(),
@@ -47,6 +47,7 @@ def test_chat_runs_the_q4_k_m_export_in_llama_cpp(app_page, q4_export_dir, shot)
     set_dropdown(page, "top-model_name_or_path", q4_export_dir)
     open_tab(page, "Chat")
     page.locator("#chat-llamacpp input").check()
+    open_chat_settings(page)
     load(page)
     expect(page.locator("#chat-status")).to_contain_text("✓")
     servers = api_servers()
@@ -54,11 +55,8 @@ def test_chat_runs_the_q4_k_m_export_in_llama_cpp(app_page, q4_export_dir, shot)
     spec = server_spec(servers[0])
     assert spec["infer_backend"] == "llamacpp" and spec["model_name_or_path"] == str(q4_export_dir), spec
 
-    page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
     set_number(page, "chat-max_new_tokens", 8)
     set_number(page, "chat-temperature", 0)
-    page.wait_for_timeout(1000)  # the boxes' change events reach the server before Send reads them (a request once
-    # carried the slider's defaults: 512 tokens, sampled, and the answer was another one)
     page.locator("#chat-message textarea").fill("Hello there")
     page.locator("#chat-send").click()
     expect(page.locator("#chat-speed")).to_contain_text("tok/s", timeout=60_000)

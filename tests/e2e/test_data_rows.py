@@ -5,7 +5,7 @@ import json
 
 from playwright.sync_api import expect
 
-from ui_actions import open_tab, pick_option, set_dropdown, set_number
+from ui_actions import open_chat_settings, open_tab, pick_option, set_dropdown, set_number
 
 
 def _register(data_dir, name, rows):
@@ -82,10 +82,10 @@ def test_chat_saves_a_training_row_that_the_data_tab_previews(app_page, data_dir
     set_dropdown(page, "top-model_name_or_path", tiny_qwen2)  # its own ChatML template ("auto")
     set_dropdown(page, "top-template", "auto")
     open_tab(page, "Chat")
+    open_chat_settings(page)
     page.locator("#chat-load").click()
     try:
         expect(page.locator("#chat-status")).to_contain_text("loaded", timeout=120_000)
-        page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
         set_number(page, "chat-max_new_tokens", 8)
         expect(page.locator("#chat-max_new_tokens input[type=number]").first).to_have_value("8")
         page.locator("#chat-message textarea").fill("What colour is the sky at noon?")

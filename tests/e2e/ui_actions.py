@@ -13,6 +13,15 @@ def set_dropdown(page, elem_id, value):
     page.locator("#tb-header").click()  # blur: the list closes
 
 
+def open_chat_settings(page):
+    """Open the Chat tab's "System prompt, tools and sampling" section. Tests open it BEFORE Load: Gradio mounts a
+    closed accordion's fields only when it opens, and under a loaded machine its late prop updates once wrote the
+    sliders' defaults over numbers typed right after the click (Max new tokens back to 512, CI 2026-12-07); Load's
+    seconds leave the mount done before anything is typed."""
+    page.locator("#chat-settings").get_by_text("System prompt, tools and sampling").click()
+    expect(page.locator("#chat-seed textarea, #chat-seed input").first).to_be_visible()
+
+
 def set_number(page, elem_id, value):
     box = page.locator(f"#{elem_id} input[type=number]").first
     box.fill(str(value))

@@ -107,3 +107,19 @@ def test_progress_numbers():
     assert p["fraction"] == 0.25 and p["eta"] == pytest.approx(30.0) and p["tokens_per_s"] == 120.0
     html = live.progress_html(p, "running", "m/lora/x")
     assert 'data-step="5"' in html and "25.0%" in html
+
+
+def test_a_whole_number_field_refuses_a_fraction_rather_than_rounding_it():
+    """A bug hunt typed 2.5 into Gradient accumulation: gr.Number(precision=0) handed the form 2 and the run took
+    it silently. The box hands on what was typed (its own preprocess, as the page's event does) and the spec
+    names the field; a whole number still arrives as an int."""
+    from webui.app import create_app
+
+    box = create_app().tb_registry.items[F.rows_by_name()["gradient_accumulation_steps"].elem_id][0]
+    typed = box.preprocess(2.5)
+    flat, pre = T.collect(NAMES, TOP, form_values({"gradient_accumulation_steps": typed}))
+    spec, errors = T.check(flat, pre)
+    assert spec is None and [f for f, _ in errors] == ["gradient_accumulation_steps"], errors
+    assert "got 2.5" in dict(errors)["gradient_accumulation_steps"]
+    flat, pre = T.collect(NAMES, TOP, form_values({"gradient_accumulation_steps": box.preprocess(4.0)}))
+    assert flat["gradient_accumulation_steps"] == 4 and type(flat["gradient_accumulation_steps"]) is int

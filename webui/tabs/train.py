@@ -49,8 +49,9 @@ def _widget(reg, row: F.FieldRow, value):
                             allow_custom_value=row.custom, **kw)
     if row.kind in ("int", "float"):
         # Bounds are not given to gr.Number: it would reject the whole event with a generic error; the
-        # spec checks them and the message appears next to the field instead.
-        num = dict(precision=0) if row.kind == "int" else {}
+        # spec checks them and the message appears next to the field instead. No precision either: precision=0
+        # rounded a typed 2.5 to 2 and the run took it silently; the spec names a fraction in a whole-number key.
+        num = {}
         if "step" in F.OVERRIDES.get(row.name, {}):
             num["step"] = F.OVERRIDES[row.name]["step"]
         return reg.comp(gr.Number, row.elem_id, value=value, **num, **kw)

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import gradio as gr  # noqa: E402
 
 from backend.core import allowed, model_files, paths, teacher_access  # noqa: E402
-from webui import choices, jobs, page_jobs, tools  # noqa: E402
+from webui import chat_servers, choices, jobs, page_jobs, tools  # noqa: E402
 from webui.form import inputs_of  # noqa: E402
 from webui import fields as F  # noqa: E402
 from webui.i18n import LANG_NAMES, LANGS, tr  # noqa: E402
@@ -187,6 +187,15 @@ def create_app() -> gr.Blocks:
         demo.load(on_load, [state, export["state"], evaluate["state"]],
                   [state, train["timer"], train["message"], *form_inputs, export["state"], export["message"],
                    export["timer"], evaluate["state"], evaluate["message"], evaluate["timer"]])
+        # the Chat tab's server outlives a page reload (webui/chat_servers.py): the browser's id, kept in its
+        # localStorage, lives outside the tabs (a tab renders when first opened; until then, none of its
+        # components reads or writes the browser's storage); no concurrency limit: a page waiting for its
+        # browser's server to load holds up no other page
+        chat, browser = ctx.tab("chat"), gr.BrowserState("", storage_key=chat_servers.STORAGE_KEY)
+        demo.load(chat_tab.reattach, [browser, chat["state"], top["lang"]],
+                  [browser, chat["state"], chat["status"], chat["compare"], chat["compare_with"], chat["llamacpp"],
+                   chat["chat_a"], chat["chat_b"]], concurrency_limit=None)
+        demo.unload(chat_tab.page_closed)
     demo.tb_registry = reg  # for tests: the locale keys this page uses
     return demo
 

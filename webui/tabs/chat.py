@@ -2,16 +2,24 @@
 
 Load starts `tuneboard api` as a subprocess (its own process group) on a free loopback port with a fresh
 random API key; this tab is only its HTTP client (plain httpx, SSE), so the UI process never holds a
-model and a crash or OOM of the server shows up here as an error. Unload (or the browser session
-ending) stops it and frees the memory. Stop asks the streaming handler to end at the next token: it closes
-the request (the server stops generating) and renders both panes itself, each answer marked as stopped.
-Stop does not cancel the handler through Gradio's `cancels=`: a cancelled generator's outputs still in
-flight reached the page after Stop's and put back an older (or an empty) pane, so the question and the
-partial answers vanished while the status said "cut short" (issue 24).
+model and a crash or OOM of the server shows up here as an error. Unload (or the last page of the browser
+going away, after a grace period) stops it and frees the memory. Stop asks the streaming handler to end at
+the next token: it closes the request (the server stops generating) and renders both panes itself, each
+answer marked as stopped. Stop does not cancel the handler through Gradio's `cancels=`: a cancelled
+generator's outputs still in flight reached the page after Stop's and put back an older (or an empty) pane,
+so the question and the partial answers vanished while the status said "cut short" (issue 24).
 
-Per-browser state (gr.State): {"server": ChatServer | None, "a": name, "b": name | None,
-"hist_a": [...], "hist_b": [...]} where hist_* are OpenAI messages (what Export writes; an answer cut by
-Stop also carries "stopped": True, shown as a mark and never sent to the server).
+A page reload keeps the server (webui/chat_servers.py has the policy): each server is recorded in the UI process
+under its browser's key (the login user and an id the browser keeps in localStorage); a page that opens
+re-attaches to its key's server (reattach: the status says what is loaded, Send and Unload act on it); Load and
+Unload act on the key's server, whichever page of the browser loaded it, so a browser has one server at most; a
+server no page holds any more (closed, reloaded) is stopped after a grace period, and all of them when the UI
+process ends. The conversation itself stays with its page.
+
+Per-page state (gr.State): {"server": ChatServer | None, "a": name, "b": name | None, "hist_a": [...],
+"hist_b": [...], "key": owner key | None, "page": session hash | None} where hist_* are OpenAI messages (what
+Export writes; an answer cut by Stop also carries "stopped": True, shown as a mark and never sent to the server);
+key and page are set when the page opens (reattach) and kept by Load and Unload.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from backend.core import allowed, chat_rows, paths
 from backend.core.promote import promoted_checkpoint
 from backend.core.dataset_info import DatasetError, probe_question, read_dataset_info
 from backend.core.rundir import CHECKPOINT_PREFIX, SPEC_FILE
-from webui import choices, live
+from webui import chat_servers, choices, live
 from webui.jobs import read_spec_dict
 from webui.i18n import refusal, tr
 
@@ -49,7 +57,7 @@ class ChatServer:
         self.cmd = paths.tuneboard_argv("api", *spec_args)
         for a in adapters:
             self.cmd += ["--adapter", a]
-        # the page's own server (one per browser session, a random key): its slider bounds max_tokens, Stop
+        # the page's own server (one per browser, a random key): its slider bounds max_tokens, Stop
         # bounds the time; the operator caps of a shared `tuneboard api` (SECURITY.md) are not needed here
         self.cmd += ["--host", "127.0.0.1", "--port", "0", "--max-tokens-per-request", str(MAX_NEW_TOKENS),
                      "--max-request-seconds", "0", "--exit-with-stdin"]
@@ -58,6 +66,8 @@ class ChatServer:
         self.url: str | None = None
         self.ready = threading.Event()
         self.proc: subprocess.Popen | None = None
+        self.info: dict = {}  # what load() serves (model, adapter, compare, ...): a page that re-attaches shows it
+        self.unloaded = False  # stop() was called: the UI ended it (Unload, a Load replacing it, no page holding it)
 
     def start(self) -> "ChatServer":
         env = {**os.environ, "TUNEBOARD_API_KEY": self.key, "PYTHONUNBUFFERED": "1"}
@@ -98,12 +108,15 @@ class ChatServer:
         return True
 
     def failure(self, lang: str = "en") -> str:
-        """Why the server is gone, with its last output lines."""
+        """Why the server is gone, with its last output lines (or that the UI stopped it)."""
+        if self.unloaded:
+            return tr(lang, "chat.stopped_elsewhere")
         code = self.proc.poll() if self.proc else None
         tail = "\n".join(line for line in self.lines[-12:] if line.strip())
         return tr(lang, "chat.exited", code=code) + f"\n{tail}"
 
     def stop(self, grace: float = 10.0) -> None:
+        self.unloaded = True
         if not self.alive():
             return
         try:
@@ -178,13 +191,31 @@ def display(history: list[dict], lang: str = "en") -> list[dict]:
     return out
 
 
-def empty_state() -> dict:
-    return {"server": None, "a": None, "b": None, "hist_a": [], "hist_b": []}
+def empty_state(st: dict | None = None) -> dict:
+    """A page with no server and no conversation; `st`: the page's state, whose key and page it keeps."""
+    return {"server": None, "a": None, "b": None, "hist_a": [], "hist_b": [],
+            "key": (st or {}).get("key"), "page": (st or {}).get("page")}
 
 
 def _stop_server(st) -> None:
-    if st and st.get("server") is not None:
-        st["server"].stop()
+    """Stop the page's server and its browser's (the same one, unless another page of the browser loaded since)."""
+    st = st or {}
+    for server in (chat_servers.take(st.get("key")), st.get("server")):
+        if server is not None:
+            server.stop()
+
+
+def _state_deleted(st) -> None:
+    """gr.State's delete_callback (Gradio deletes a closed page's state an hour later): the page lets go of its
+    browser's server (stopped when no page holds it, webui/chat_servers.py); a server recorded nowhere is
+    stopped now."""
+    server = (st or {}).get("server")
+    if server is None:
+        return
+    if chat_servers.holds(server):
+        chat_servers.release(st.get("page"))
+    else:
+        server.stop()
 
 
 # ------------------------------------------------------------------------------------------ build
@@ -244,7 +275,7 @@ def build(ctx) -> dict:
                                                 step=0.01, value=1.0)
             # a text box: gr.Number shows and sends 0 for an empty value, a fixed seed where the label promises random
             ui["seed"] = reg.comp(gr.Textbox, "chat-seed", value="", max_lines=1)
-    ui["state"] = gr.State(empty_state(), delete_callback=_stop_server)
+    ui["state"] = gr.State(empty_state(), delete_callback=_state_deleted)
     return ui
 
 
@@ -322,8 +353,10 @@ def load(model, adapter, template, compare, compare_with, st, lang="en", llamacp
     """Start the server for the top bar's model/adapter/template (+ the comparison model); each path must be
     what backend.core.allowed lets the UI read (a model folder, or under the allowed roots). `llamacpp`: serve a
     GGUF file or GGUF export folder with llama.cpp (the server's validate refuses anything else in one line).
+    The browser's server (this page's, or one another page of the browser loaded) is stopped first, and the new one
+    is recorded as the browser's at once (webui/chat_servers.py).
     Inputs: model, adapter, template, compare, compare_with, state, language, llama.cpp. Outputs: state, status,
-    chat_b."""
+    chat_b, chat_a."""
     st = st or empty_state()
     refused = allowed.spec_refusals({"model_name_or_path": model, "adapter_name_or_path": adapter})
     if compare and compare_with and compare_with.strip():
@@ -331,36 +364,96 @@ def load(model, adapter, template, compare, compare_with, st, lang="en", llamacp
     if refused:
         yield st, "  \n".join(refusal(lang, exc) for exc in refused), gr.skip(), gr.skip()
         return
-    _stop_server(st)
-    st.update(empty_state())
+    _stop_server(st)  # before the new one starts: the memory first
+    st.update(empty_state(st))
     spec_args = [f"model_name_or_path={model}", f"template={template or 'auto'}"]
     if adapter:
         spec_args.append(f"adapter_name_or_path={adapter}")
     if llamacpp:
         spec_args.append("infer_backend=llamacpp")
     extra = [compare_with.strip()] if compare and compare_with and compare_with.strip() else []
-    server = ChatServer(spec_args, extra).start()
-    st["server"] = server
+    server = ChatServer(spec_args, extra)
+    server.info = {"model": model, "adapter": adapter or "", "compare": bool(compare),
+                   "compare_with": extra[0] if extra else "", "llamacpp": bool(llamacpp)}
+    st["server"] = server.start()
+    chat_servers.record(st.get("key"), st.get("page"), server)
     yield st, tr(lang, "chat.starting"), gr.update(visible=bool(compare)), gr.skip()
-    while not server.ready.wait(1.0):
-        last = live.status_line(server.lines)  # third-party noise (bitsandbytes, progress bars) left out
-        yield (st, tr(lang, "chat.loading", line=last[-120:]) if last else tr(lang, "chat.loading_model"),
-               gr.skip(), gr.skip())
-    if not server.url:
-        st["server"] = None
+    for line in _loading(server, lang):
+        yield st, line, gr.skip(), gr.skip()
+    shown = _serving(st, lang)
+    if shown is None:
         yield st, "✖ " + server.failure(lang).replace("\n", "  \n"), gr.skip(), gr.skip()
         return
-    names = server.models
+    loaded, label_a, label_b = shown
+    yield (st, loaded, gr.update(label=label_b) if compare else gr.skip(),
+           gr.update(label=label_a))
+
+
+def _loading(server: ChatServer, lang: str = "en"):
+    """The status line, once a second, while `server` loads its model."""
+    while not server.ready.wait(1.0):
+        last = live.status_line(server.lines)  # third-party noise (bitsandbytes, progress bars) left out
+        yield tr(lang, "chat.loading", line=last[-120:]) if last else tr(lang, "chat.loading_model")
+
+
+def _serving(st: dict, lang: str = "en") -> tuple[str, str, str] | None:
+    """Once the page's server has loaded: the names it serves into the state (a, b) and (status, pane A's title,
+    pane B's title); None when it is gone (then the state holds no server and the browser no longer has it)."""
+    server = st["server"]
+    if not server.url or not server.alive():
+        chat_servers.take(st.get("key"), server)
+        st["server"] = None
+        return None
+    info, names = server.info, server.models
+    model, adapter, compare, other = info["model"], info["adapter"], info["compare"], info["compare_with"] or None
     st["a"] = names[1] if adapter and len(names) > 1 else names[0]
-    st["b"] = (names[-1] if extra else names[0]) if compare else None
+    st["b"] = (names[-1] if other else names[0]) if compare else None
     shown = f"**{st['a']}**" + (f" vs **{st['b']}**" if st["b"] else "")
-    label_a, label_b = pane_labels(model, adapter, compare, extra[0] if extra else None, lang)
+    label_a, label_b = pane_labels(model, adapter, compare, other, lang)
     loaded = tr(lang, "chat.loaded", shown=shown, url=server.url)
     promoted = promoted_checkpoint(adapter.split(",")[-1].strip() if adapter else model)
     if promoted:  # the run folder's adapter (or a full run's model) is one of its checkpoints (tuneboard promote)
         loaded += " · " + tr(lang, "chat.promoted", checkpoint=promoted)
-    yield (st, loaded, gr.update(label=label_b) if compare else gr.skip(),
-           gr.update(label=label_a))
+    return loaded, label_a, label_b
+
+
+def reattach(request: gr.Request, browser, st, lang="en"):
+    """A page opens: its browser gets an id the first time (kept in its localStorage), and the page re-attaches to
+    the browser's server (loaded before a reload, or by another page of the browser; webui/chat_servers.py): the
+    status says what it serves, the Load options show how it was loaded, Send and Unload act on it. A Load that
+    got here first keeps its server, which becomes the browser's.
+    Inputs: browser id, state, language. Outputs: browser id, state, status, compare, compare_with, llama.cpp,
+    chat_a, chat_b."""
+    skips = (gr.skip(),) * 6
+    browser = browser if isinstance(browser, str) and browser else chat_servers.new_browser_id()
+    st = st or empty_state()
+    st["key"], st["page"] = chat_servers.key_of(request, browser), getattr(request, "session_hash", None)
+    if st.get("server") is not None:
+        chat_servers.record(st["key"], st["page"], st["server"])
+        yield browser, st, *skips
+        return
+    server = chat_servers.attach(st["key"], st["page"])
+    if server is None:
+        yield browser, st, *skips
+        return
+    st.update(empty_state(st))
+    st["server"] = server
+    for line in _loading(server, lang):
+        yield browser, st, line, *skips[1:]
+    shown = _serving(st, lang)
+    if shown is None:
+        yield browser, st, "✖ " + server.failure(lang).replace("\n", "  \n"), *skips[1:]
+        return
+    loaded, label_a, label_b = shown
+    info = server.info
+    yield (browser, st, loaded + " · " + tr(lang, "chat.reattached"), info["compare"], info["compare_with"],
+           info["llamacpp"], gr.update(label=label_a), gr.update(label=label_b, visible=info["compare"]))
+
+
+def page_closed(request: gr.Request) -> None:
+    """Gradio's unload event (the page closed or reloaded): the page lets go of its browser's server, which is
+    stopped when no page holds it after the grace period (webui/chat_servers.py)."""
+    chat_servers.release(getattr(request, "session_hash", None))
 
 
 def pane_labels(model, adapter, compare, other, lang: str = "en") -> tuple[str, str]:
@@ -374,9 +467,10 @@ def pane_labels(model, adapter, compare, other, lang: str = "en") -> tuple[str, 
 
 
 def unload(st, lang: str = "en"):
-    """Stop the server and free its memory. Inputs: state, language. Outputs: state, status."""
+    """Stop the browser's server (this page's, or one another page of the browser loaded since) and free its
+    memory. Inputs: state, language. Outputs: state, status."""
     _stop_server(st)
-    return empty_state(), tr(lang, "chat.unloaded")
+    return empty_state(st), tr(lang, "chat.unloaded")
 
 
 def respond(message, role, st, system, tools_json, *sampling_values):

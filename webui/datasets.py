@@ -151,16 +151,17 @@ def row_summary(row: dict, lang: str = "en") -> str:
 # ------------------------------------------------------------------ reading a file to register
 
 def read_rows(path: Path, limit: int = 5) -> list[dict]:
-    """First rows of a JSON / JSONL / CSV / Parquet file, to check the column mapping."""
+    """First rows of a JSON / JSONL / CSV / Parquet file, to check the column mapping. Text is read as utf-8-sig: a
+    byte order mark (Excel's "CSV UTF-8") is not part of the first column's name, as the backend reads it."""
     suffix = path.suffix.lower()
     if suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
         if not isinstance(data, list):
             raise RegisterError(f"{path.name}: a JSON dataset must be a list of rows")
         return data[:limit]
     if suffix == ".jsonl":
         rows = []
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:
             for n, line in enumerate(fh, 1):
                 if line.strip():
                     try:
@@ -171,7 +172,7 @@ def read_rows(path: Path, limit: int = 5) -> list[dict]:
                     break
         return rows
     if suffix == ".csv":
-        with open(path, encoding="utf-8", newline="") as fh:
+        with open(path, encoding="utf-8-sig", newline="") as fh:
             return [row for _, row in zip(range(limit), csv.DictReader(fh))]
     if suffix == ".parquet":
         import pandas as pd  # already loaded by gradio; pyarrow does the reading

@@ -37,13 +37,13 @@ def _folder(dataset_dir) -> str | None:
 
 
 def load_row(st, dataset_dir, dataset, index, model, template, cutoff, lang="en"):
-    """The shown row (the preview's file row) as JSON into the editor. Inputs: state, then as show_row.
-    Outputs: state, editor, message."""
+    """The shown row (the preview's file row) as JSON into the editor; a row training skips loads too (the preview
+    says why), so it can be mended. Inputs: state, then as show_row. Outputs: state, editor, message."""
     refused = D.dir_refusal(dataset_dir, lang, model=model)
     if refused or not dataset:
         return gr.skip(), gr.skip(), refused or tr(lang, "data.pick")
     res = D.run_preview(D.preview_args(dataset, index, (model, template), cutoff, dataset_dir))
-    if "error" in res:
+    if "error" in res and not isinstance(res.get("row"), int):
         return gr.skip(), gr.skip(), f"✖ {res['error']}"
     try:
         _, path = dataset_versions.local_file(_folder(dataset_dir), dataset)
@@ -51,8 +51,8 @@ def load_row(st, dataset_dir, dataset, index, model, template, cutoff, lang="en"
     except (DatasetError, IndexError, TypeError) as exc:
         return gr.skip(), gr.skip(), f"✖ {exc}"
     st = dict(st or {}, dataset_dir=dataset_dir or "", dataset=dataset, row=res["row"], file=path.name)
-    return st, json.dumps(raw, indent=2, ensure_ascii=False), tr(lang, "data.edit_loaded", row=res["row"],
-                                                                  file=path.name)
+    loaded = "data.edit_loaded_skipped" if "error" in res else "data.edit_loaded"
+    return st, json.dumps(raw, indent=2, ensure_ascii=False), tr(lang, loaded, row=res["row"], file=path.name)
 
 
 def _row_file(text: str) -> Path:

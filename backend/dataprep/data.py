@@ -16,14 +16,18 @@ Why this module is strict about some things and lenient about others:
   counted in a DataReport, with the first few row numbers and reasons, so one broken row in ten
   thousand does not stop a run. A dataset where every row is bad is an error: never a silent empty
   dataset.
-- Row numbers are 0-based, like `_row` (the index in a JSON list, the line of a JSONL file, the data
-  row of a CSV file).
+- Row numbers are 0-based, like `_row`: the index in a JSON list, the non-blank line of a JSONL file, the data
+  row of a CSV file, counted on across a folder's files in order (as a streamed dataset counts them). The lint's
+  findings, the data report, the preview (`tuneboard preview --index`, the Data tab's Row field) and the row
+  editor all use this one numbering, so a row named anywhere can be opened by its number (dataset_row).
+- Text files may start with a UTF-8 byte order mark (Excel writes one): it is not part of the first column's name.
 
 Files are read with the `datasets` library (json, jsonl, csv, parquet, arrow, txt); its cache goes to
 backend.core.paths.cache_dir()/"datasets", never next to the data.
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import logging
@@ -165,7 +169,7 @@ def _data_files(name: str, entry: dict, dataset_dir: Path, info_path: Path) -> l
 def _json_location(path: Path) -> str | None:
     """Where a JSON/JSONL file is malformed, for an error message that names the line, or its first row that is
     not an object (valid JSON that pyarrow cannot make rows of: its own message names row 0 of a column)."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = path.read_text(encoding="utf-8-sig", errors="replace")
     rows: list = []
     if path.suffix.lower() == ".jsonl":
         for lineno, line in enumerate(text.splitlines(), 1):
@@ -191,7 +195,7 @@ def _is_blank(path: Path) -> bool:
     """A text data file with nothing in it (empty, blank lines, or an empty JSON list): no rows."""
     if path.stat().st_size > 65536:
         return False
-    text = path.read_bytes().strip()
+    text = path.read_bytes().removeprefix(codecs.BOM_UTF8).strip()
     return not text or (path.suffix.lower() == ".json" and text.replace(b" ", b"").replace(b"\n", b"") == b"[]")
 
 
@@ -202,8 +206,10 @@ def read_rows(path: Path, split: str = "train") -> list[dict]:
         return []  # `datasets` fails on these with StopIteration or "corresponds to no data"
     kwargs: dict[str, Any] = {}
     if builder == "csv":
-        # Read every CSV cell as text: otherwise a column of numbers becomes int64 ("007" -> 7).
-        with path.open(encoding="utf-8", newline="") as f:
+        # Read every CSV cell as text: otherwise a column of numbers becomes int64 ("007" -> 7). utf-8-sig: a byte
+        # order mark (Excel's "CSV UTF-8") is not part of the first column's name, here nor in pandas' reading.
+        kwargs["encoding"] = "utf-8-sig"
+        with path.open(encoding="utf-8-sig", newline="") as f:
             header = next(csv.reader(f), [])
         if header:
             kwargs["features"] = datasets.Features({c: datasets.Value("string") for c in header})
@@ -582,14 +588,13 @@ def _required_columns(spec: _Spec, stage: str) -> list[str]:
     return sorted(need | (spec.declared - set(MEDIA_COLUMNS)))
 
 
-def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, stage: str,
-                max_samples: int | None, seed: int, identity: tuple[str, str]) -> tuple[list[dict], DatasetCounts]:
-    spec = _entry_spec(name, entry)
-    _check_stage(name, spec, stage)
+def _entry_rows(name: str, entry: dict, dataset_dir: Path, info_path: Path, spec: _Spec,
+                stage: str) -> tuple[list[Path], list[tuple[Path, int, dict]]]:
+    """(the entry's files, its rows as (file, row number in that file, row)): the dataset's row k is rows[k], its
+    files' rows counted on in order. The columns the stage needs are checked on each file's first row; no row at
+    all is an error."""
     hub = hub_key(entry) is not None  # hf_hub_url (a hub id or a hub-style folder), cloud_file_name, ...
     files = [Path(hub_source(entry, dataset_dir))] if hub else _data_files(name, entry, dataset_dir, info_path)
-    many = len(files) > 1
-    counts = DatasetCounts(name, [_display(p) for p in files], spec.formatting)
     rows: list[tuple[Path, int, dict]] = []
     for path in files:
         try:
@@ -604,9 +609,19 @@ def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, s
                     raise DatasetError(f"dataset '{name}': {path} has no column '{col}' (columns.{key}); "
                                        f"its columns are: {', '.join(sorted(present))}")
         rows += [(path, i, r) for i, r in enumerate(file_rows)]
-    counts.total = len(rows)
     if not rows:
         raise DatasetError(f"dataset '{name}': {', '.join(map(str, files))} has no rows")
+    return files, rows
+
+
+def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, stage: str,
+                max_samples: int | None, seed: int, identity: tuple[str, str]) -> tuple[list[dict], DatasetCounts]:
+    spec = _entry_spec(name, entry)
+    _check_stage(name, spec, stage)
+    files, rows = _entry_rows(name, entry, dataset_dir, info_path, spec, stage)
+    many = len(files) > 1
+    counts = DatasetCounts(name, [_display(p) for p in files], spec.formatting)
+    counts.total = len(rows)
 
     order = list(range(len(rows)))
     if entry.get("num_samples"):
@@ -631,10 +646,10 @@ def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, s
             counts.skipped += 1
             if len(counts.first_skipped) < MAX_REASONS:
                 reason = f"{path.name} row {rownum}: {exc}" if many else str(exc)
-                counts.first_skipped.append(SkippedRow(name, rownum, reason))
+                counts.first_skipped.append(SkippedRow(name, index, reason))
             continue
         example = _fill_identity(example, *identity)
-        example["_row"], example["_source"] = rownum, name
+        example["_row"], example["_source"] = index, name
         examples.append(example)
     counts.kept = len(examples)
     if not examples:
@@ -643,6 +658,40 @@ def _load_entry(name: str, entry: dict, dataset_dir: Path, info_path: Path, *, s
                            f"{', '.join(map(str, files))} is unusable (stage {stage}, {spec.formatting}); "
                            f"first reasons: {reasons}")
     return examples, counts
+
+
+class SkippedRowError(DatasetError):
+    """A row asked for by its number (dataset_row) that training skips; the message says why, `row` is its number."""
+
+    def __init__(self, message: str, row: int):
+        super().__init__(message)
+        self.row = row
+
+
+def dataset_row(name: str, row: int, dataset_dir: str | os.PathLike | None = None, *, stage: str = "sft",
+                identity_name: str = "TuneBoard Assistant", identity_author: str = "the TuneBoard team") -> dict:
+    """Row `row` of dataset `name`, numbered as `_row` (0-based; a folder's files counted on in order: the numbers
+    the lint, the data report and the preview name) -> the example training makes of it, with _row and _source:
+    `tuneboard preview --index` and so the Data tab's Row field. Any row of the files can be asked for (num_samples
+    draws nothing here). A row training skips is a SkippedRowError saying why; a number past the last row a
+    DatasetError naming how many rows there are."""
+    dataset_dir = resolve_dataset_dir(dataset_dir)
+    entry = read_dataset_info(dataset_dir).entry(name)
+    spec = _entry_spec(name, entry)
+    _check_stage(name, spec, stage)
+    files, rows = _entry_rows(name, entry, dataset_dir, dataset_dir / "dataset_info.json", spec, stage)
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(rows):
+        raise DatasetError(f"dataset '{name}': row {row} is out of range: it has {len(rows)} rows "
+                           f"(0..{len(rows) - 1})")
+    path, rownum, raw = rows[row]
+    try:
+        example = convert_row(raw, spec, stage)
+    except RowError as exc:
+        where = f" ({path.name} row {rownum})" if len(files) > 1 else f" of {path.name}"
+        raise SkippedRowError(f"dataset '{name}': training skips row {row}{where}: {exc}", row) from None
+    example = _fill_identity(example, identity_name, identity_author)
+    example["_row"], example["_source"] = row, name
+    return example
 
 
 def _display(path: Path) -> str:

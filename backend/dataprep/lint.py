@@ -1,8 +1,10 @@
 """`tuneboard lint SPEC.yaml`: what in a run's data would quietly spoil the training, found before Start.
 
 Each finding has a check, a severity (error: the rows train something wrong or nothing; warning: likely a
-mistake; info: worth a look), the dataset, its rows (0-based, `_row`: the index in the data file, as the
-preview shows them) and, where one exists, the safe fix that removes them:
+mistake; info: worth a look), the dataset, its rows and, where one exists, the safe fix that removes them. Rows are
+numbered as backend.dataprep.data numbers `_row` (0-based: the index in a JSON list, the non-blank line of a JSONL
+file, the data row of a CSV file, counted on across a folder's files), the numbers `tuneboard preview --index` and
+the Data tab's Row field take: a row the loader skips opens there too, with the reason it is skipped.
 - exact duplicates (the same normalized conversation or text as an earlier row) and near duplicates (MinHash
   over word 3-shingles, datasketch's LSH at Jaccard >= NEAR): fix drop_duplicates keeps the first of each;
 - eval rows present in train (the same or near the same as a row of `eval_dataset`, or of the `val_size`
@@ -111,8 +113,9 @@ def _load(name: str, dataset_dir: Path, stage: str, spec, max_rows: int | None =
     files = data._data_files(name, entry, dataset_dir, info.path)
     examples, bad = [], []
     for path in files:
-        for i, row in enumerate(data.read_rows(path, entry.get("split", "train"))):
-            if max_rows is not None and len(examples) + len(bad) >= max_rows:
+        for row in data.read_rows(path, entry.get("split", "train")):
+            i = len(examples) + len(bad)  # the dataset's row number (data.dataset_row's): a folder's files count on
+            if max_rows is not None and i >= max_rows:
                 break
             try:
                 example = data.convert_row(row, espec, stage)

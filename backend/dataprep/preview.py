@@ -29,8 +29,10 @@ def parse_args(args: list[str]) -> argparse.Namespace:
     p.add_argument("--dataset-dir", default=None, help="folder with dataset_info.json (default: the repo's data/)")
     p.add_argument("--row", default=None, help="with --dataset (one name): a JSON file holding one raw row in that "
                    "dataset's own format, shown instead of the file's rows (the Data tab's row editor)")
-    p.add_argument("--index", type=int, default=0, help="first row to show (0-based)")
-    p.add_argument("--count", type=int, default=1, help="how many rows to show")
+    p.add_argument("--index", type=int, default=0, help="the row to show: its number in the dataset's file (0-based, as "
+                   "tuneboard lint and the data report number rows; a row training skips says why); with --count "
+                   "or several datasets, the first row shown")
+    p.add_argument("--count", type=int, default=1, help="how many rows to show (rows training uses, from --index on)")
     p.add_argument("--template", default="auto", help="template name, or auto (the tokenizer's own)")
     p.add_argument("--model", default=DEFAULT_MODEL_ID, help="model whose tokenizer is used")
     p.add_argument("--stage", default="auto",
@@ -182,7 +184,7 @@ def show(row: dict) -> str:
 
 def main(args: list[str]) -> int:
     opts = parse_args(args)
-    from backend.dataprep.data import DatasetError, example_from_row, load_examples  # heavy: loaded on use, so importing this module stays light
+    from backend.dataprep.data import DatasetError, dataset_row, example_from_row, load_examples  # heavy: loaded on use, so importing this module stays light
     from backend.training.models import load_tokenizer, resolve_model  # heavy: loaded on use, so importing this module stays light
 
     warnings: list[str] = []
@@ -190,15 +192,15 @@ def main(args: list[str]) -> int:
         resolved = resolve_model(opts.model)
         tokenizer = load_tokenizer(resolved)
         template = pick_template(opts.template, resolved, tokenizer, warn=warnings.append)
-        report, kind = None, "plain"
+        report, kind, start = None, "plain", opts.index  # start: the first of `examples` shown
         if opts.messages:
-            with open(opts.messages, encoding="utf-8") as f:
+            with open(opts.messages, encoding="utf-8-sig") as f:
                 loaded = json.load(f)
             messages = loaded.get("messages", loaded) if isinstance(loaded, dict) else loaded
             examples = [{"messages": messages, "_row": 0, "_source": opts.messages}]
         elif opts.row:
             stage = resolve_stage(opts)
-            with open(opts.row, encoding="utf-8") as f:
+            with open(opts.row, encoding="utf-8-sig") as f:
                 try:
                     raw = json.load(f)
                 except json.JSONDecodeError as exc:
@@ -206,22 +208,30 @@ def main(args: list[str]) -> int:
                         from None
             examples = [dict(example_from_row(opts.dataset, raw, opts.dataset_dir, stage=stage), _row=opts.index,
                              _source=opts.dataset)]
-            kind, opts.index = get_stage(stage).data, 0
+            kind, start = get_stage(stage).data, 0
+        elif opts.count == 1 and not opts.stats and "," not in opts.dataset:
+            # row --index of the file, the number the lint and the data report name (data.dataset_row)
+            stage = resolve_stage(opts)
+            examples = [dataset_row(opts.dataset.strip(), opts.index, opts.dataset_dir, stage=stage)]
+            kind, start = get_stage(stage).data, 0
         else:
             stage = resolve_stage(opts)
             examples, report = load_examples(opts.dataset, opts.dataset_dir, stage=stage)
             kind = get_stage(stage).data
+            # the rows training uses from file row --index on
+            start = next((k for k, e in enumerate(examples) if e["_row"] >= opts.index), len(examples))
         if opts.stats:
             result = dataset_stats(examples, report, template, tokenizer, opts, kind)
         else:
-            if not 0 <= opts.index < len(examples):
+            if not 0 <= start < len(examples):
                 raise ValueError(f"--index {opts.index} is out of range: the dataset has {len(examples)} rows (0..{len(examples) - 1})")
-            chosen = examples[opts.index: opts.index + max(opts.count, 1)]
+            chosen = examples[start: start + max(opts.count, 1)]
             rows = [preview_any(e, kind, template, tokenizer, opts) for e in chosen]
             result = rows[0] if opts.count == 1 else {"rows": rows, "num_rows": len(examples)}
     except (DatasetError, ValueError, FileNotFoundError, OSError) as exc:
-        if opts.json:
-            print(json.dumps({"error": str(exc)}))
+        if opts.json:  # a row training skips: its number too (the Data tab's row editor loads it to be mended)
+            skipped = {"row": exc.row} if isinstance(getattr(exc, "row", None), int) else {}
+            print(json.dumps({"error": str(exc), **skipped}))
         else:
             print(f"error: {exc}", file=sys.stderr)
         return 1

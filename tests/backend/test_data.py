@@ -294,7 +294,54 @@ def test_folder_file_name_reads_every_file(tmp_path):
         "parts/b.jsonl": [{"instruction": "2", "output": "two"}, {"instruction": "3", "output": ""}]})
     examples, report = load_examples("f", d)
     assert [e["messages"][1]["content"] for e in examples] == ["one", "two"]
-    assert report.skipped_rows == [("f", 1, "b.jsonl row 1: empty response (column 'output')")]
+    # a folder's rows are numbered on across its files (as a stream numbers them): b.jsonl's row 1 is the set's row 2
+    assert [e["_row"] for e in examples] == [0, 1]
+    assert report.skipped_rows == [("f", 2, "b.jsonl row 1: empty response (column 'output')")]
+    assert data.dataset_row("f", 1, d)["messages"][1]["content"] == "two"
+    with pytest.raises(data.SkippedRowError, match=r"dataset 'f': training skips row 2 \(b\.jsonl row 1\): empty resp"):
+        data.dataset_row("f", 2, d)
+
+
+def test_dataset_row_is_the_row_the_report_and_the_examples_number(tmp_path):
+    """`tuneboard preview --index` (the Data tab's Row field) takes a row by the number the lint and the data report
+    name: the file's row, not the position among the rows training uses (row 3 here is the third usable one)."""
+    rows = [{"instruction": f"q{k}", "output": f"a{k}"} for k in range(4)]
+    rows.insert(1, {"instruction": "no answer", "output": ""})
+    for name, content in (("t.json", rows), ("t.jsonl", "".join(json.dumps(r) + "\n\n" for r in rows))):
+        d = make_dir(tmp_path, {"t": {"file_name": name}}, {name: content})
+        examples, report = load_examples("t", d)
+        assert [e["_row"] for e in examples] == [0, 2, 3, 4] and report.skipped_rows[0].row == 1, name
+        for e in examples:
+            assert data.dataset_row("t", e["_row"], d) == e, (name, e["_row"])
+        with pytest.raises(data.SkippedRowError, match=rf"dataset 't': training skips row 1 of {name}: empty resp") as exc:
+            data.dataset_row("t", 1, d)
+        assert exc.value.row == 1
+        with pytest.raises(DatasetError, match=r"row 5 is out of range: it has 5 rows \(0\.\.4\)"):
+            data.dataset_row("t", 5, d)
+
+
+def test_files_with_a_byte_order_mark(tmp_path):
+    """Excel saves "CSV UTF-8" with a byte order mark: the first column is `q`, not `\ufeffq` (the column mapping
+    found no `q`); JSON and JSONL files with one load too, and a malformed one is named at its real line."""
+    bom = "\ufeff"
+    rows = [{"q": "Pad 7 to three digits", "a": "007"}, {"q": "Say hi", "a": "hi"}]
+    mapped = {"columns": {"prompt": "q", "response": "a"}}
+    d = make_dir(tmp_path, {"c": {"file_name": "t.csv", **mapped}, "j": {"file_name": "t.json", **mapped},
+                            "l": {"file_name": "t.jsonl", **mapped}, "bad": {"file_name": "bad.jsonl", **mapped},
+                            "none": {"file_name": "none.json", **mapped}}, {
+        "t.csv": bom + "q,a\nPad 7 to three digits,007\nSay hi,hi\n",
+        "t.json": bom + json.dumps(rows),
+        "t.jsonl": bom + "".join(json.dumps(r) + "\n" for r in rows),
+        "bad.jsonl": bom + json.dumps(rows[0]) + '\n{"q": "x" "a": "y"}\n',
+        "none.json": bom + "[]\n"})
+    assert list(data.read_rows(d / "t.csv")[0]) == ["q", "a"]
+    for name in ("c", "j", "l"):
+        examples, _ = load_examples(name, d)
+        assert [[m["content"] for m in e["messages"]] for e in examples] == [[r["q"], r["a"]] for r in rows], name
+    with pytest.raises(DatasetError, match=r"bad\.jsonl: not valid JSON at line 2 column"):
+        load_examples("bad", d)
+    with pytest.raises(DatasetError, match=r"none\.json has no rows"):
+        load_examples("none", d)
 
 
 def test_num_samples_draws_rows_with_the_seed(tmp_path):

@@ -126,3 +126,52 @@ def test_max_rows_lints_the_first_rows_only(tiny_llama, tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == ["error: --max-rows: 0 is not a positive number of rows",
                    "error: --max-rows: a fix rewrites the whole dataset: drop --max-rows to fix"], err
+
+
+def test_finding_rows_are_the_rows_the_preview_opens(tiny_llama, tmp_path, capsys):
+    """A finding names rows by the file's own row numbers, the numbers `tuneboard preview --index` (the Data tab's Row
+    field) opens, also after a row the loader skips (which shifted the preview's rows by one: row 5 was out of range),
+    in a JSON list, a JSONL file and a CSV file (saved with a byte order mark, as Excel does); the skipped row opens as
+    the reason training skips it, with its number."""
+    from backend.dataprep import preview
+
+    rows = [{"instruction": _row(k)["instruction"], "output": f"A plain answer about {TOPICS[k]}."} for k in range(4)]
+    rows.insert(1, {"instruction": _row(4)["instruction"], "output": ""})  # 1: skipped (empty answer)
+    rows.append(dict(rows[3]))                                                # 5: repeats row 3
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "s.json").write_text(json.dumps(rows))
+    (folder / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = ["instruction,output"] + [f'"{r["instruction"]}",{r["output"]}' for r in rows]
+    (folder / "s.csv").write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
+    (folder / "dataset_info.json").write_text(json.dumps({n: {"file_name": f"s.{n}"} for n in ("json", "jsonl", "csv")}))
+    for name in ("json", "jsonl", "csv"):
+        report = lint(_spec(folder, tiny_llama, dataset=name, template="default"))
+        found = {f.check: f.rows for f in report.findings if f.rows}
+        skipped = "unusable_row" if name == "csv" else "empty_answer"  # a CSV's empty cell is read as missing
+        assert found == {skipped: [1], "duplicates": [5]}, (name, [f.line() for f in report.findings])
+        args = ["--dataset", name, "--dataset-dir", str(folder), "--model", str(tiny_llama), "--template", "default",
+                "--json", "--index"]
+        assert preview.main(args + ["5"]) == 0
+        shown = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert shown["row"] == 5 and rows[5]["instruction"] in shown["text"], (name, shown)
+        assert preview.main(args + ["1"]) == 1
+        shown = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert shown["row"] == 1 and shown["error"].startswith(f"dataset '{name}': training skips row 1 of s.{name}: "), \
+            (name, shown)
+
+
+def test_a_folders_rows_are_numbered_on_across_its_files(tiny_llama, tmp_path):
+    """A dataset of a folder: the rows of its second file follow those of the first (as data.dataset_row and a stream
+    number them); each file counted from 0 gave two rows the number 0."""
+    from backend.dataprep.data import dataset_row
+
+    rows = [{"instruction": _row(k)["instruction"], "output": f"A plain answer about {TOPICS[k]}."} for k in range(3)]
+    folder = tmp_path / "data"
+    (folder / "parts").mkdir(parents=True)
+    (folder / "parts" / "a.json").write_text(json.dumps(rows[:2]))
+    (folder / "parts" / "b.json").write_text(json.dumps([rows[2], dict(rows[0])]))  # the set's row 3 repeats row 0
+    (folder / "dataset_info.json").write_text(json.dumps({"parts": {"file_name": "parts"}}))
+    report = lint(_spec(folder, tiny_llama, dataset="parts", template="default"))
+    assert [(f.check, f.rows) for f in report.findings] == [("duplicates", [3])], [f.line() for f in report.findings]
+    assert dataset_row("parts", 3, folder)["messages"] == dataset_row("parts", 0, folder)["messages"]

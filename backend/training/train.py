@@ -254,7 +254,7 @@ def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = Fal
     """The stage, from a started run directory to its final status (rank 0 writes it; other ranks only
     train). Returns the exit code."""
     leave_out_bitsandbytes(spec)  # before anything imports peft (the callbacks import transformers' Trainer parts)
-    from backend.training.callbacks import StopSwitch  # heavy: loaded on use, so importing this module stays light
+    from backend.training.callbacks import StopSwitch, TrainingDiverged  # heavy: loaded on use, so importing this module stays light
 
     threshold = None if allocator.loaded() else return_freed_memory()
     if rank == 0:  # before the stage's heavy imports, which warn too; rank 0 alone writes the run directory
@@ -273,10 +273,13 @@ def _train(spec, run_dir: RunDir, out: Path, rank: int = 0, launched: bool = Fal
         with tokenizing(spec.preprocessing_batch_size, run_dir.tokenizing_progress):
             result = stage.run(spec, run_dir, stop)
     except Exception as exc:  # the run ends here; the status says why
-        message = failure_message(exc, out)
+        # a NaN/inf loss (the callback stopped the run before any save of the broken weights) is one line, as bad input
+        diverged = isinstance(exc, TrainingDiverged)
+        message = str(exc) if diverged else failure_message(exc, out)
         if rank:
-            print(f"rank {rank}: FAILED: {message}\n{traceback.format_exc().rstrip()}", file=sys.stderr, flush=True)
-        if not isinstance(exc, RunError):
+            trace = "" if diverged else "\n" + traceback.format_exc().rstrip()
+            print(f"rank {rank}: FAILED: {message}{trace}", file=sys.stderr, flush=True)
+        if not (diverged or isinstance(exc, RunError)):
             run_dir.log_traceback()
         run_dir.log(f"FAILED: {message}")
         run_dir.finish("failed", EXIT_FAILED, error=message)

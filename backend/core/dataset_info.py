@@ -17,6 +17,11 @@ from backend.core import paths
 from backend.core.atomic import write_json_atomic
 from backend.core.hub_data import is_hub_id
 
+# The data files the loader reads, by suffix -> the `datasets` builder that reads them (backend.dataprep.data reads
+# them; validate, which stays light, refuses any other suffix before launch).
+FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
+              ".txt": "text"}
+
 # ---------------------------------------------------------------------------------------------
 # Schema
 # ---------------------------------------------------------------------------------------------

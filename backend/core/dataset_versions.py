@@ -28,8 +28,9 @@ class Version:
 
 
 def read_rows(path: Path, name: str) -> list:
-    """The rows of a .json (a list) or .jsonl file; a missing file has none."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    """The rows of a .json (a list) or .jsonl file; a missing file has none. A byte order mark (Excel, Notepad) is
+    read as none, as the loader reads it (a saved version is written without one)."""
+    text = path.read_text(encoding="utf-8-sig") if path.exists() else ""
     try:
         if path.suffix == ".jsonl":
             return [json.loads(line) for line in text.splitlines() if line.strip()]

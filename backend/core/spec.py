@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from backend.core import allowed, eval_rules, llamacpp, model_files, model_modules, paths
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
-from backend.core.dataset_info import MEDIA_COLUMNS, DatasetError, entry_columns, read_dataset_info
+from backend.core.dataset_info import FILE_TYPES, MEDIA_COLUMNS, DatasetError, entry_columns, read_dataset_info
 from backend.core.hub_data import hub_problem, is_hub_id
 from backend.core.launch import distributed_errors, visible_accelerators, world_size
 from backend.core.methods import (DEFAULT as DEFAULT_METHOD, METHOD_KEYS, METHODS, MODULE_KEYS, adapter_methods,
@@ -1128,10 +1128,7 @@ def _template_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     return [("template", f"unknown template {name!r} (no {tdir / (name + '.yaml')}){hint}", frozenset({"template"}))]
 
 
-# The suffixes of the data files the loader reads: backend.dataprep.data.FILE_TYPES's keys (that module imports
-# `datasets`, so this torch-free one keeps the list; tests/reliability/test_validate_refusals.py holds the two
-# together).
-DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt")
+DATA_FILE_SUFFIXES = tuple(FILE_TYPES)  # the suffixes of the data files the loader reads
 
 
 def _data_file_problem(name: str, entry: dict, data_path: Path, stage: str, info_path: Path) -> str | None:

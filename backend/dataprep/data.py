@@ -42,7 +42,7 @@ import datasets
 
 from backend.core import paths
 from backend.core.dataset_info import (ALPACA_ONLY_COLUMNS, COLUMN_KEYS, CONVERSATION_ONLY_COLUMNS,  # noqa: F401
-                                  ENTRY_KEYS, FORMATTINGS, HUB_KEYS, MEDIA_COLUMNS, TAG_KEYS, DatasetError,
+                                  ENTRY_KEYS, FILE_TYPES, FORMATTINGS, HUB_KEYS, MEDIA_COLUMNS, TAG_KEYS, DatasetError,
                                   DEFAULT_TAGS, DatasetInfo, check_new_entry, entry_columns, entry_problems,
                                   entry_tags, load_dataset_info,
                                   read_dataset_info, resolve_dataset_dir, write_entry)
@@ -59,8 +59,6 @@ logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
 # ---------------------------------------------------------------------------------------------
 # Schema
 # ---------------------------------------------------------------------------------------------
-FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
-              ".txt": "text"}
 MAX_REASONS = 5  # skipped rows kept (per dataset) for the report
 
 

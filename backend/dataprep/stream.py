@@ -52,8 +52,9 @@ def open_stream(name: str, entry: dict, dataset_dir: Path, info_path: Path,
     kwargs = {}
     if builders[0] == "json":  # read 1 MB of text at a time (datasets' default, 10 MB, is held as text and Arrow)
         kwargs["chunksize"] = JSON_CHUNK
-    if builders[0] == "csv":  # every cell as text, as data.read_rows does ("007" stays "007")
-        with files[0].open(encoding="utf-8", newline="") as f:
+    if builders[0] == "csv":  # every cell as text, and a byte order mark not part of a column, as data.read_rows
+        kwargs["encoding"] = "utf-8-sig"
+        with files[0].open(encoding="utf-8-sig", newline="") as f:
             header = next(csv.reader(f), [])
         kwargs["features"] = datasets.Features({c: datasets.Value("string") for c in header})
     try:

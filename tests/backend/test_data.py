@@ -342,6 +342,15 @@ def test_files_with_a_byte_order_mark(tmp_path):
         load_examples("bad", d)
     with pytest.raises(DatasetError, match=r"none\.json has no rows"):
         load_examples("none", d)
+    # a streamed CSV (streaming: true) and the row editor's and the lint fix's reading (dataset_versions) alike
+    from backend.core import dataset_versions
+    from backend.dataprep.stream import open_stream
+
+    info = d / "dataset_info.json"
+    raw, columns = open_stream("c", json.loads(info.read_text())["c"], d, info, "sft")
+    assert columns == ["q", "a"] and next(iter(raw)) == rows[0]
+    for name in ("t.json", "t.jsonl"):
+        assert dataset_versions.read_rows(d / name, name) == rows, name
 
 
 def test_num_samples_draws_rows_with_the_seed(tmp_path):

@@ -269,13 +269,6 @@ def test_a_dataset_file_the_loader_cannot_read_is_refused(capsys, tmp_path, stag
             load_examples("mine", tmp_path, stage=stage)
 
 
-def test_data_file_suffixes_are_the_loaders():
-    from backend.core.spec import DATA_FILE_SUFFIXES
-    from backend.dataprep.data import FILE_TYPES
-
-    assert DATA_FILE_SUFFIXES == tuple(FILE_TYPES)
-
-
 def test_an_output_dir_that_is_not_utf8_is_refused(capsys, tmp_path):
     """A byte that is not UTF-8 in output_dir (Python reads it from the command line as a lone surrogate) passed
     validate, and `tuneboard train` stopped with a traceback at its first write (status.json: "surrogates not

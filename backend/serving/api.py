@@ -25,9 +25,16 @@ explicit --insecure-no-auth). Errors are always OpenAI-style JSON
 ({"error": {"message", "type", "param", "code"}}): 400 bad values (a field of the wrong type, out of range or
 unknown, named as OpenAI names it: messages[0].content), 401, 404, 413 a body over MAX_BODY_BYTES, 503 when
 the queue is full, and a 500 only for a real engine failure, with a one-line message and no traceback.
-What this server would not do is refused rather than ignored (`refuse_unsupported`): n > 1, presence /
-frequency penalties and logit_bias other than neutral, response_format other than text, a tool_choice that
-forces a call. A stop string cuts the logprobs with the text (`covering`).
+What this server would not do is refused rather than ignored (`refuse_unsupported`): n > 1, response_format
+other than text, a tool_choice that forces a call. A stop string cuts the logprobs with the text (`covering`).
+frequency_penalty, presence_penalty (-2 to 2) and logit_bias ({"token id": -100 to 100}, ids of the model's
+vocabulary, else a 400 naming the key) are applied as OpenAI defines them, on every backend: logits[j] +=
+logit_bias[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c[j] counting token j in the answer so far
+(not the prompt); each request of a batch with its own values (backend.serving.batching.TokenPenalties).
+
+Streams: with stream_options.include_usage every chunk carries "usage": null but the last, an extra chunk with no
+choices and the request's usage (OpenAI's shape); without it, no chunk has the field. A character whose bytes
+max_tokens (or a stop) cut ends the text as U+FFFD, what the generated tokens decode to, streamed or not.
 
 One request cannot hold the server:
 - requests on one model (transformers backend) are decoded in one running batch (backend.serving.batching:
@@ -64,7 +71,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from backend.serving.engine import ContextLengthError, Reply, TokenCapError, load_engines, replace_spec
 from backend.core.spec import load_or_report
@@ -108,11 +115,11 @@ def _models():
         stream_options: Optional[StreamOptions] = None
         seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.manual_seed's range
         fit_context: Optional[bool] = None  # TuneBoard's: max_tokens is a ceiling, cut to what the context leaves
-        # accepted for client compatibility at their neutral values only (0, {}): others are refused
-        # (refuse_unsupported)
+        # OpenAI's, over the generated tokens (batching.TokenPenalties); logit_bias keys are token ids as strings,
+        # checked against the model's vocabulary by the engine (a 400 naming the key)
         frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
         presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
-        logit_bias: Optional[dict[str, Any]] = None
+        logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]] = None
         # no effect on an answer: accepted for client compatibility
         user: Optional[str] = None
         service_tier: Optional[str] = None
@@ -221,18 +228,12 @@ def unpaired_surrogate(value, where: str = "") -> str | None:
 
 
 def refuse_unsupported(req) -> None:
-    """A 400 naming the field for what this server would otherwise silently not do: n > 1, the OpenAI penalties
-    and logit_bias at other than their neutral values, structured output, tool_choice forcing a call, audio."""
+    """A 400 naming the field for what this server would otherwise silently not do: n > 1, structured output,
+    tool_choice forcing a call, audio."""
     if req.n not in (None, 1):
         raise APIError(400, f"n: only n=1 is supported (got {req.n})", param="n")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed with stream: true", param="stream_options")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name}: not applied by this server: leave it out or send 0 (repetition_penalty, "
-                                "vLLM's name, is applied)", param=name)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias: not applied by this server: leave it out", param="logit_bias")
     response_format = getattr(req, "response_format", None)
     if response_format is not None and response_format.get("type") != "text":
         raise APIError(400, f"response_format: type {response_format.get('type')!r} is not enforced by this server "
@@ -254,7 +255,8 @@ def error_param(message: str, default: str) -> str:
     """The request field an engine's ValueError names at its start ("tools[0]: ...", "stop: ..."), else default."""
     head = message.split(":", 1)[0].split("[", 1)[0].strip()
     return head if head in {"tools", "stop", "messages", "prompt", "temperature", "top_p", "top_k", "seed",
-                            "repetition_penalty", "max_tokens"} else default
+                            "repetition_penalty", "max_tokens", "frequency_penalty", "presence_penalty",
+                            "logit_bias"} else default
 
 
 def to_engine_messages(messages) -> list[dict]:
@@ -491,7 +493,9 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         return dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
-                    do_sample=(req.temperature > 0) if req.temperature is not None else None, fit_context=req.fit_context)
+                    do_sample=(req.temperature > 0) if req.temperature is not None else None,
+                    fit_context=req.fit_context, frequency_penalty=req.frequency_penalty,
+                    presence_penalty=req.presence_penalty, logit_bias=req.logit_bias)
 
     limits = dict(max_tokens_cap=max_tokens_per_request or None, time_limit=max_request_seconds or None)
 
@@ -637,7 +641,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         def chunk(delta: dict | None, finish: str | None = None, usage: dict | None = None) -> dict:
             choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
             return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": req.model,
-                    "choices": choices, **({"usage": usage} if usage else {})}
+                    "choices": choices, **({"usage": usage} if _include_usage(req) else {})}
 
         def whole(reply):
             if reply.text:
@@ -708,7 +712,7 @@ def create_app(engines: dict, *, api_key: str | None = None, cors: list[str] | N
         def chunk(text: str | None, finish: str | None = None, usage: dict | None = None) -> dict:
             choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
             return {"id": cid, "object": "text_completion", "created": now, "model": req.model,
-                    "choices": choices, **({"usage": usage} if usage else {})}
+                    "choices": choices, **({"usage": usage} if _include_usage(req) else {})}
 
         return _sse(cid, stream, None, stop_event, sampling.get("max_new_tokens"), load, request.receive,
                     head=[chunk(echo)] if echo else [], piece=chunk, whole=None,
@@ -774,6 +778,8 @@ def chat_logprobs(tokenizer, tokens) -> dict:
 
 
 def _include_usage(req) -> bool:
+    """Whether a stream ends with a usage chunk; then every chunk has the field, null but in that one (OpenAI's:
+    without it no chunk has the field)."""
     return bool(req.stream_options and req.stream_options.include_usage)
 
 

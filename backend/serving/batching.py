@@ -9,11 +9,12 @@ that manager takes one GenerationConfig for all its requests and switches the mo
 form, and it has no stop strings, per-request stopping criteria or per-request peft adapter; ours keeps each
 request's own sampling settings, seed, stopping criteria and streamer, exactly as `generate` ran them.
 
-Each request keeps its own logits processors (repetition penalty; temperature, top-k, top-p when sampling)
-and, when seeded, its own random generator seeded as `generate` would be after torch.manual_seed(seed), so a
-request's answer is the one it gets alone. Requests of different adapters of one base take turns by batch:
-the batch holds one adapter state at a time, and a request of another waits until the batch in front of it
-has drained (first come, first served). Each step holds the model's TurnLock, so scoring and other engines
+Each request keeps its own logits processors (repetition penalty; OpenAI's frequency and presence penalties and
+logit_bias, TokenPenalties, only where the request sets one; temperature, top-k, top-p when sampling), in the order
+`generate` applies them, and, when seeded, its own random generator seeded as `generate` would be after
+torch.manual_seed(seed), so a request's answer is the one it gets alone. Requests of different adapters of one base
+take turns by batch: the batch holds one adapter state at a time, and a request of another waits until the batch in
+front of it has drained (first come, first served). Each step holds the model's TurnLock, so scoring and other engines
 on the model interleave between steps. Only models whose cache is plain full attention are batched
 (`batchable`); the others keep `generate` in turns.
 
@@ -187,6 +188,45 @@ def _roomy_layer_class():
     return _ROOMY
 
 
+class TokenPenalties:
+    """OpenAI's frequency_penalty, presence_penalty and logit_bias as a logits processor of one request (one row):
+    logits[j] += bias[j] - c[j] * frequency - (c[j] > 0) * presence, where c[j] counts token j among the tokens
+    generated so far (those after the first `prompt_len`: the prompt is not counted). The counts grow with each call
+    (the row's sequence is one token longer each step), so a step costs a few vocabulary-sized operations, whatever
+    the answer's length. Used by the batch (Job.processors) and by `generate` (engine.HFEngine), after the repetition
+    penalty and before temperature, top-k and top-p, as `generate` orders its own; only where `wanted`."""
+
+    def __init__(self, prompt_len: int, frequency: float = 0.0, presence: float = 0.0,
+                 bias: dict[int, float] | None = None):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+        self.bias = dict(bias or {})
+        self._counts = self._bias = None
+        self._seen = prompt_len
+
+    @staticmethod
+    def wanted(frequency: float, presence: float, bias: dict | None) -> bool:
+        """Whether these values change any logit (the default request's do not: it gets no processor)."""
+        return bool(frequency or presence or any(bias.values() if bias else ()))
+
+    def __call__(self, input_ids, scores):
+        # heavy (torch): the module top stays light
+        import torch
+
+        if self._counts is None or input_ids.shape[1] < self._seen:  # first call (or another sequence): count anew
+            self._counts = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=scores.device)
+            self._seen = self.prompt_len
+        if self._bias is None:
+            self._bias = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=scores.device)
+            if self.bias:
+                self._bias[torch.tensor(list(self.bias), device=scores.device)] = torch.tensor(
+                    list(self.bias.values()), dtype=scores.dtype, device=scores.device)
+        new = input_ids[0, self._seen:]
+        if new.numel():
+            self._counts.index_add_(0, new.to(self._counts.device), torch.ones_like(new, dtype=self._counts.dtype))
+            self._seen = input_ids.shape[1]
+        return scores - self._counts * self.frequency - (self._counts > 0) * self.presence + self._bias
+
+
 @dataclass
 class Job:
     """One request in the batcher. `criteria` (engine._Criteria) is called with the request's ids after each
@@ -203,6 +243,9 @@ class Job:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     streamer: Any = None
     tokens: list[int] = field(default_factory=list)
@@ -218,6 +261,8 @@ class Job:
         out = LogitsProcessorList()
         if self.repetition_penalty != 1.0:
             out.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if TokenPenalties.wanted(self.frequency_penalty, self.presence_penalty, self.logit_bias):
+            out.append(TokenPenalties(len(self.ids), self.frequency_penalty, self.presence_penalty, self.logit_bias))
         if not self.greedy:
             if self.temperature != 1.0:
                 out.append(TemperatureLogitsWarper(self.temperature))

@@ -44,13 +44,14 @@ from backend.core.methods import method_of_adapter
 from backend.dataprep.resolve import pick_template
 from backend.core.rundir import SPEC_FILE
 from backend.training.scheduler import TOKENS_PER_TURN, TurnLock
-from backend.serving.batching import Batcher, Job, batchable
+from backend.serving.batching import Batcher, Job, TokenPenalties, batchable
+from backend.serving.llamacpp_model import LlamaTokenPenalties, open_llama
 from backend.dataprep.templates import get_template
 
 Warn = Callable[[str], None]
 
 SAMPLING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
-                 "fit_context")
+                 "fit_context", "frequency_penalty", "presence_penalty", "logit_bias")
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -126,7 +127,8 @@ class Engine(Protocol):
 # ----------------------------------------------------------------------------------------- sampling
 @dataclass
 class Sampling:
-    """Generation settings. do_sample None: sample when temperature > 0."""
+    """Generation settings. do_sample None: sample when temperature > 0. frequency_penalty, presence_penalty and
+    logit_bias ({token id: bias}) are OpenAI's: counted over the generated tokens only (batching.TokenPenalties)."""
 
     max_new_tokens: int = 512
     do_sample: bool | None = None
@@ -137,6 +139,9 @@ class Sampling:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     fit_context: bool = False  # max_new_tokens is a ceiling: cut to what the context leaves, never refused for it
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -165,16 +170,52 @@ def make_sampling(defaults: dict, given: dict) -> Sampling:
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise ValueError("stop: must be a string or a list of strings")
     values["stop"] = [s for s in stop if s]
+    values["logit_bias"] = _logit_bias(values.get("logit_bias"))
     s = Sampling(**values)
     checks = [("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
               ("temperature", s.temperature >= 0, "must be >= 0"),
               ("top_p", 0 < s.top_p <= 1, "must be in (0, 1]"),
               ("top_k", s.top_k >= 0, "must be >= 0"),
-              ("repetition_penalty", s.repetition_penalty > 0, "must be > 0")]
+              ("repetition_penalty", s.repetition_penalty > 0, "must be > 0"),
+              ("frequency_penalty", -2 <= s.frequency_penalty <= 2, "must be in [-2, 2]"),
+              ("presence_penalty", -2 <= s.presence_penalty <= 2, "must be in [-2, 2]")]
     for name, ok, why in checks:
         if not ok:
             raise ValueError(f"{name}: {why} (got {getattr(s, name)!r})")
     return s
+
+
+def _logit_bias(given) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}, the ids written as strings in JSON; ints taken too) as {id: bias};
+    ValueError naming the key that is no token id or whose bias is not a number in [-100, 100]."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ValueError("logit_bias: must be a map of token ids to biases, such as {\"42\": -100}")
+    out = {}
+    for key, bias in given.items():
+        if isinstance(key, bool) or not (isinstance(key, int) and key >= 0 or
+                                         isinstance(key, str) and re.fullmatch(r"[0-9]+", key)):
+            raise ValueError(f"logit_bias: key {key!r} is not a token id (a whole number from 0, as a string)")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias: the bias of key {key!r} must be a number from -100 to 100 (got {bias!r})")
+        out[int(key)] = float(bias)
+    return out
+
+
+def check_logit_bias(s: Sampling, vocab: int) -> None:
+    """ValueError naming the first logit_bias key that is not in a vocabulary of `vocab` tokens."""
+    bad = next((t for t in s.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: key '{bad}' is not a token id of this model's vocabulary (0 to {vocab - 1})")
+
+
+def vocab_size(model, tokenizer) -> int:
+    """How many token ids the model scores and the tokenizer knows (logit_bias keys must be below it)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    return min(len(tokenizer), rows) if isinstance(rows, int) and rows > 0 else len(tokenizer)
 
 
 class ContextLengthError(ValueError):
@@ -414,6 +455,7 @@ class HFEngine:
         self.default_system = default_system
         self.eos_ids = stop_token_ids(tokenizer, template)
         self.context_length = context_length(model, tokenizer)
+        self.vocab_size = vocab_size(model, tokenizer)
 
     # -- prompt
     def prompt_ids(self, messages: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
@@ -456,7 +498,7 @@ class HFEngine:
     def _generate_kwargs(self, s: Sampling, prompt_len: int, stops: list[str], stop_event,
                          time_limit: float | None = None):
         # heavy (torch, transformers, peft): the module top stays light (chat, API, distill import it)
-        from transformers import GenerationConfig, StoppingCriteriaList
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         tok = self.tokenizer
         config = dict(max_new_tokens=s.max_new_tokens, do_sample=not s.greedy, eos_token_id=self.eos_ids,
@@ -466,8 +508,11 @@ class HFEngine:
             config.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         deadline = time.monotonic() + time_limit if time_limit else None
         criteria = _Criteria(tok, prompt_len, stops, stop_event, deadline)
-        return dict(generation_config=GenerationConfig(**config),
-                    stopping_criteria=StoppingCriteriaList([criteria])), criteria
+        kwargs = dict(generation_config=GenerationConfig(**config), stopping_criteria=StoppingCriteriaList([criteria]))
+        if TokenPenalties.wanted(s.frequency_penalty, s.presence_penalty, s.logit_bias):  # after generate's own
+            kwargs["logits_processor"] = LogitsProcessorList(  # repetition penalty, before its temperature (as batched)
+                [TokenPenalties(prompt_len, s.frequency_penalty, s.presence_penalty, s.logit_bias)])
+        return kwargs, criteria
 
     def _finish(self, text: str, criteria: "_Criteria", s: Sampling, prompt_len: int, stops: list[str],
                 tools: list[dict] | None) -> Reply:
@@ -521,6 +566,7 @@ class HFEngine:
         job = Job(ids=list(ids), state=("adapter", self.adapter), activate=self._activate,
                   max_new_tokens=s.max_new_tokens, eos_ids=self.eos_ids, criteria=criteria, greedy=s.greedy,
                   temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, repetition_penalty=s.repetition_penalty,
+                  frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, logit_bias=s.logit_bias,
                   seed=s.seed, streamer=streamer)
         if not self.batcher.run(job):
             return None
@@ -528,6 +574,7 @@ class HFEngine:
 
     def _sampling(self, sampling: dict, prompt_tokens: int, cap: int | None = None) -> Sampling:
         s = make_sampling(self.defaults, sampling)
+        check_logit_bias(s, self.vocab_size)
         asked = sampling.get("max_new_tokens") is not None
         return fit_context(s, prompt_tokens, self.context_length, explicit=asked and not s.fit_context, cap=cap,
                            asked=asked)
@@ -743,6 +790,7 @@ class VLLMEngine:
             self.context_length = int(llm.llm_engine.model_config.max_model_len)
         except Exception:  # another vLLM release: the tokenizer's limit, if it has a real one
             self.context_length = context_length(None, tokenizer)
+        self.vocab_size = len(tokenizer)
 
     prompt_ids = HFEngine.prompt_ids
     _sampling = HFEngine._sampling
@@ -759,7 +807,10 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0 if s.greedy else s.temperature,
                                 top_p=1.0 if s.greedy else s.top_p, top_k=(s.top_k or -1) if not s.greedy else -1,
                                 repetition_penalty=s.repetition_penalty, seed=s.seed, stop=stops or None,
-                                stop_token_ids=self.eos_ids, skip_special_tokens=True)
+                                stop_token_ids=self.eos_ids, skip_special_tokens=True,
+                                # OpenAI's, natively: vLLM counts the penalties over the generated tokens too
+                                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                                **({"logit_bias": s.logit_bias} if s.logit_bias else {}))  # vLLM >= 0.6.3 takes it
         with self.lock:
             out = self.llm.generate([{"prompt_token_ids": ids}], params, lora_request=self.lora, use_tqdm=False)[0]
         done = out.outputs[0]
@@ -803,6 +854,7 @@ class LlamaCppEngine:
         self.default_system = default_system
         self.eos_ids = stop_token_ids(tokenizer, template)
         self.context_length = int(llm.n_ctx())
+        self.vocab_size = min(int(llm.n_vocab()), len(tokenizer))
 
     prompt_ids = HFEngine.prompt_ids
     _sampling = HFEngine._sampling
@@ -827,9 +879,14 @@ class LlamaCppEngine:
             # the prompt is evaluated whole each time: llama-cpp-python's reuse of a matching prefix of the last
             # request evaluates in other batch shapes, which flips near-tied greedy tokens of a quantized model
             self.llm.reset()
+            # OpenAI's penalties and logit_bias by our own processor, not llama.cpp's penalties sampler: that one
+            # counts only the last last_n_tokens_size (64) tokens; OpenAI counts the whole answer
+            processors = [LlamaTokenPenalties(len(ids), s.frequency_penalty, s.presence_penalty, s.logit_bias,
+                                              self.llm.n_vocab())] \
+                if TokenPenalties.wanted(s.frequency_penalty, s.presence_penalty, s.logit_bias) else None
             tokens = self.llm.generate(ids, reset=True, temp=0.0 if s.greedy else s.temperature,
                                        top_k=s.top_k if not s.greedy else 1, top_p=s.top_p if not s.greedy else 1.0,
-                                       min_p=0.0, repeat_penalty=s.repetition_penalty)
+                                       min_p=0.0, repeat_penalty=s.repetition_penalty, logits_processor=processors)
             try:
                 for token in tokens:
                     token = int(token)
@@ -857,7 +914,9 @@ class LlamaCppEngine:
                 tokens.close()
         finally:
             self.lock.release()
-        piece = filt.flush()
+        # the text held back for a character's rest that never came (max_tokens, a stop, the end) is what the
+        # tokens decode to, U+FFFD for the cut character, as the transformers backend gives it, streamed or not
+        piece = filt.feed(self.tokenizer.decode(out, skip_special_tokens=True)[len(shown):]) + filt.flush()
         if piece:
             yield piece
 
@@ -1122,7 +1181,6 @@ def _load_llamacpp(spec, served: list[Served], warn: Warn, log) -> dict[str, Eng
                          "export_format: gguf, or use infer_backend: huggingface")
     from transformers import AutoTokenizer  # heavy: loaded on use, so importing this module stays light
 
-    from backend.serving.llamacpp_model import open_llama  # optional dependency: loads llama.cpp when it serves
 
     gguf_path = Path(resolved.path) / resolved.gguf_file
     log(f"loading {gguf_path} with llama.cpp ...")

@@ -164,9 +164,15 @@ def test_what_the_server_would_not_do_is_refused_naming_the_field(client, server
          "valid string or"),
         ("chat", {**chat, "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
         ("chat", {**chat, "temperature": True}, 400, "temperature", "valid number"),
-        ("chat", {**chat, "presence_penalty": 0.5}, 400, "presence_penalty", "not applied"),
         ("chat", {**chat, "frequency_penalty": 3}, 400, "frequency_penalty", "less than or equal to 2"),
-        ("chat", {**chat, "logit_bias": {"42": -100}}, 400, "logit_bias", "not applied"),
+        ("chat", {**chat, "presence_penalty": "1"}, 400, "presence_penalty", "valid number"),
+        ("chat", {**chat, "logit_bias": {"42": 101}}, 400, "logit_bias.42", "less than or equal to 100"),
+        ("chat", {**chat, "logit_bias": {"42": "1"}}, 400, "logit_bias.42", "valid number"),
+        ("chat", {**chat, "logit_bias": {"hello": 1}}, 400, "logit_bias", "key 'hello' is not a token id"),
+        ("chat", {**chat, "logit_bias": {"49152": 1}, "stream": True}, 400, "logit_bias",
+         "key '49152' is not a token id of this model's vocabulary (0 to 49151)"),
+        ("text", {**text, "logit_bias": {"-1": 1}}, 400, "logit_bias", "key '-1' is not a token id"),
+        ("text", {**text, "logit_bias": {"99999999999": 1}}, 400, "logit_bias", "key '99999999999'"),
         ("chat", {**chat, "response_format": {"type": "json_object"}}, 400, "response_format", "not enforced"),
         ("chat", {**chat, "tool_choice": "auto"}, 400, "tool_choice", "only allowed when tools"),
         ("chat", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
@@ -195,7 +201,8 @@ def test_what_the_server_would_not_do_is_refused_naming_the_field(client, server
         r = httpx.post(url + routes["chat"], content=body.encode(), headers=headers, timeout=60)
         assert r.status_code == status and words in r.json()["error"]["message"], r.text[:300]
         assert r.json()["error"]["param"] == param
-    for body in ({**chat, "n": None, "stream": None, "presence_penalty": 0, "response_format": {"type": "text"}},
+    for body in ({**chat, "n": None, "stream": None, "presence_penalty": 0, "response_format": {"type": "text"},
+                  "logit_bias": {}, "frequency_penalty": None},
                  {**chat, "service_tier": "auto", "user": "u1"}):
         r = httpx.post(url + routes["chat"], content=json.dumps(body), headers=headers, timeout=60)
         assert r.status_code == 200, r.text
@@ -207,6 +214,87 @@ def test_what_the_server_would_not_do_is_refused_naming_the_field(client, server
     r = httpx.get(url + routes["chat"], headers=headers)
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert server[2] and not any("Traceback" in line for line in server[2])
+
+
+def penalty_tokens(model_dir) -> tuple[int, int]:
+    """The ids of " cat" and " dog" in the tiny models' vocabulary (SmolLM2's), one token each."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    (cat,), (dog,) = tok(" cat", add_special_tokens=False).input_ids, tok(" dog", add_special_tokens=False).input_ids
+    return cat, dog
+
+
+def test_logit_bias_and_the_penalties_apply_as_openai_defines_them(client, server):
+    """logit_bias adds to the logits, frequency_penalty takes count x penalty from a token generated so far and
+    presence_penalty takes the penalty once; the prompt's tokens are not counted. The tiny model's own logits lie
+    within about +-1, so biases of 6 and 5 on " cat" and " dog" decide every greedy token, and OpenAI's arithmetic
+    gives each answer exactly: unpenalised, " cat" every time (a repetitive greedy answer, the same when asked
+    again); with frequency_penalty 2, " cat" (6) " dog" (5 > 6-2) " cat" (4 > 5-2) " dog" (3 > 6-4); with
+    presence_penalty 2, " cat" " dog" (5 > 4) then " cat" (4 > 3) for good. The prompt's three " cat"s counted would
+    start both with " dog"."""
+    cat, dog = penalty_tokens(server[1])
+    bias = {str(cat): 6, str(dog): 5}
+
+    def complete(**extra):
+        return client.completions.create(model=server[1], prompt=" cat cat cat", max_tokens=4, temperature=0,
+                                         logit_bias=bias, **extra).choices[0].text
+
+    assert complete() == complete() == " cat cat cat cat"
+    assert complete(frequency_penalty=2) == " cat dog cat dog"
+    assert complete(presence_penalty=2) == " cat dog cat cat"
+    assert complete(frequency_penalty=0, presence_penalty=0) == " cat cat cat cat"
+    # on the chat route, streamed or not, and on an adapter: a bias of 100 makes its token come out
+    ask = dict(messages=HELLO, max_tokens=3, temperature=0, logit_bias={str(dog): 100})
+    for model in (server[1], "my-adapter"):
+        assert client.chat.completions.create(model=model, **ask).choices[0].message.content == " dog" * 3
+    chunks = client.chat.completions.create(model="my-adapter", **ask, stream=True, frequency_penalty=-2)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " dog" * 3
+    ask["logit_bias"] = {str(cat): 6, str(dog): 5}
+    streamed = client.chat.completions.create(model=server[1], **ask, stream=True, presence_penalty=2)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == " cat dog cat"
+
+
+def sse(url: str, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed answer, as sent (before [DONE])."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_stream_chunks_carry_usage_as_openai_does(server):
+    """With stream_options.include_usage every chunk has "usage": null but the last, which has no choices and the
+    counts; without it no chunk has the field (OpenAI's ChatCompletionChunk.usage), on both routes."""
+    url = server[0]
+    for path, body in (("/v1/chat/completions", {"model": "my-adapter", "messages": HELLO, "max_tokens": 3}),
+                       ("/v1/completions", {"model": "my-adapter", "prompt": "Hello", "max_tokens": 3, "echo": True})):
+        chunks = sse(url, path, {**body, "stream_options": {"include_usage": True}})
+        *pieces, last = chunks
+        assert len(pieces) >= 3 and all("usage" in c and c["usage"] is None for c in pieces), (path, chunks)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3, (path, last)
+        chunks = sse(url, path, body)
+        assert chunks and not any("usage" in c for c in chunks), (path, chunks)
+        chunks = sse(url, path, {**body, "stream_options": {"include_usage": False}})
+        assert chunks and not any("usage" in c for c in chunks), (path, chunks)
+
+
+def test_a_character_cut_by_max_tokens_ends_as_decoded_streamed_or_not(client, server):
+    """A two-byte character whose second byte max_tokens cuts off: the text is what the tokens decode to (U+FFFD
+    for the half character, no byte made up), the same streamed and not, on both routes. logit_bias makes the
+    answer " cat" then the token of the byte 0xC3 (the first of "é"'s two)."""
+    from transformers import AutoTokenizer
+
+    cat, _ = penalty_tokens(server[1])
+    half = AutoTokenizer.from_pretrained(server[1]).convert_tokens_to_ids("Ã")  # byte-level BPE's name of byte 0xC3
+    ask = dict(max_tokens=2, temperature=0, logit_bias={str(cat): 6, str(half): 5}, frequency_penalty=2)
+    chat = client.chat.completions.create(model="my-adapter", messages=HELLO, **ask).choices[0].message.content
+    streamed = client.chat.completions.create(model="my-adapter", messages=HELLO, **ask, stream=True)
+    assert chat == "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == " cat\ufffd"
+    text = client.completions.create(model="my-adapter", prompt="Hello", **ask).choices[0].text
+    streamed = client.completions.create(model="my-adapter", prompt="Hello", **ask, stream=True)
+    assert text == "".join(c.choices[0].text for c in streamed if c.choices) == " cat\ufffd"
 
 
 def test_logprobs_cover_the_text_a_stop_string_cut(client, server):

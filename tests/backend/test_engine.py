@@ -221,6 +221,77 @@ def test_sampling_errors_name_the_option():
         make_sampling({}, {"top_p": 0})
     assert make_sampling({"temperature": 0.5}, {"temperature": 0}).greedy
     assert make_sampling({}, {"stop": "x"}).stop == ["x"]
+    with pytest.raises(ValueError, match="frequency_penalty: must be in"):
+        make_sampling({}, {"frequency_penalty": 2.5})
+    with pytest.raises(ValueError, match="logit_bias: key 'x' is not a token id"):
+        make_sampling({}, {"logit_bias": {"x": 1}})
+    with pytest.raises(ValueError, match="logit_bias: the bias of key '7' must be a number from -100 to 100"):
+        make_sampling({}, {"logit_bias": {"7": 101}})
+    assert make_sampling({}, {"logit_bias": {"7": 1, 8: -2.5}}).logit_bias == {7: 1.0, 8: -2.5}
+
+
+def test_token_penalties_count_the_answer_only_in_torch_and_in_numpy():
+    """batching.TokenPenalties (transformers) and llamacpp_model.LlamaTokenPenalties (llama.cpp) against OpenAI's
+    formula on made-up logits: token 3 generated three times and token 7 once (and twice in the prompt, which is not
+    counted); the counts kept across calls as the sequence grows give what one call on the whole sequence gives. A
+    request with no penalty and no bias gets no processor at all."""
+    import numpy as np
+    import torch
+
+    from backend.serving.batching import Job, TokenPenalties
+    from backend.serving.llamacpp_model import LlamaTokenPenalties
+
+    prompt, answer = [7, 5, 7], [3, 7, 3, 3]
+    logits = np.linspace(-1, 1, 10, dtype=np.float32)
+    want = logits.copy()
+    want[3] -= 3 * 0.5 + 1.5
+    want[7] -= 1 * 0.5 + 1.5
+    want[2] += 4
+    want[9] -= 100
+
+    def step(processor, ids):
+        return processor(torch.tensor([ids]), torch.tensor(logits)[None])[0].numpy()
+
+    growing = TokenPenalties(len(prompt), 0.5, 1.5, {2: 4, 9: -100})
+    for n in range(len(answer)):
+        step(growing, prompt + answer[:n])
+    assert np.allclose(step(growing, prompt + answer), want)
+    assert np.allclose(step(TokenPenalties(len(prompt), 0.5, 1.5, {2: 4, 9: -100}), prompt + answer), want)
+    llama = LlamaTokenPenalties(len(prompt), 0.5, 1.5, {2: 4, 9: -100}, 10)
+    for n in range(len(answer) + 1):
+        got = llama(np.array(prompt + answer[:n], dtype=np.intc), logits)
+    assert np.allclose(got, want)
+    job = Job(ids=prompt, state=None, activate=lambda: None, max_new_tokens=4, eos_ids=[], criteria=None)
+    assert len(job.processors()) == 0
+    job.logit_bias = {2: 0.0}
+    assert len(job.processors()) == 0
+    job.presence_penalty = -0.1
+    assert [type(p) for p in job.processors()] == [TokenPenalties]
+
+
+def test_penalties_and_logit_bias_are_the_same_batched_and_through_generate(qwen_engine):
+    """The batched path (qwen_engine's Batcher) and transformers' `generate` (an engine on the same model without a
+    batcher) apply logit_bias and the penalties alike, greedy (the answers OpenAI's arithmetic gives: see
+    test_api.test_logit_bias_and_the_penalties_apply_as_openai_defines_them) and seeded sampling; an id beyond the
+    vocabulary is refused naming the key."""
+    tok = qwen_engine.tokenizer
+    (cat,), (dog,) = tok(" cat", add_special_tokens=False).input_ids, tok(" dog", add_special_tokens=False).input_ids
+    plain = HFEngine("plain", qwen_engine.model, tok, qwen_engine.template, lock=qwen_engine.lock)
+    assert plain.batcher is None and qwen_engine.batcher is not None
+    bias = {cat: 6, dog: 5}
+    for engine in (qwen_engine, plain):
+        def text(**extra):
+            return engine.chat(" cat cat cat", max_new_tokens=4, temperature=0, logit_bias=bias, **extra).text
+
+        assert (text(), text(frequency_penalty=2), text(presence_penalty=2)) == \
+               (" cat cat cat cat", " cat dog cat dog", " cat dog cat cat"), engine
+    sampled = dict(max_new_tokens=12, do_sample=True, temperature=0.9, top_p=0.9, seed=11, frequency_penalty=1.5,
+                   presence_penalty=0.5, logit_bias={cat: 3, dog: 3})
+    batched, alone = qwen_engine.chat(HELLO, **sampled), plain.chat(HELLO, **sampled)
+    assert batched.token_ids == alone.token_ids
+    assert batched.text != qwen_engine.chat(HELLO, **{**sampled, "frequency_penalty": 0, "presence_penalty": 0}).text
+    with pytest.raises(ValueError, match=f"logit_bias: key '{len(tok)}' is not a token id of this model's"):
+        qwen_engine.chat(HELLO, max_new_tokens=1, logit_bias={str(len(tok)): 1})
 
 
 def test_vllm_falls_back_to_transformers_with_a_clear_message(tiny_qwen2):
@@ -305,3 +376,36 @@ def test_the_batch_loop_ends_at_close_and_when_idle(tiny_qwen2, monkeypatch):
     assert engine.chat(HELLO, max_new_tokens=4) == first  # a new loop, the same answer
     batcher.close()
     assert batcher._thread is None or not batcher._thread.is_alive()
+
+
+@pytest.mark.skipif(not __import__("backend.core.llamacpp", fromlist=["available"]).available(),
+                    reason="llama-cpp-python is not installed (make setup-gguf builds it)")
+def test_llama_cpp_applies_penalties_and_logit_bias_and_ends_a_cut_character_as_decoded():
+    """The llama.cpp engine (infer_backend llamacpp) on the bundled SmolLM2 GGUF: logit_bias 100 makes its token come
+    out; frequency_penalty 2 changes the model's repetitive greedy answer to "la la la la" (the same request without
+    it gives that answer again); a character max_tokens cuts ends the text as U+FFFD, what its token decodes to,
+    streamed or not (the held-back half character was dropped, with any text held with it)."""
+    from collections import Counter
+
+    from backend.core.paths import default_model_file
+    from backend.serving.engine import LlamaCppEngine
+
+    engines = load_engines(_spec(default_model_file(), "infer_backend=llamacpp"), log=lambda m: None)
+    engine = next(iter(engines.values()))
+    assert isinstance(engine, LlamaCppEngine)
+    tok = engine.tokenizer
+    (dog,), half = tok(" dog", add_special_tokens=False).input_ids, tok.convert_tokens_to_ids("Ã")
+    assert engine.chat("Hello", max_new_tokens=3, temperature=0, logit_bias={str(dog): 100}).text == " dog" * 3
+
+    repetitive = engine.chat("la la la la", max_new_tokens=8, temperature=0)
+    assert Counter(repetitive.token_ids).most_common(1)[0][1] >= 4, repetitive  # greedy, it repeats itself
+    assert engine.chat("la la la la", max_new_tokens=8, temperature=0).token_ids == repetitive.token_ids
+    penalised = engine.chat("la la la la", max_new_tokens=8, temperature=0, frequency_penalty=2)
+    assert penalised.text != repetitive.text
+    assert max(Counter(penalised.token_ids).values()) < max(Counter(repetitive.token_ids).values()), penalised
+
+    cut = engine.chat("Hello", max_new_tokens=1, temperature=0, logit_bias={str(half): 100})
+    stream = engine.stream("Hello", max_new_tokens=1, temperature=0, logit_bias={str(half): 100})
+    assert (cut.text, "".join(stream), cut.token_ids) == ("\ufffd", "\ufffd", [half])
+    with pytest.raises(ValueError, match=f"logit_bias: key '{engine.vocab_size}'"):
+        engine.chat("Hello", max_new_tokens=1, logit_bias={str(engine.vocab_size): 1})

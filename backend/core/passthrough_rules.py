@@ -198,13 +198,9 @@ def accelerator_config_problem(value: Any, check_files: bool = True) -> str | No
             value = as_mapping(value)
         except ValueError as exc:
             return str(exc)
-    if not isinstance(value, dict):
-        return (f"{where}a mapping of accelerate's settings ({', '.join(ACCELERATOR_CONFIG)}), the same as a JSON "
-                f"object, or the path of a JSON file holding one (got {_cut(value)})")
-    unknown = [key for key in value if key not in ACCELERATOR_CONFIG]
-    if unknown:
-        return f"{where}no setting {', '.join(map(repr, unknown))} (it takes {', '.join(ACCELERATOR_CONFIG)})"
-    return None
+    return _mapping_problem(value, ACCELERATOR_CONFIG, f"a mapping of accelerate's settings "
+                            f"({', '.join(ACCELERATOR_CONFIG)}), the same as a JSON object, or the path of a JSON file "
+                            "holding one", "no setting", where)
 
 
 def checkpoint_kwargs_problem(value: Any) -> str | None:
@@ -213,12 +209,18 @@ def checkpoint_kwargs_problem(value: Any) -> str | None:
         value = as_mapping(value)
     except ValueError as exc:
         return str(exc)
+    return _mapping_problem(value, CHECKPOINT_KWARGS, "a mapping of torch.utils.checkpoint's arguments, e.g. "
+                            "{\"use_reentrant\": false}", "takes no")
+
+
+def _mapping_problem(value: Any, takes: tuple[str, ...], wanted: str, unknown_words: str,
+                     where: str = "") -> str | None:
+    """Why `value` is not a mapping of some of the keys `takes` (`wanted` says what it should be), or None."""
     if not isinstance(value, dict):
-        return (f"a mapping of torch.utils.checkpoint's arguments, e.g. {{\"use_reentrant\": false}} (got "
-                f"{_cut(value)})")
-    unknown = [key for key in value if key not in CHECKPOINT_KWARGS]
+        return f"{where}{wanted} (got {_cut(value)})"
+    unknown = [key for key in value if key not in takes]
     if unknown:
-        return f"takes no {', '.join(map(repr, unknown))} (it takes {', '.join(CHECKPOINT_KWARGS)})"
+        return f"{where}{unknown_words} {', '.join(map(repr, unknown))} (it takes {', '.join(takes)})"
     return None
 
 

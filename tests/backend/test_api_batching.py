@@ -32,6 +32,22 @@ def batching(url: str, model: str) -> dict:
     return httpx.get(url + "/health").json()["batching"][model]
 
 
+def beside_a_long_stream(client, model: str, ask, names, max_tokens: int) -> tuple[dict, str]:
+    """Start a long greedy stream, ask `ask(name, out)` for each name from threads once it is generating, then read
+    the stream to its end: (the answers, the stream's text)."""
+    together: dict = {}
+    chunks = iter(client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                            stop=NEVER, stream=True))
+    pieces = [next(chunks).choices[0].text for _ in range(3)]  # the long one is generating
+    askers = [threading.Thread(target=ask, args=(name, together)) for name in names]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(timeout=300)
+    pieces += [c.choices[0].text for c in chunks if c.choices]
+    return together, "".join(pieces)
+
+
 def test_concurrent_requests_share_a_batch_and_answer_as_alone(batch_server):
     url, model = batch_server
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
@@ -48,20 +64,10 @@ def test_concurrent_requests_share_a_batch_and_answer_as_alone(batch_server):
         ask(name, alone)
     assert batching(url, model)["batched_steps"] == 0  # one at a time: never more than one in the batch
 
-    together: dict = {}
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG, temperature=0, stop=NEVER,
-                                       stream=True)
-    chunks = iter(stream)
-    pieces = [next(chunks).choices[0].text for _ in range(3)]  # the long one is generating
-    askers = [threading.Thread(target=ask, args=(name, together)) for name in asks]
-    for t in askers:
-        t.start()
-    for t in askers:
-        t.join(timeout=300)
-    pieces += [c.choices[0].text for c in chunks if c.choices]
+    together, streamed = beside_a_long_stream(client, model, ask, asks, LONG)
     stats = batching(url, model)
     assert together == alone, (together, alone)
-    assert "".join(pieces) == long_alone
+    assert streamed == long_alone
     assert stats["batched_steps"] > 0 and stats["max_batch"] >= 2, stats
 
 
@@ -89,19 +95,10 @@ def test_requests_batched_together_each_get_their_own_penalties(batch_server):
     before = batching(url, model)
     long_alone = client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG // 4, temperature=0,
                                            stop=NEVER).choices[0].text
-    together: dict = {}
-    chunks = iter(client.completions.create(model=model, prompt=PROMPT, max_tokens=LONG // 4, temperature=0,
-                                            stop=NEVER, stream=True))
-    pieces = [next(chunks).choices[0].text for _ in range(3)]  # the long one is generating
-    askers = [threading.Thread(target=ask, args=(name, together)) for name in asks]
-    for t in askers:
-        t.start()
-    for t in askers:
-        t.join(timeout=300)
-    pieces += [c.choices[0].text for c in chunks if c.choices]
+    together, streamed = beside_a_long_stream(client, model, ask, asks, LONG // 4)
     after = batching(url, model)
     assert together == alone, (together, alone)
-    assert "".join(pieces) == long_alone
+    assert streamed == long_alone
     assert after["batched_steps"] > before["batched_steps"], (before, after)
 
 

@@ -219,6 +219,8 @@ def progress(records: list[dict], status: dict, now: float | None = None) -> dic
         end = finished if finished else (now if now is not None else datetime.now().timestamp())
         if status.get("state") in ("running", "pending") or finished:
             elapsed = max(elapsed or 0.0, end - started)
+    if elapsed is not None:  # a resumed run: the time of its earlier processes too (backend.core.rundir.run_seconds)
+        elapsed += _num(status.get("earlier_s")) or 0.0
     eta = _num(last.get("eta_s"))
     if eta is None and total and step and elapsed:
         eta = elapsed / step * max(total - step, 0)
@@ -362,6 +364,19 @@ def progress_html(p: dict, state: str, run_name: str = "", phase_text: str = "",
 METRIC_NAMES = {"final_loss": "final loss (last logged)", "smoothed_loss": "smoothed loss (the plot's curve, last point)",
                 "min_loss": "lowest logged loss", "train_loss": "mean train loss (whole run)"}
 LOSS_FIRST = ("final_loss", "smoothed_loss", "min_loss")  # the summary's first rows, in this order
+# the HF Trainer's timings cover the steps of the process that ended the run: after a resume, those past it alone
+LAST_PROCESS_ONLY = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def metric_name(key: str, status: dict) -> str:
+    """A final metric's row name: what it is, and for a resumed run's timings which steps they cover."""
+    name = METRIC_NAMES.get(key, key)
+    resumed = [r for r in status.get("resumed_at") or () if isinstance(r, int)]
+    if key in LAST_PROCESS_ONLY and resumed:
+        last = (status.get("final_metrics") or {}).get("global_step") or status.get("step")
+        steps = f"steps {resumed[-1] + 1}-{last}" if isinstance(last, int) else f"the steps after step {resumed[-1]}"
+        name += f" ({steps} only: resumed at step {resumed[-1]})"
+    return name
 
 
 def final_metrics_md(status: dict) -> str:
@@ -375,6 +390,6 @@ def final_metrics_md(status: dict) -> str:
         lines.append("| metric | value |\n|---|---|")
         # the last logged loss first; the trainer's train_loss is the mean over the run, and says so
         for k in sorted(metrics, key=lambda k: LOSS_FIRST.index(k) if k in LOSS_FIRST else len(LOSS_FIRST)):
-            v, name = metrics[k], METRIC_NAMES.get(k, k)
+            v, name = metrics[k], metric_name(k, status)
             lines.append(f"| {name} | {v:.6g} |" if isinstance(v, float) else f"| {name} | {v} |")
     return "\n".join(lines)

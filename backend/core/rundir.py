@@ -113,6 +113,37 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _time(value: Any) -> float | None:
+    try:
+        return datetime.fromisoformat(value).timestamp() if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def earlier_time(status: dict) -> tuple[float, str | None]:
+    """(seconds the processes of a run ran before this one, when the first of them started), from the status the
+    last of them left: its own start to its end (or its last update, when it died without one) plus its
+    "earlier_s". What status.json's earlier_s and run_started_at hold once a resumed run starts."""
+    started, ended = _time(status.get("started_at")), _time(status.get("finished_at") or status.get("updated_at"))
+    ran = max(ended - started, 0.0) if started is not None and ended is not None else 0.0
+    return _earlier_s(status) + ran, status.get("run_started_at") or status.get("started_at")
+
+
+def run_seconds(status: dict, now: float | None = None) -> float | None:
+    """How long a run's processes have run, all of them (a resumed run's earlier ones too): status.json's
+    earlier_s plus this process's start to its end (`now`, else the last update, while it runs). None without a start."""
+    started = _time(status.get("started_at"))
+    ended = _time(status.get("finished_at")) or now or _time(status.get("updated_at"))
+    if started is None or ended is None:
+        return None
+    return _earlier_s(status) + max(ended - started, 0.0)
+
+
+def _earlier_s(status: dict) -> float:
+    value = status.get("earlier_s")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0.0
+
+
 def supervisor_pid() -> int | None:
     """The pid of the supervising `tuneboard train` parent when this process is its training child, else None."""
     value = os.environ.get(SUPERVISOR_PID_ENV, "")
@@ -361,16 +392,21 @@ class RunDir:
         if self.writer:
             write_json_atomic(self.path / STATUS_FILE, self.status, mkdir=False)
 
-    def start(self) -> None:
+    def start(self, continues: bool = False) -> None:
+        """This process's run begins: status "running". `continues`: it resumes the run in this folder
+        (resume_from_checkpoint), so the run's time covers its earlier processes too (earlier_s, run_started_at)."""
         self.clear_stale_stop()
-        self.status.pop("ended_by", None)  # a status the watcher wrote for an earlier process
-        self.status.pop("tokenizing", None)  # an earlier process's tokenizing progress
+        earlier_s, run_started_at = earlier_time(self.status) if continues else (0.0, None)
+        for key in ("ended_by", "tokenizing", "final_metrics"):  # an earlier process's: the watcher's status,
+            self.status.pop(key, None)                            # its tokenizing progress, its summary
+        now = now_iso()
         # pid: the process the UI launched and stops (its group), the supervising parent when there is one;
         # train_pid: this process, which trains
         self.update_status(
             state="running", pid=supervisor_pid() or os.getpid(), train_pid=os.getpid(), exit_code=None, error=None,
-            warnings=[], started_at=now_iso(), finished_at=None, step=0, total_steps=None,
-            phase=PHASE_LOADING, phase_started={PHASE_LOADING: now_iso()},
+            warnings=[], started_at=now, finished_at=None, step=0, total_steps=None,
+            phase=PHASE_LOADING, phase_started={PHASE_LOADING: now},
+            earlier_s=earlier_s, run_started_at=run_started_at or now,
         )
         _tell_supervisor(self.path)
 

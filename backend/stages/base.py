@@ -24,6 +24,7 @@ from backend.core.trackers import point_trackers_at, tracker_names
 from backend.training.plot import plot_loss
 from backend.dataprep.preprocess import PackedCollator, PaddingCollator, PaddingFreeCollator, pack_rows
 from backend.dataprep.resolve import pick_template
+from backend.core.atomic import read_json_dict, write_text_atomic
 from backend.core.rundir import (CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PREDICTIONS_FILE, ResumeError, RunDir,
                             checkpoint_step, resume_choice)
 from backend.stages import get_stage
@@ -124,18 +125,53 @@ def resume_checkpoint(spec, out: Path, log=print) -> str | None:
 
 
 def trim_log_to(out: Path, step: int) -> None:
-    """On resume, drop log lines past the checkpoint so the curve has no duplicate steps."""
+    """On resume, drop log lines past the checkpoint so the curve has no duplicate steps. The trimmed log
+    replaces the file (a new inode), so a tailer reading it starts over even when the resumed steps have grown
+    it past where it had read by its next look (webui/tailer.py)."""
     log = out / LOG_FILE
     if not log.exists():
         return
+    lines = log.read_text(encoding="utf-8").splitlines()
     kept = []
-    for line in log.read_text(encoding="utf-8").splitlines():
+    for line in lines:
         try:
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line)
-        except ValueError:
+        except (ValueError, AttributeError):
             continue
-    log.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    if kept != lines:
+        write_text_atomic(log, "".join(k + "\n" for k in kept), mkdir=False)
+
+
+def resumed_step(checkpoint: str | Path) -> int:
+    """The optimizer step a checkpoint holds: its checkpoint-N name, else its trainer_state.json's global_step."""
+    step = checkpoint_step(Path(checkpoint))
+    if step is None:
+        state = read_json_dict(Path(checkpoint) / CHECKPOINT_COMPLETE_MARKER) or {}
+        step = state.get("global_step") if isinstance(state.get("global_step"), int) else 0
+    return step
+
+
+def resume_steps(earlier, step: int) -> list[int]:
+    """status.json's resumed_at once the run resumes at `step`: the earlier resumes before it, then `step` (a
+    resume from an older checkpoint drops the resumes past it, as its log drops the steps past it)."""
+    return [r for r in earlier or () if isinstance(r, int) and not isinstance(r, bool) and r < step] + [step]
+
+
+def mean_train_loss(log_history: list[dict], resumed_at: list[int]) -> float | None:
+    """The mean training loss over every step the logged losses cover, before and after each resume (the
+    steps `resumed_at` lists): a logged loss is the mean over the steps since the one logged before it, or
+    since the resume between them (a resumed Trainer counts from its checkpoint's step), and weighs as many
+    steps. The HF Trainer's train_loss after a resume covers the resumed steps alone."""
+    total = steps = 0.0
+    last = 0
+    for row in sorted((h for h in log_history if isinstance(h.get("loss"), (int, float))), key=lambda h: h["step"]):
+        since = max([last] + [r for r in resumed_at if r < row["step"]])
+        if row["step"] > since:
+            total += row["loss"] * (row["step"] - since)
+            steps += row["step"] - since
+        last = row["step"]
+    return total / steps if steps else None
 
 
 # Same setting, older/newer name: the spec's table is read from one transformers release.
@@ -273,10 +309,13 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     save_checkpoints_atomically(trainer)
     if run_dir.writer:
         remove_staged_checkpoints(out, log=run_dir.log)
+    # the steps this run was resumed at (status.json resumed_at; the checkpoint's own history names the steps
+    # before it): what the whole run's train_loss weighs by, and what the summary says its timings cover
+    resumed_at = resume_steps(run_dir.status.get("resumed_at"), resumed_step(checkpoint)) if checkpoint else []
+    run_dir.update_status(resumed_at=resumed_at)
     if checkpoint:
-        step = int(Path(checkpoint).name.split("-")[-1]) if "-" in Path(checkpoint).name else 0
         if run_dir.writer:
-            trim_log_to(out, step)
+            trim_log_to(out, resumed_at[-1])
         run_dir.log(f"resuming from {checkpoint}" + (": the stream's batches of the steps trained are read again and "
                     "skipped (same files, seed and buffer: the same order), so it continues at its next row"
                     if getattr(spec, "streaming", False) and not args.ignore_data_skip else ""))
@@ -297,6 +336,13 @@ def fit(spec, run_dir: RunDir, stop, *, model, tokenizer, train_dataset, collato
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
     metrics["global_step"] = trainer.state.global_step
     metrics.update(loss_summary([h["loss"] for h in trainer.state.log_history if "loss" in h]))
+    if resumed_at:  # the Trainer's train_loss and timings cover this process's steps alone
+        whole = mean_train_loss(trainer.state.log_history, resumed_at)
+        if whole is not None:
+            metrics["train_loss"] = whole
+        run_dir.log(f"resumed at step {resumed_at[-1]}: train_loss and the loss summary cover every logged step; "
+                    f"train_runtime, train_samples_per_second and train_steps_per_second cover steps "
+                    f"{resumed_at[-1] + 1}-{trainer.state.global_step} only")
     if eval_dataset is not None and not callback.stop_reason:
         step = trainer.state.global_step
         done = [h for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == step]

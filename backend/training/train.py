@@ -227,7 +227,7 @@ def run(spec, args: list[str] | None = None) -> int:
     try:
         out = prepare_output_dir(spec)
         run_dir = RunDir(out)
-        run_dir.start()
+        run_dir.start(continues=bool(spec.resume_from_checkpoint))  # a resume: its time counts on
     except RunError as exc:
         print(f"error: {exc}", flush=True)
         return EXIT_FAILED

@@ -2,7 +2,8 @@
 
 - one spec and seed give one run: two runs log the same losses and grad norms, step for step (the LoRA
   weights used to be drawn before any seed was set);
-- a run stopped with the STOP file at step 3 and resumed gives the same steps as the run never stopped,
+- a run stopped with the STOP file at step 3 and resumed gives the same steps as the run never stopped, and the
+  same summary (mean train loss over all its steps, not the resumed ones alone; its time counts both processes),
   and the resume does not stop again at once on the STOP file the abort left behind;
 - a run killed with SIGKILL mid-training is marked failed by the launcher, with the signal and the step;
 - a run whose checkpoint save hits a full disk ends `failed` naming the checkpoint, leaves no .tmp file,
@@ -19,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -27,7 +29,8 @@ import pytest
 from backend.core.paths import REPO_ROOT
 from backend.core.rundir import is_complete_checkpoint, read_status
 from waiting import wait_for
-from webui import jobs
+from webui import jobs, live
+from webui.tabs import runs
 
 pytestmark = pytest.mark.slow
 HOOKS = str(Path(__file__).with_name("train_with_hooks.py"))
@@ -70,11 +73,28 @@ def test_same_spec_same_run_and_a_stopped_run_resumes_into_the_same_run(tiny_lla
     assert proc.returncode == 130, output(proc)
     assert read_status(stopped)["state"] == "aborted" and read_status(stopped)["step"] == 3
     assert (stopped / "STOP").exists() and (stopped / "checkpoint-3" / "trainer_state.json").is_file()
+    before = read_status(stopped)
     proc = train(*tiny_args(tiny_llama, stopped, "resume_from_checkpoint=true"))
     assert proc.returncode == 0, output(proc)  # it used to abort again at once on the old STOP file
     assert read_status(stopped)["state"] == "completed" and not (stopped / "STOP").exists()
     assert steps(stopped) == steps(first)  # step for step the run that was never stopped
     assert "removed the STOP file left by an earlier stop" in (stopped / "running_log.txt").read_text()
+
+    # its summary is the whole run's, as the never-stopped run's: the Trainer's own train_loss after a resume was the
+    # mean of steps 4-6 alone
+    resumed, whole = read_status(stopped), read_status(first)
+    assert resumed["resumed_at"] == [3] and whole["resumed_at"] == []
+    for key in ("train_loss", "final_loss", "smoothed_loss", "min_loss", "global_step", "num_input_tokens_seen", "epoch"):
+        assert resumed["final_metrics"][key] == pytest.approx(whole["final_metrics"][key], rel=1e-6), key
+    # its time counts the stopped process too, from its first start (the Runs table's duration and started)
+    took = [(datetime.fromisoformat(st["finished_at"]) - datetime.fromisoformat(st["started_at"])).total_seconds()
+            for st in (before, resumed)]
+    assert resumed["run_started_at"] == before["started_at"] and resumed["earlier_s"] == took[0]
+    row = next(r for r in runs.run_rows(tmp_path) if r["name"] == "stopped")
+    assert row["duration"] == live.fmt_duration(sum(took))
+    assert row["started"] == datetime.fromisoformat(before["started_at"]).astimezone().strftime("%Y-%m-%d %H:%M")
+    # the Trainer's timings cover the resumed steps alone: the summary says so
+    assert "| train_runtime (steps 4-6 only: resumed at step 3) |" in live.final_metrics_md(resumed)
 
 
 def test_a_run_killed_with_sigkill_is_marked_failed_with_the_signal_and_step(tiny_llama, tmp_path):

@@ -15,7 +15,7 @@ import pandas as pd
 from backend.core import paths
 from backend.core.curves import loss_summary
 from backend.core.methods import method
-from backend.core.rundir import ACTIVE_STATES, LOG_FILE
+from backend.core.rundir import ACTIVE_STATES, LOG_FILE, run_seconds
 from backend.core.spec import SpecError, load_spec, validate_spec
 from backend.stages import get_stage, stages_with_data
 from backend.core.trackers import local_logs
@@ -52,7 +52,8 @@ def run_rows(root: Path | None = None) -> list[dict]:
     for r in jobs.list_runs(root):
         st = r.state.status
         losses = loss_numbers(r.run_dir, st)
-        start, end = _time(st.get("started_at")), _time(st.get("finished_at") or st.get("updated_at"))
+        start = _time(st.get("run_started_at") or st.get("started_at"))  # a resumed run: its first start
+        took = run_seconds(st)  # a resumed run: its earlier processes too
         total = st.get("total_steps")
         rows.append({
             "name": r.name, "stage": r.spec.get("stage", "sft"),
@@ -60,7 +61,7 @@ def run_rows(root: Path | None = None) -> list[dict]:
             "dataset": r.spec.get("dataset", ""), "method": r.spec.get("finetuning_type", "lora"),
             "status": r.state.state, "steps": f"{st.get('step', 0) or 0}/{total}" if total else str(st.get("step", "")),
             **{col: f"{losses[key]:.4f}" if key in losses else "" for col, key in LOSS_COLUMNS.items()},
-            "duration": live.fmt_duration(end - start) if start and end else "",
+            "duration": live.fmt_duration(took) if took is not None else "",
             "started": datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M") if start else "",
             "run_dir": r.run_dir})
     return rows

@@ -175,6 +175,27 @@ def diverged_message(args, state, out: Path, first: int, at: int, loss: float | 
             f"checkpoint, no final weights). Try {tips}. {kept}")
 
 
+def schedule_from_resume(step: int, optimizer, scheduler, log=print) -> None:
+    """A resumed run's first step at the learning rate its schedule gives there. The checkpoint's optimizer holds the
+    rate of its last step, right for a plain resume, but a run continued past its end (the Runs tab's "Continue N
+    more steps": resume with a larger max_steps) stretches the schedule over the new total, and its first step trained
+    at the old schedule's last rate (0.0 for a cosine or linear decay: a wasted step, then a jump). A schedule of
+    lambdas (every transformers schedule but reduce_lr_on_plateau) is evaluated at its restored position; a plain
+    resume finds the same rate and changes nothing."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if optimizer is None or not lambdas or len(lambdas) != len(optimizer.param_groups):
+        return
+    rates = [base * lam(scheduler.last_epoch) for base, lam in zip(scheduler.base_lrs, lambdas)]
+    held = [group["lr"] for group in optimizer.param_groups]
+    if all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(rates, held)):
+        return
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)
+    log(f"resumed at step {step} with a longer schedule than the checkpoint's: step {step + 1} trains at the new "
+        f"schedule's learning rate, {rates[0]:.3g} (the checkpoint held {held[0]:.3g}, its old schedule's last)")
+
+
 class RunDirCallback(TrainerCallback):
     """Writes trainer_log.jsonl (one line per logging step), status.json progress and log lines; stops the run
     (TrainingDiverged) at the first NaN/inf loss or gradient norm, before anything is saved after it."""
@@ -194,7 +215,9 @@ class RunDirCallback(TrainerCallback):
         """A key the stage declares (a `rewards/*` pattern covers rewards/<name>/mean, ...)."""
         return any(matches(key, pattern) for pattern in self.metric_keys)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if state.global_step > 0:
+            schedule_from_resume(state.global_step, optimizer, lr_scheduler, self.run_dir.log)
         self._t0 = time.time()
         self._tokens0 = state.num_input_tokens_seen or 0
         self._step0 = self._logged_step = state.global_step

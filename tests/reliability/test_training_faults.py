@@ -97,6 +97,32 @@ def test_same_spec_same_run_and_a_stopped_run_resumes_into_the_same_run(tiny_lla
     assert "| train_runtime (steps 4-6 only: resumed at step 3) |" in live.final_metrics_md(resumed)
 
 
+def test_a_run_continued_past_its_end_trains_its_next_step_on_the_longer_schedule(tiny_llama, tmp_path):
+    """The Runs tab's "Continue N more steps" resumes a finished run with a larger max_steps: its first new step
+    trained at the checkpoint's last rate (0.0 for a cosine decay: a wasted step, then a jump up); it trains at
+    the longer schedule's rate there, as every later step already did."""
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    run = tmp_path / "continued"
+    proc = train(*tiny_args(tiny_llama, run, "max_steps=2", "save_steps=2"))
+    assert proc.returncode == 0, output(proc)
+    proc = train(*tiny_args(tiny_llama, run, "max_steps=4", "save_steps=2", "resume_from_checkpoint=true"))
+    assert proc.returncode == 0, output(proc)
+
+    def planned(total: int) -> list[float]:  # the rate of each step of a cosine schedule over `total` steps
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
+        schedule, rates = get_cosine_schedule_with_warmup(optimizer, 0, total), []
+        for _ in range(total):
+            rates.append(schedule.get_last_lr()[0])
+            optimizer.step()
+            schedule.step()
+        return rates
+
+    assert [s[3] for s in steps(run)] == pytest.approx(planned(2) + planned(4)[2:])
+    assert "with a longer schedule than the checkpoint's: step 3 trains at" in (run / "running_log.txt").read_text()
+
+
 def test_a_run_killed_with_sigkill_is_marked_failed_with_the_signal_and_step(tiny_llama, tmp_path):
     run = tmp_path / "killed"
     spec = jobs.write_spec_yaml(run, "\n".join(a.replace("=", ": ", 1) for a in tiny_args(tiny_llama, run)) + "\n")

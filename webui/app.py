@@ -61,6 +61,18 @@ def _header_html(tagline: str) -> str:
     )
 
 
+# the localStorage key of the page's language (and the BrowserState's secret: its value reaches the page in the
+# app's config either way, and a fixed one keeps the choice readable after the UI restarts)
+LANG_STORAGE_KEY = "tuneboard-lang"
+
+
+def restore_lang(saved):
+    """A page opens: the top bar's language becomes the one its browser picked last (a gr.BrowserState); no change
+    for one it never picked (English) or a value that names no language. Inputs: the stored language. Outputs:
+    language."""
+    return saved if saved in LANGS and saved != "en" else gr.skip()
+
+
 # The model box shows its whole value: the bundled model's label ("HuggingFaceTB/SmolLM2-135M-Instruct · bundled
 # Q4_1 GGUF") is about 460 px wide; on a narrower page the bar wraps rather than cut it.
 MODEL_BOX_MIN_WIDTH = 500
@@ -161,30 +173,38 @@ def create_app() -> gr.Blocks:
         top["lang"].change(train_tab.adapter_picker_update, [top["lang"]], [top["adapter_name_or_path"]],
                            show_progress="hidden")
 
-        def on_load(request: gr.Request, st, export_st, eval_st):
+        def on_load(request: gr.Request, st, export_st, eval_st, lang="en"):
             """Re-attach to the newest live run (page reload or UI restart), and the Export and Evaluate tabs
-            to their newest job (tools.find_job: running, or ended within the last hour). Inputs: train
-            state, export state, eval state. Outputs: train state, train timer, then for Export and for
-            Evaluate: state, message, timer. Touches nothing of a tab when there is nothing to attach or
-            its state already holds a job: a Start clicked while this handler was still on its way must
-            keep its state and running timer (answering "nothing attached, timer off" here once raced
-            with Start and left the live view frozen)."""
+            to their newest job (tools.find_job: running, or ended within the last hour), their messages in the
+            browser's language. Inputs: train state, export state, eval state, the stored language. Outputs: train
+            state, train timer, then for Export and for Evaluate: state, message, timer. Touches nothing of a
+            tab when there is nothing to attach or its state already holds a job: a Start clicked while this
+            handler was still on its way must keep its state and running timer (answering "nothing attached,
+            timer off" here once raced with Start and left the live view frozen)."""
             train_out = (gr.skip(), gr.skip())
             form = [gr.skip()] * (1 + len(form_inputs))
             if not (st or {}).get("run_dir"):
                 run_dir = jobs.find_active_run()
                 if run_dir is not None:
                     train_out = (train_tab.attach(run_dir), gr.Timer(active=True))
-                    message, values = train_tab.attached_form(run_dir)
+                    message, values = train_tab.attached_form(run_dir, lang)
                     form = [message, *(values or [gr.skip()] * len(form_inputs))]
-            return (*train_out, *form, *reattach_tool(export_tab, "export", (export_st or {}).get("job"), request),
-                    *reattach_tool(eval_tab, "eval", (eval_st or {}).get("parts"), request))
+            return (*train_out, *form,
+                    *reattach_tool(export_tab, "export", (export_st or {}).get("job"), request, lang),
+                    *reattach_tool(eval_tab, "eval", (eval_st or {}).get("parts"), request, lang))
 
+        # the page's language, kept in the browser's localStorage (outside the tabs, as the Chat tab's browser id
+        # below): a pick is stored; a page that opens sets the top bar's dropdown to it, and that change relabels
+        # the page as a switch by hand does (the top["lang"].change handlers). The re-attach handlers below read it
+        # too: they run beside that change, before the dropdown holds it. A first visit stores nothing: English.
+        saved_lang = gr.BrowserState("en", storage_key=LANG_STORAGE_KEY, secret=LANG_STORAGE_KEY)
+        top["lang"].input(lambda lang: lang, [top["lang"]], [saved_lang], show_progress="hidden")
+        demo.load(restore_lang, [saved_lang], [top["lang"]], show_progress="hidden")
         # the form's inputs, in train_tab.spec_to_inputs order: top bar, booster, extra args, form fields
         form_inputs = inputs_of(top, train)
-        demo.load(distill_tab.on_load, [distill["state"], top["lang"]],
+        demo.load(distill_tab.on_load, [distill["state"], saved_lang],
                   [distill["state"], distill["message"], distill["timer"]])
-        demo.load(on_load, [state, export["state"], evaluate["state"]],
+        demo.load(on_load, [state, export["state"], evaluate["state"], saved_lang],
                   [state, train["timer"], train["message"], *form_inputs, export["state"], export["message"],
                    export["timer"], evaluate["state"], evaluate["message"], evaluate["timer"]])
         # the Chat tab's server outlives a page reload (webui/chat_servers.py): the browser's id, kept in its
@@ -192,7 +212,7 @@ def create_app() -> gr.Blocks:
         # components reads or writes the browser's storage); no concurrency limit: a page waiting for its
         # browser's server to load holds up no other page
         chat, browser = ctx.tab("chat"), gr.BrowserState("", storage_key=chat_servers.STORAGE_KEY)
-        demo.load(chat_tab.reattach, [browser, chat["state"], top["lang"]],
+        demo.load(chat_tab.reattach, [browser, chat["state"], saved_lang],
                   [browser, chat["state"], chat["status"], chat["compare"], chat["compare_with"], chat["llamacpp"],
                    chat["chat_a"], chat["chat_b"]], concurrency_limit=None)
         demo.unload(chat_tab.page_closed)
@@ -200,10 +220,10 @@ def create_app() -> gr.Blocks:
     return demo
 
 
-def reattach_tool(tab, kind: str, busy, request=None) -> tuple:
+def reattach_tool(tab, kind: str, busy, request=None, lang: str = "en") -> tuple:
     """(state, message, timer) that re-attach an Export/Evaluate tab (`tab`: its module) to the job
-    tools.find_job(kind) picks; three skips when `busy` (the tab's state already holds a job), when there
-    is no job to attach, or when a Start on the page got there first (webui.page_jobs)."""
+    tools.find_job(kind) picks, the message in `lang`; three skips when `busy` (the tab's state already holds
+    a job), when there is no job to attach, or when a Start on the page got there first (webui.page_jobs)."""
     skip = (gr.skip(), gr.skip(), gr.skip())
     if busy:
         return skip
@@ -215,7 +235,7 @@ def reattach_tool(tab, kind: str, busy, request=None) -> tuple:
         return skip
     if not page_jobs.show(kind, request, page_jobs.job_of(st), first=True):
         return skip
-    return st, tab.attached_message(st), gr.Timer(active=True)
+    return st, tab.attached_message(st, lang), gr.Timer(active=True)
 
 
 # The log boxes (class tb-log) follow their end as lines arrive, unless the user scrolled up to read: the

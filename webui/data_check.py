@@ -32,7 +32,7 @@ from backend.core.atomic import read_json_dict, write_json_atomic, write_text_at
 from backend.core.dataset_info import DatasetError, read_dataset_info, resolve_dataset_dir
 from backend.core.tokenized import data_files, file_state
 from webui import jobs
-from webui.i18n import tr
+from webui.i18n import has, tr
 
 MAX_ROWS = 2000  # rows of each dataset the pre-flight lints
 WAIT_S = 15.0  # the longest a Start waits for a lint that is still running
@@ -177,10 +177,25 @@ def summary_md(found: dict | None, lang: str = "en") -> str:
     if rows:
         text += " " + tr(lang, "pf.lint_rows", rows=rows)
     icon = {"error": "✖", "warning": "⚠"}
-    lines = [f"{icon[f['severity']]} <b>{html.escape(str(f.get('check')))}</b>: {html.escape(str(f.get('message')))}"
-             for f in worst[:WORST]]
+    lines = []
+    for f in worst[:WORST]:
+        check, summary = finding_words(f, lang)
+        lines.append(f"{icon[f['severity']]} <b>{html.escape(check)}</b>: {html.escape(summary)}")
     return f'<span class="tb-mem-warn" id="train-data-check">{text}<br>{"<br>".join(lines)}<br>' \
            f'{tr(lang, "pf.lint_more")}</span>'
+
+
+def finding_words(f: dict, lang: str = "en") -> tuple[str, str]:
+    """(check, what it found) of one lint finding in `lang`, from the lint JSON's fields: the check's name by its id
+    (locale key `lint.<check>`), and its summary by the id and severity (`lint.msg.<check>`, the row count as {n}).
+    English keeps the lint's own message, figures and all (its shares, cutoff_len, scripts are in no field of their
+    own); so does a check without a translated summary (the template check: its message is the template picker's)."""
+    check, message = str(f.get("check")), str(f.get("message"))
+    name = tr(lang, f"lint.{check}") if has(f"lint.{check}") else check
+    key = f"lint.msg.{check}" + ("_missing" if check == "pt_eos" and f.get("severity") == "error" else "")
+    if lang in (None, "en") or not has(key):
+        return name, message
+    return name, tr(lang, key, n=f.get("count", len(f.get("rows") or [])))
 
 
 def pending_md(found: dict | None, lang: str = "en") -> str:

@@ -18,9 +18,15 @@ LANG_NAMES = {"en": "English", "zh": "简体中文", "ja": "日本語", "ko": "�
               "de": "Deutsch", "fr": "Français", "es": "Español"}
 
 
+def strings(lang) -> dict[str, str]:
+    """The string table of one language; {} for a value that names none of LANGS (the language a browser keeps in
+    its localStorage reaches the handlers as the browser has it)."""
+    return _strings(lang) if lang in LANGS else {}
+
+
 @functools.lru_cache(maxsize=None)
-def strings(lang: str) -> dict[str, str]:
-    """The string table of one language (read once per process; the files ship with the code)."""
+def _strings(lang: str) -> dict[str, str]:
+    """The string table of one of LANGS (read once per process; the files ship with the code)."""
     path = LOCALES_DIR / f"{lang}.yaml"
     if not path.is_file():
         return {}
@@ -31,9 +37,14 @@ def strings(lang: str) -> dict[str, str]:
 FIELDS_DIR = LOCALES_DIR / "fields"
 
 
+def field_strings(lang) -> dict[str, str]:
+    """The field help table of one language ({} for English, a language without a file and a value that names
+    none of LANGS)."""
+    return _field_strings(lang) if lang in LANGS else {}
+
+
 @functools.lru_cache(maxsize=None)
-def field_strings(lang: str) -> dict[str, str]:
-    """The field help table of one language ({} for English and for a language without a file)."""
+def _field_strings(lang: str) -> dict[str, str]:
     path = FIELDS_DIR / f"{lang}.yaml"
     if not path.is_file():
         return {}

@@ -30,6 +30,7 @@ from backend.core.rundir import EVAL_RESULTS_FILE, EXPORT_REPORT_FILE, PREDICTIO
 from webui import jobs
 from backend.core.rundir import reward_model_folder
 from webui.choices import dataset_info
+from webui.i18n import has, tr
 from webui.live import state_word
 
 TOOLS_DIRNAME = ".tools"
@@ -205,26 +206,51 @@ def export_outcome(lines: list[str]) -> tuple[str | None, str]:
     return None, ""
 
 
+def export_outcome_words(outcome: str | None, line: str, lang: str = "en") -> str:
+    """export_outcome's line in `lang`: its `export PASSED` / `export FAILED` word translated (`export.passed`,
+    `export.failed`), what follows it as the export wrote it."""
+    if outcome not in ("passed", "failed") or lang in (None, "en"):
+        return line
+    detail = line.removeprefix(f"export {outcome.upper()}").lstrip(" :")
+    return tr(lang, f"export.{outcome}", detail=detail)
+
+
 def read_report(export_dir: str | Path | None) -> dict:
     return jobs.read_json(Path(export_dir) / EXPORT_REPORT) if export_dir else {}
 
 
-def checks_rows(report: dict, lines: list[str] | None = None) -> list[list]:
+def checks_rows(report: dict, lines: list[str] | None = None, lang: str = "en") -> list[list]:
     """The report's checks as table rows [check, result, detail, figures]; from the `ok/FAIL` log lines
-    when there is no report (a run that failed before writing it)."""
+    when there is no report (a run that failed before writing it). The check's name (by its id: locale key
+    `export.check.<name>`) and its result in `lang`; the detail is the export's own text."""
     rows = []
     for c in report.get("checks") or []:
         # a check's figures are its other keys (backend/exporting/export.py: max_abs_diff, tolerance, identical, ...)
         figures = c.get("figures") if isinstance(c.get("figures"), dict) else \
             {k: v for k, v in c.items() if k not in ("name", "ok", "detail", "figures")}
         fig = ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items())
-        rows.append([c.get("name", ""), "✓ ok" if c.get("ok") else "✗ FAIL", c.get("detail", ""), fig])
+        rows.append([check_name(c.get("name", ""), lang), tr(lang, "export.ok" if c.get("ok") else "export.fail"),
+                     c.get("detail", ""), fig])
     if not rows:
         for line in lines or []:
             m = CHECK_LINE.match(clean_line(line))
             if m:
-                rows.append([m.group(2), "✓ ok" if m.group(1) == "ok" else "✗ FAIL", m.group(3), ""])
+                result = tr(lang, "export.ok" if m.group(1) == "ok" else "export.fail")
+                rows.append([check_name(m.group(2), lang), result, m.group(3), ""])
     return rows
+
+
+def check_name(name: str, lang: str = "en") -> str:
+    """An export check's name in `lang` (its id where the locale has none: a check added after the translations)."""
+    return tr(lang, f"export.check.{name}") if has(f"export.check.{name}") else name
+
+
+def export_step_words(k: int, step: str, lang: str = "en") -> str:
+    """What export step `k` does, in `lang`: English keeps the export's own line (`step`, with its model, folder,
+    format); another language names the step by its number (locale key `export.step.<k>`; the log has the line)."""
+    if lang in (None, "en") or not has(f"export.step.{k}"):
+        return step
+    return tr(lang, f"export.step.{k}")
 
 
 def _fmt(value) -> str:

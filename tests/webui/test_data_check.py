@@ -24,10 +24,10 @@ def test_check_lists_the_findings_with_their_rows(root, tiny_llama):
     (folder / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "mine.json"}}), encoding="utf-8")
     top = (str(tiny_llama), "default", 256)
     md, picker = data_tab.check(str(folder), "mine", *top, "de")
-    assert picker["choices"] == [("empty_answer · mine · 1", "1"), ("duplicates · mine · 5", "5")] \
+    assert picker["choices"] == [("leere Antwort · mine · 1", "1"), ("Duplikate · mine · 5", "5")] \
         and picker["visible"], picker  # picking one shows that row
     assert md.startswith("**Prüfen**: 2 Befunde (1 Fehler, 1 Warnungen, 0 Hinweise)"), md
-    assert "**duplicates** (mine)" in md and "rows 5" in md and "`--fix drop_duplicates`" in md, md
+    assert "**Duplikate** (mine)" in md and "Zeilen 5" in md and "`--fix drop_duplicates`" in md, md
     assert data_tab.check(str(folder), "", *top)[0] == "Pick a dataset."
 
     summary, shown = data_tab.show_row(str(folder), "mine", 5, *top)

@@ -263,3 +263,117 @@ def test_runs_table_states_follow_the_language():
     zh = runs.table(rows, "all", "", "zh")
     assert zh[_load("zh")["col.status"]].tolist() == ["已完成", "排队中 (resume)"]
     assert runs.table(rows, "all", "")["status"].tolist() == ["completed", "queued (resume)"]
+
+
+# ------------------------------------------------------------------ backends' findings, by id in the page's language
+
+def _ids(pattern: str, *files) -> set[str]:
+    """The ids a backend module writes (its source: a check added there without locale keys fails here)."""
+    import re
+
+    from backend.core.paths import REPO_ROOT
+
+    return {m for f in files for m in re.findall(pattern, (REPO_ROOT / f).read_text(encoding="utf-8"))}
+
+
+def test_lint_findings_follow_the_language():
+    """The Data tab's Check and the Train tab's pre-flight name each lint finding's check and say what it found in the
+    page's language, by the finding's check id and row count (the lint's JSON); English keeps the lint's own words."""
+    from webui import data_check
+    from webui.tabs import data
+
+    checks = _ids(r'Finding\(\s*"(\w+)"', "backend/dataprep/lint.py")
+    assert {"duplicates", "cut_answers", "template", "pt_eos"} <= checks, checks
+    en = _load("en")
+    assert {c for c in checks if f"lint.{c}" not in en} == set()
+    assert {c for c in checks - {"template"} if f"lint.msg.{c}" not in en} == set()  # template: the picker's words
+    cut = {"check": "cut_answers", "severity": "warning", "dataset": "mine", "rows": [1, 3], "count": 2, "fix": None,
+           "message": "2 of 4 rows (50%) lose trained tokens to cutoff_len=64: 9 of 40 (22.5%); the longest row has 90"}
+    dup = {"check": "duplicates", "severity": "warning", "dataset": "mine", "rows": [5], "count": 1,
+           "fix": "drop_duplicates", "message": "1 rows repeat an earlier row exactly (each is trained twice as often)"}
+    md = data.findings_md([cut, dup], "de")
+    assert "**gekürzte Antworten** (mine): 2 Zeilen verlieren trainierte Tokens durch cutoff_len · Zeilen 1, 3" in md
+    assert "**Duplikate** (mine): 1 Zeilen wiederholen eine frühere Zeile exakt" in md, md
+    assert "`--fix drop_duplicates`" in md
+    assert "rows" not in md and "cut_answers" not in md, md
+    assert data.finding_rows([cut, dup], "mine", "ja") == [("切り詰められた回答 · mine · 1", "1"),
+                                                           ("切り詰められた回答 · mine · 3", "3"), ("重複 · mine · 5", "5")]
+    assert f"**cut_answers** (mine): {cut['message']} · rows 1, 3" in data.findings_md([cut, dup])
+    assert data.finding_rows([cut], "mine") == [("cut_answers · mine · 1", "1"), ("cut_answers · mine · 3", "3")]
+    note = data_check.summary_md({"datasets": {"mine": 4}, "findings": [cut, dup]}, "zh")
+    assert "<b>回答被截断</b>: 2 行因 cutoff_len 丢失了参与训练的 token" in note and "cutoff_len=64" not in note, note
+    note = data_check.summary_md({"datasets": {"mine": 4}, "findings": [cut]})
+    assert f"<b>cut_answers</b>: {cut['message']}" in note, note
+    # an error of the pre-training check without rows, and a check the locale does not know, still say something
+    eos = {"check": "pt_eos", "severity": "error", "dataset": "docs", "rows": [], "message": "the tokenizer has no EOS"}
+    assert data_check.finding_words(eos, "fr") == ("EOS en pré-entraînement", _load("fr")["lint.msg.pt_eos_missing"])
+    assert data_check.finding_words(dict(eos, check="new_check"), "fr") == ("new_check", "the tokenizer has no EOS")
+
+
+def test_export_steps_checks_and_outcome_follow_the_language():
+    """The Export tab's progress names each `[export k/6]` step, its checks table each check and its result, in the
+    page's language (by step number and check id: the detail stays the export's own text); English keeps the lines."""
+    from webui import tools
+
+    names = _ids(r'"name": "(\w+)"', "backend/exporting/export.py", "backend/exporting/llamacpp_check.py")
+    assert {"logits", "greedy", "llamacpp_load"} <= names, names
+    en = _load("en")
+    assert {n for n in names if f"export.check.{n}" not in en} == set()
+    assert {k for k in range(1, 7) if f"export.step.{k}" not in en} == set()
+    report = {"checks": [{"name": "logits", "ok": True, "detail": "max |export - (base+adapter)| 0",
+                          "max_abs_diff": 0.0},
+                         {"name": "greedy", "ok": False, "detail": "greedy continuation: 3/36 tokens agree"}]}
+    assert tools.checks_rows(report, None, "de") == [
+        ["Logits", "✓ ok", "max |export - (base+adapter)| 0", "max_abs_diff=0"],
+        ["gierige Fortsetzung", "✗ FEHLER", "greedy continuation: 3/36 tokens agree", ""]]
+    assert [r[:2] for r in tools.checks_rows(report)] == [["logits", "✓ ok"], ["greedy", "✗ FAIL"]]
+    assert [r[:2] for r in tools.checks_rows({}, ["  FAIL shards: none written"], "ja")] == [["シャードファイル", "✗ 失敗"]]
+    step = "loading /m in float32 from /m"
+    assert tools.export_step_words(2, step, "de") == "Modell laden" and tools.export_step_words(2, step) == step
+    passed = tools.export_outcome_words("passed", "export PASSED: /x (a.gguf)", "es")
+    assert passed == "exportación SUPERADA: /x (a.gguf)"
+    assert tools.export_outcome_words("failed", "export FAILED: boom") == "export FAILED: boom"
+
+
+def test_table_headers_and_distill_splits_follow_the_language():
+    """Every column the tabs' tables are built with has a header in each language (`col.<name>`; "#" and metric
+    names such as rouge-l stay as they are), and a distilled pair's split is a word of the page's language."""
+    import pandas as pd
+
+    from webui import judge_view, promotion, tools
+    from webui.i18n import has, headers
+    from webui.tabs import distill, evaluate, export, runs
+
+    tables = [distill.PAIR_COLUMNS, distill.SCORE_COLUMNS, evaluate.DISTILL_COLUMNS, evaluate.PAIR_COLUMNS,
+              export.CHECK_COLUMNS, judge_view.ROW_COLUMNS, promotion.CHECKPOINT_COLUMNS, runs.COLUMNS,
+              ["#", "question", "reference", "prediction", tools.ROW_SCORE, "bleu-4", "exact"]]
+    kept = {"#", tools.ROW_SCORE, "bleu-4"}
+    untranslated = sorted({c for columns in tables for c in columns if c not in kept and not has(f"col.{c}")})
+    assert untranslated == [], f"table headers with no translation: {untranslated}"
+    shown = headers("de", pd.DataFrame([], columns=distill.SCORE_COLUMNS)).columns.tolist()
+    assert shown == ["Metrik", "Basis", "feinabgestimmt"]
+    p = {"latest": [{"chunk": "a.txt#0", "split": "eval", "reason": "too long", "detail": "cut at max_tokens 256",
+                     "prompt": "q", "answer": "a"}]}
+    frame = distill.pairs_frame(p, "de")
+    assert frame.iloc[0].tolist()[:3] == ["a.txt#0", "Evaluierung", "✗ zu lang: cut at max_tokens 256"]
+    assert distill.pairs_frame(p).iloc[0]["split"] == "eval"
+
+
+def test_reattach_messages_and_a_stored_language():
+    """After a reload the re-attached eval says so in the browser's language; the language a browser kept is put
+    back on the page when it names one of LANGS (a first visit keeps English), and a value that names none (the
+    browser's storage is the browser's) reads as English, never as an error."""
+    import gradio as gr
+
+    from webui.app import restore_lang
+    from webui.tabs import evaluate
+
+    st = {"spec": {"eval_dataset": "identity", "max_samples": 5}, "parts": [{"name": "tuned"}, {"name": "base"}]}
+    again = evaluate.attached_message(st, "de")
+    assert again.startswith("Evaluierung von tuned und base auf die ersten 5 Zeilen von `identity`") \
+        and again.endswith("(nach dem Neuladen wieder aufgenommen)."), again
+    assert evaluate.attached_message(st).startswith("Eval of tuned and base on the first 5 rows of `identity`")
+    assert restore_lang("ja") == "ja"
+    for stored in ("en", "", None, "xx", "../en", ["de"], {"lang": "de"}):
+        assert restore_lang(stored) == gr.skip(), stored
+        assert tr(stored, "eval.none") == "No eval is running."

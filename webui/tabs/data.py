@@ -12,6 +12,7 @@ import pandas as pd
 
 from backend.core import allowed, paths
 from webui import choices, jobs
+from webui.data_check import finding_words
 from webui import datasets as D, row_editor
 from webui.datasets import dir_refusal, preview_args as _preview_args
 from webui.i18n import refusal, tr
@@ -125,7 +126,8 @@ def stats(dataset_dir, dataset, model, template, cutoff, lang="en"):
              tr(lang, "data.untrained", n=len(res.get("rows_without_trained_tokens") or []))]
     lines += [f"- {line}" for line in res.get("report") or []]
     hist, order = histogram(lengths)
-    return "\n\n".join(lines), gr.update(value=hist, visible=True, sort=order)
+    return "\n\n".join(lines), gr.update(value=hist, visible=True, sort=order, x_title=tr(lang, "data.hist_tokens"),
+                                         y_title=tr(lang, "data.hist_rows"))
 
 
 def lint_stage(dataset_dir, dataset) -> str:
@@ -143,9 +145,14 @@ def check(dataset_dir, dataset, model, template, cutoff, lang="en", timeout: flo
     Train form's cutoff_len. Inputs: as stats. Outputs: the findings as markdown, the picker of their rows
     (picking one shows that row in the preview)."""
     md, findings = _check(dataset_dir, dataset, model, template, cutoff, lang, timeout)
-    rows = [(f"{f['check']} · {f['dataset']} · {r}", str(r)) for f in findings for r in f["rows"][:50]
-            if f["dataset"] == dataset]
+    rows = finding_rows(findings, dataset, lang)
     return md, gr.update(choices=rows, value=None, visible=bool(rows))
+
+
+def finding_rows(findings: list[dict], dataset, lang: str = "en") -> list[tuple[str, str]]:
+    """The row picker's (label, row) pairs: each finding's rows in `dataset` (50 at most), named by its check."""
+    return [(f"{finding_words(f, lang)[0]} · {f['dataset']} · {r}", str(r)) for f in findings for r in f["rows"][:50]
+            if f["dataset"] == dataset]
 
 
 SAFE_FIXES = ("drop_duplicates", "drop_leaks", "drop_empty")  # backend/dataprep/lint.py FIXES
@@ -183,7 +190,7 @@ def _lint(dataset_dir, dataset, model, template, cutoff, lang, timeout, extra=()
         proc = subprocess.run(jobs.tuneboard_argv() + ["lint", *args, "--json", *extra], capture_output=True,
                               text=True, timeout=timeout, cwd=str(paths.REPO_ROOT))
     except subprocess.TimeoutExpired:
-        return f"✖ lint took longer than {timeout:.0f} s"
+        return tr(lang, "data.lint_timeout", s=f"{timeout:.0f}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     try:
         res = json.loads(lines[-1])
@@ -199,18 +206,26 @@ def _check(dataset_dir, dataset, model, template, cutoff, lang, timeout) -> tupl
     if isinstance(res, str):
         return res, []
     findings = res.get("findings") or []
+    return findings_md(findings, lang), findings
+
+
+def findings_md(findings: list[dict], lang: str = "en") -> str:
+    """The lint's findings (its JSON's) as the Check's markdown in `lang`: the counts, then one line each with its
+    check, what it found (webui.data_check.finding_words), its rows and its safe fix."""
     if not findings:
-        return tr(lang, "data.lint_none"), []
+        return tr(lang, "data.lint_none")
     by = {s: sum(f["severity"] == s for f in findings) for s in ("error", "warning", "info")}
     out = [tr(lang, "data.lint", n=len(findings), errors=by["error"], warnings=by["warning"], infos=by["info"])]
     icon = {"error": "✖", "warning": "⚠", "info": "ℹ"}
     for f in findings:
         rows = f["rows"][:20]
-        where = (" · rows " + ", ".join(map(str, rows)) + (", …" if len(f["rows"]) > 20 else "")) if rows else ""
+        shown = ", ".join(map(str, rows)) + (", …" if len(f["rows"]) > 20 else "")
+        where = tr(lang, "data.lint_at_rows", rows=shown) if rows else ""
         fix = f" · `--fix {f['fix']}`" if f.get("fix") else ""
-        out.append(f"- {icon.get(f['severity'], '')} **{html.escape(f['check'])}** ({html.escape(f['dataset'])}): "
-                   f"{html.escape(f['message'])}{where}{fix}")
-    return "\n".join(out), findings
+        check, summary = finding_words(f, lang)
+        out.append(f"- {icon.get(f['severity'], '')} **{html.escape(check)}** ({html.escape(f['dataset'])}): "
+                   f"{html.escape(summary)}{where}{fix}")
+    return "\n".join(out)
 
 
 def histogram(lengths: list[int], max_bins: int = 20) -> tuple[pd.DataFrame, list[str]]:

@@ -32,7 +32,7 @@ from backend.core.rundir import DISTILL_REPORT_FILE, STATUS_FILE, stamp, unique_
 from webui import jobs, page_jobs, tools
 from webui.fields import TOPBAR_FIELDS
 from webui.form import inputs_of, spec_to_inputs
-from webui.i18n import headers, refusal, tr
+from webui.i18n import has, headers, refusal, tr
 from webui.tailer import job_log
 from backend.distill.spec import DistillSpecError, validate_distill
 from backend.distill.pipeline import train_overrides
@@ -353,6 +353,11 @@ def reason_word(reason: str, lang: str = "en") -> str:
     return tr(lang, f"distill.reason.{reason}") if reason in REASONS else reason
 
 
+def split_word(split, lang: str = "en") -> str:
+    """A pair's split (train, eval) in `lang`."""
+    return tr(lang, f"distill.split.{split}") if has(f"distill.split.{split}") else split
+
+
 def counts_text(p: dict, lang: str = "en") -> str:
     if not p:
         return ""
@@ -371,9 +376,9 @@ def counts_text(p: dict, lang: str = "en") -> str:
 
 
 def pairs_frame(p: dict, lang: str = "en") -> pd.DataFrame:
-    """The latest pairs (chunk, split, result, prompt, answer), headers and results in `lang` (a reject's
+    """The latest pairs (chunk, split, result, prompt, answer), headers, splits and results in `lang` (a reject's
     detail is the validator's own text)."""
-    rows = [[r.get("chunk"), r.get("split"),
+    rows = [[r.get("chunk"), split_word(r.get("split"), lang),
              tr(lang, "distill.accepted") if r.get("reason") is None
              else f"✗ {reason_word(r['reason'], lang)}: {r.get('detail', '')}",
              tools.short(r.get("prompt"), 300), tools.short(r.get("answer"), 300)] for r in p.get("latest") or []]

@@ -364,11 +364,11 @@ def attach(job: str | None) -> dict:
     return st
 
 
-def attached_message(st: dict) -> str:
+def attached_message(st: dict, lang: str = "en") -> str:
     if is_rm(st["spec"]):
-        return f"Reward model eval on {rows_scored(st['spec'])} (picked up again after a reload)."
-    what = " and ".join(p["name"] for p in st["parts"])
-    return f"Eval of {what} on {rows_scored(st['spec'])} (picked up again after a reload)."
+        return tr(lang, "eval.attached_rm", rows=rows_scored(st["spec"], lang))
+    what = tr(lang, "eval.and").join(p["name"] for p in st["parts"])
+    return tr(lang, "eval.attached", what=what, rows=rows_scored(st["spec"], lang))
 
 
 def abort(st: dict, lang: str = "en") -> tuple[dict, str]:
@@ -628,9 +628,16 @@ def wire(ctx, c: dict) -> None:
                      [c["state"], c["compare"], top["lang"], *inputs, c["compare_adapter"], *judge_inputs,
                       *ckpt_inputs],
                      view, api_name="eval_start")
-    c["start"].click(lambda: ("", empty_frame(judge_view.ROW_COLUMNS)), None, [c["judge_summary"], c["judge_rows"]],
-                     show_progress="hidden")
-    c["timer"].tick(page_jobs.ticking("eval", judge_view.refresh, 2), [c["state"], top["lang"]],
+    c["start"].click(lambda lang: ("", headers(lang, empty_frame(judge_view.ROW_COLUMNS))), [top["lang"]],
+                     [c["judge_summary"], c["judge_rows"]], show_progress="hidden")
+
+    def judge_refresh(st, lang):
+        """judge_view.refresh, the rows table's headers in the page's language. Inputs: state, language. Outputs:
+        summary, rows table."""
+        summary, rows = judge_view.refresh(st, lang)
+        return summary, headers(lang, rows) if isinstance(rows, pd.DataFrame) else rows
+
+    c["timer"].tick(page_jobs.ticking("eval", judge_refresh, 2), [c["state"], top["lang"]],
                     [c["judge_summary"], c["judge_rows"]],
                     show_progress="hidden")
     c["start"].click(lambda: "", None, [c["detail"]], show_progress="hidden")  # the last eval's row
@@ -651,13 +658,14 @@ def wire(ctx, c: dict) -> None:
     bench_view.wire(c, view, inputs, eval_flat, start_eval, top["lang"])
 
     def relabel_idle(st, lang):
-        """Before any eval: the idle card and the empty metrics table in the new language. Inputs: state,
-        language. Outputs: progress, metrics."""
+        """Before any eval: the idle card and the empty metrics and judge tables in the new language. Inputs:
+        state, language. Outputs: progress, metrics, judge rows."""
         if (st or {}).get("parts"):
-            return gr.skip(), gr.skip()
-        return tools.progress_html("idle", 0, None, lang=lang), headers(lang, empty_frame(["metric"]))
+            return gr.skip(), gr.skip(), gr.skip()
+        return (tools.progress_html("idle", 0, None, lang=lang), headers(lang, empty_frame(["metric"])),
+                headers(lang, empty_frame(judge_view.ROW_COLUMNS)))
 
-    top["lang"].change(relabel_idle, [c["state"], top["lang"]], [c["progress"], c["metrics"]],
+    top["lang"].change(relabel_idle, [c["state"], top["lang"]], [c["progress"], c["metrics"], c["judge_rows"]],
                        show_progress="hidden")
 
     def pick_row(st, lang, evt: gr.SelectData):

@@ -181,16 +181,17 @@ def poll(st: dict, lang: str = "en") -> tuple:
     else:
         state = outcome or ("aborted" if aborted else "failed")
         k = n if outcome == "passed" else k
-    bar = tools.progress_html(state, k, n, tr(lang, "msg.export_step", k=k, n=n, step=step) if step
+    words = tools.export_step_words(k, step, lang)
+    bar = tools.progress_html(state, k, n, tr(lang, "msg.export_step", k=k, n=n, step=words) if step
                               else tr(lang, "msg.export_starting"), lang)
     if running:
         return st, bar, "", gr.skip(), log, gr.Timer(active=True)
     report = job_report(st)
-    rows = tools.checks_rows(report, st["lines"])
+    rows = tools.checks_rows(report, st["lines"], lang)
     if outcome == "passed":
-        result = f"✓ **{line}**"
+        result = f"✓ **{tools.export_outcome_words(outcome, line, lang)}**"
     elif outcome == "failed":
-        result = f"✗ **{line}**"
+        result = f"✗ **{tools.export_outcome_words(outcome, line, lang)}**"
     elif aborted:
         result = tr(lang, "msg.export_aborted")
     else:

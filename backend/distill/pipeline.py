@@ -25,10 +25,11 @@ from pathlib import Path
 from jsonschema import Draft202012Validator
 
 from backend.core import allowed, paths, teacher_access
+from backend.core.model_files import locate
 from backend.core.atomic import write_text_atomic
 from backend.distill import (CACHE_DIRNAME, PAIRS_FILE, PROGRESS_FILE, REASONS, REJECTED_FILE, SPEC_FILE,
                              TEACHER_LOG, TRAIN_DIRNAME, DistillError, read_progress)
-from backend.distill.documents import (DocumentError, chunk_documents, load_documents, near_duplicates,
+from backend.distill.documents import (DocumentError, Stopped, chunk_documents, load_documents, near_duplicates,
                                        split_documents)
 from backend.distill.scorecard import score
 from backend.distill.spec import (DistillSpec, DistillSpecError, dataset_dir_problem, dataset_entry, distill_fields,
@@ -38,7 +39,7 @@ from backend.distill.teacher import (CUT, Budget, BudgetExhausted, LocalTeacher,
                                      read_api_key, reply_budget, teacher_messages)
 from backend.core.metrics import parse_json
 from backend.dataprep.resolve import pick_template
-from backend.core.rundir import RUNNING_LOG, RunDir
+from backend.core.rundir import RUNNING_LOG, STOP_FILE, RunDir, read_status
 
 LATEST = 20          # pairs shown in the UI's table (progress.json keeps this many, each field clipped)
 LATEST_CHARS = 300   # of a pair's prompt, answer and detail in progress.json (the table shows 300)
@@ -46,6 +47,7 @@ FIELD_CHARS = 2000   # any other text in progress.json (a message, the teacher's
 EXCERPT_CHARS = 500  # of a rejected answer in rejected.jsonl (with its full size beside it)
 RAW_SLACK_TOKENS = 16  # a ```json fence and blanks around an answer that is no JSON, before "too long"
 PROGRESS_EVERY_S = 0.5
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 # ------------------------------------------------------------------------------------- small helpers
@@ -68,10 +70,31 @@ def cache_key(spec: DistillSpec, teacher_id: str, system_and_examples: list[dict
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
+def weights_stamp(folder: Path, only: str | None = None) -> str:
+    """The identity of the weight files in `folder` (or of its file `only`): a hash of each one's name, size and
+    mtime_ns, so new weights at the same path are another teacher, without reading gigabytes. '' when none."""
+    try:
+        files = [folder / only] if only else sorted(f for f in folder.iterdir()
+                                                      if f.is_file() and f.suffix.lower() in WEIGHT_SUFFIXES)
+        stats = [(f.name, st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
+    except OSError:
+        return ""
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16] if stats else ""
+
+
 def teacher_id(spec: DistillSpec) -> str:
-    """What identifies the teacher in the cache key (the local teacher's port changes every run)."""
+    """What identifies the teacher in the cache key (the local teacher's port changes every run): the local
+    teacher's model and adapter paths with their weights' stamp (a retrained adapter at the same path is a new
+    teacher, so its answers are asked again instead of read from the cache)."""
     if spec.teacher == "local":
-        return f"local:{spec.teacher_local_model or spec.model_name_or_path}:{spec.teacher_local_adapter or ''}"
+        model = spec.teacher_local_model or spec.model_name_or_path
+        try:
+            model_stamp = weights_stamp(*locate(model))
+        except (ValueError, OSError):  # not found here: the local teacher says why when it starts
+            model_stamp = ""
+        adapter = spec.teacher_local_adapter or ""
+        adapter_stamp = weights_stamp(Path(adapter).expanduser()) if adapter else ""
+        return f"local:{model}@{model_stamp}:{adapter}" + (f"@{adapter_stamp}" if adapter else "")
     return spec.teacher
 
 
@@ -217,8 +240,6 @@ def guarded(spec: DistillSpec) -> bool:
 def generate(spec: DistillSpec, run_dir, stop) -> int:
     """The generate step; returns the exit code (0 ok, 1 failed, 130 stopped). Never raises for a user's
     mistake: the status and the log say what went wrong."""
-    from backend.training.models import load_tokenizer, resolve_model  # heavy (torch): the UI imports this module
-
     check_teacher_access(spec)
     problem = dataset_dir_problem(spec)
     if problem:  # refused before any teacher request, not after them all
@@ -227,7 +248,33 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     progress = Progress(out / PROGRESS_FILE, documents=0, chunks=0, to_ask=0, train_chunks=0, eval_chunks=0,
                         duplicates=0, dataset=None, teacher=teacher_id(spec), dataset_name=spec.dataset_name)
 
-    docs = load_documents(spec.documents, spec.text_column, warn=run_dir.warn)
+    try:
+        return _generate(spec, run_dir, stop, progress)
+    except Stopped:
+        message = "stopped while reading, chunking and comparing the documents (no teacher request was made)"
+        progress.update(force=True, state="aborted", message=message)
+        run_dir.log(message)
+        return 130
+
+
+def _preparing(run_dir, progress: Progress, what: str):
+    """on_progress(done, total) of one preparation phase: progress.json's message and status.json's step."""
+    run_dir.log(f"{what}...")
+    run_dir.update_status(preparing=what)
+
+    def said(done: int, total: int) -> None:
+        progress.update(force=True, message=f"{what}: {done} of {total}")
+        run_dir.update_status(preparing=what, step=done, total_steps=total)
+
+    return said
+
+
+def _generate(spec: DistillSpec, run_dir, stop, progress: Progress) -> int:
+    from backend.training.models import load_tokenizer, resolve_model  # heavy (torch): the UI imports this module
+
+    out = spec.resolved_output_dir()
+    docs = load_documents(spec.documents, spec.text_column, warn=run_dir.warn, stop=stop,
+                          on_progress=_preparing(run_dir, progress, "reading the documents"))
     resolved = resolve_model(spec.model_name_or_path)
     tokenizer = load_tokenizer(resolved)
     template = pick_template(spec.template, resolved, tokenizer, warn=run_dir.warn)
@@ -240,8 +287,13 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                            f"(answer_tokens {spec.answer_tokens}) and the instruction ({overhead} tokens with the "
                            "template): raise cutoff_len or shorten task")
     overlap = min(spec.chunk_overlap, chunk_tokens // 2)
-    chunks = chunk_documents(docs, tokenizer, chunk_tokens, overlap)
-    dupes = near_duplicates(chunks, spec.dedup_threshold)
+    if overlap < spec.chunk_overlap:
+        run_dir.warn(f"chunk_overlap {spec.chunk_overlap} lowered to {overlap}: at most half of the {chunk_tokens} "
+                     "tokens a chunk has here (cutoff_len - answer_tokens - the instruction with the template)")
+    chunks = chunk_documents(docs, tokenizer, chunk_tokens, overlap, stop=stop,
+                             on_progress=_preparing(run_dir, progress, "chunking the documents"))
+    dupes = near_duplicates(chunks, spec.dedup_threshold, stop=stop,
+                            on_progress=_preparing(run_dir, progress, "finding near-duplicate chunks"))
     # documents made only of near-duplicates have nothing to hold out: split the others
     held_out = split_documents([c.doc_id for c in chunks if c.id not in dupes], spec.eval_ratio, spec.seed)
     split_of = {c.id: "eval" if c.doc_id in held_out else "train" for c in chunks}
@@ -252,7 +304,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     progress.update(force=True, documents=len(docs), chunks=len(chunks), to_ask=len(to_ask), duplicates=len(dupes),
                     train_chunks=sum(split_of[c.id] == "train" for c in to_ask),
                     eval_chunks=sum(split_of[c.id] == "eval" for c in to_ask), chunk_tokens=chunk_tokens)
-    run_dir.update_status(total_steps=len(to_ask), step=0)
+    run_dir.update_status(total_steps=len(to_ask), step=0, preparing=None)
 
     schema, examples = spec.schema_dict(), spec.example_list()
     validate = Validator(spec, tokenizer)
@@ -301,7 +353,7 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
     fatal: list[str] = []
     budget = Budget(spec.max_requests)
     stopped = lambda: bool(stop() or fatal)  # noqa: E731
-    state = {"ok": 0, "failed": 0, "not_asked": 0}
+    state = {"ok": 0, "failed": 0, "not_asked": 0, "cut_short": 0, "cut_last": ""}
     if pending:
         workers = spec.concurrency
         if spec.teacher == "local":
@@ -335,9 +387,13 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
                     return
                 try:
                     answer = teacher.ask(teacher_messages(spec.task, chunk.text, schema, examples, spec.answer_format))
-                except BudgetExhausted:
+                except BudgetExhausted as exc:
                     with lock:
-                        state["not_asked"] += 1
+                        if exc.attempts:  # asked, then retried until the budget ran out
+                            state["cut_short"] += 1
+                            state["cut_last"] = exc.last
+                        else:
+                            state["not_asked"] += 1
                     return
                 except TeacherFatal as exc:
                     with lock:
@@ -399,9 +455,15 @@ def generate(spec: DistillSpec, run_dir, stop) -> int:
         progress.update(force=True, state="aborted", message=message)
         run_dir.log(message)
         return 130
-    if state["not_asked"]:
-        run_dir.warn(f"max_requests {spec.max_requests} spent: {state['not_asked']} chunks were not asked; raise "
-                     "max_requests and run again to ask them (the answered ones are cached)")
+    if state["not_asked"] or state["cut_short"]:
+        said = []
+        if state["not_asked"]:
+            said.append(f"{state['not_asked']} chunks were not asked")
+        if state["cut_short"]:
+            said.append(f"{state['cut_short']} chunks were asked but the budget ran out during their retries "
+                        f"(last error: {state['cut_last']})")
+        run_dir.warn(f"max_requests {spec.max_requests} spent: {'; '.join(said)}; raise max_requests and run again "
+                     "to ask them (the answered ones are cached)")
     if state["failed"]:
         run_dir.warn(f"{state['failed']} chunks failed at the teacher after their retries (see {REJECTED_FILE}); "
                      "run again to retry them")
@@ -473,8 +535,10 @@ def write_dataset(spec: DistillSpec, train: list[dict], held: list[dict], tokeni
 
 
 # ------------------------------------------------------------------------------------------- train
-def train(spec: DistillSpec, run_dir) -> int:
-    """`tuneboard train` on the dataset (a child process: its own run folder, status and log)."""
+def train(spec: DistillSpec, run_dir, stop=lambda: False) -> int:
+    """`tuneboard train` on the dataset (a child process: its own run folder, status and log); 130 when it was
+    stopped. A stop of the distill run (SIGINT, SIGTERM, its STOP file) is passed on as the web UI stops a
+    training run: a STOP file in the child's run folder, which it reads at its next step, saves and ends."""
     dataset = read_progress(spec.resolved_output_dir()).get("dataset")
     if not dataset:
         raise DistillError("step train: no registered dataset in this run folder yet (run step generate first)")
@@ -484,9 +548,24 @@ def train(spec: DistillSpec, run_dir) -> int:
     run_dir.log("train: tuneboard train " + " ".join(args))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(Path(__file__).resolve().parents[2]))
-    for line in proc.stdout:
-        run_dir.log(f"  train | {line.rstrip()}")
+    pump = threading.Thread(target=lambda: [run_dir.log(f"  train | {line.rstrip()}") for line in proc.stdout],
+                            daemon=True, name="train-log")
+    pump.start()
+    told = False
+    while proc.poll() is None:
+        # written again while missing: the child removes a STOP file it takes for an earlier run's as it starts
+        if stop() and not (out / STOP_FILE).exists():
+            out.mkdir(parents=True, exist_ok=True)
+            (out / STOP_FILE).write_text("stop requested by the distill run\n", encoding="utf-8")
+            if not told:
+                run_dir.log(f"stop: asked tuneboard train to stop (wrote {out / STOP_FILE})")
+            told = True
+        time.sleep(0.2)
     code = proc.wait()
+    pump.join(timeout=10)
+    if code == 130 or (told and read_status(out).get("state") == "aborted"):
+        run_dir.log(f"train: tuneboard train was stopped (exit code {code}; see {out / RUNNING_LOG})")
+        return 130
     if code != 0:
         raise DistillError(f"step train: tuneboard train ended with exit code {code} (see {out / RUNNING_LOG})")
     return 0
@@ -512,7 +591,7 @@ def run(spec: DistillSpec) -> int:
             if step == "generate":
                 code = generate(spec, run_dir, stop)
             elif step == "train":
-                code = train(spec, run_dir)
+                code = train(spec, run_dir, stop)
             else:
                 code = score(spec, run_dir, stop)
             if code == 130 or stop():

@@ -170,6 +170,11 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
     if spec.answer_tokens >= spec.cutoff_len - 32:
         errors.append(("answer_tokens", f"{spec.answer_tokens} leaves no room for a chunk in cutoff_len "
                                         f"{spec.cutoff_len}: lower it or raise cutoff_len"))
+    room = spec.cutoff_len - spec.answer_tokens
+    if "chunk_overlap" in spec.model_fields_set and spec.chunk_overlap > room // 2:  # the default: lowered, said
+        errors.append(("chunk_overlap", f"{spec.chunk_overlap} is more than half of a chunk: a chunk has at most "
+                                        f"cutoff_len - answer_tokens = {room} tokens (less the instruction), so "
+                                        f"chunk_overlap may be {room // 2} at most"))
     if spec.json_schema is not None and spec.answer_format != "json":
         errors.append(("json_schema", "needs answer_format: json"))
     try:
@@ -177,6 +182,7 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
     except (OSError, ValueError) as exc:
         errors.append(("json_schema", f"cannot read it: {exc}"))
         schema = None
+    schema_ok = schema is not None
     if schema is not None:
         from jsonschema import Draft202012Validator  # heavy: loaded on use, so importing this module stays light
         from jsonschema.exceptions import SchemaError  # heavy: loaded on use, so importing this module stays light
@@ -185,14 +191,23 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
             Draft202012Validator.check_schema(schema)
         except SchemaError as exc:
             errors.append(("json_schema", f"not a valid JSON Schema: {exc.message}"))
+            schema_ok = False
     try:
         for i, ex in enumerate(spec.example_list()):
             if not isinstance(ex, dict) or not {"input", "output"} <= set(ex):
                 errors.append(("examples", f"item {i} must be a mapping with 'input' and 'output'"))
                 break
+            problem = _example_problem(ex["output"], spec.answer_format, schema if schema_ok else None)
+            if problem:  # the teacher would learn from it an answer the validation then rejects
+                errors.append(("examples", f"item {i}: its output {problem}"))
+                break
     except (OSError, ValueError) as exc:
         errors.append(("examples", f"cannot read them: {exc}"))
-    if "train" in spec.steps:
+    if "output_dir" in spec.train_args:
+        errors.append(("train_args.output_dir", "not settable: the train step's folder is <output_dir>/"
+                                                f"{TRAIN_DIRNAME} of the distill run (the score step reads the "
+                                                "adapter there); set output_dir to move the whole run"))
+    elif "train" in spec.steps:
         unknown = [k for k in spec.train_args if k not in RunSpec.model_fields]
         if unknown:
             errors.append(("train_args", f"unknown run-spec key(s) {', '.join(unknown)} (see `tuneboard fields`)"))
@@ -208,6 +223,27 @@ def _cross_checks(spec: DistillSpec, check_files: bool) -> list[tuple[str, str]]
         if spec.adapter_name_or_path and not Path(spec.adapter_name_or_path).expanduser().is_dir():
             errors.append(("adapter_name_or_path", f"{spec.adapter_name_or_path} is not a folder"))
     return errors
+
+
+def _example_problem(output, answer_format: str, schema: dict | None) -> str | None:
+    """Why an example's output is not an answer the validation accepts (answer_format json: JSON, valid
+    against json_schema), or None."""
+    if answer_format != "json":
+        return None
+    value = output
+    if isinstance(output, str):
+        try:
+            value = json.loads(output)
+        except ValueError as exc:
+            return f"is not JSON ({exc}) but answer_format is json"
+    if schema is not None:
+        from jsonschema import Draft202012Validator  # heavy: loaded on use, so importing this module stays light
+
+        error = next(iter(sorted(Draft202012Validator(schema).iter_errors(value), key=lambda e: list(e.path))), None)
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+            return f"fails json_schema at {where}: {error.message}"
+    return None
 
 
 # ------------------------------------------------------------------------------------ step train's spec

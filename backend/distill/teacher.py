@@ -58,7 +58,12 @@ class TeacherFatal(Exception):
 
 
 class BudgetExhausted(Exception):
-    pass
+    """max_requests is spent. `attempts`: the requests this chunk had made before (0: it was never asked);
+    `last`: why the last of them failed (a chunk retried until the budget ran out)."""
+
+    def __init__(self, message: str, attempts: int = 0, last: str = ""):
+        super().__init__(message)
+        self.attempts, self.last = attempts, last
 
 
 @dataclass
@@ -146,7 +151,10 @@ class Teacher:
         for attempt in range(self.max_retries + 1):
             if self.stop():
                 raise TeacherError("stopped")
-            self.budget.take()
+            try:
+                self.budget.take()
+            except BudgetExhausted as exc:
+                raise BudgetExhausted(str(exc), attempt, last if attempt else "") from None
             wait = self.backoff * (2 ** attempt)
             try:
                 with self.client.stream("POST", "/chat/completions", json=body) as r:

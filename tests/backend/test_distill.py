@@ -365,3 +365,155 @@ def test_an_answer_a_teacher_ended_at_its_time_limit_is_too_long(flat):
     answer, reason, detail = judge('{"first_word": "Ocea', "time_limit")
     assert (answer, reason) == (None, "too long") and "time limit" in detail
     assert judge('{"first_word": "Ocea', "stop")[1] == "not JSON"
+
+
+# ------------------------------------------------------------------ bug hunt: documents, stop, cache, budget
+def test_same_file_names_in_two_folders_stay_two_documents_and_a_file_listed_twice_is_read_once(tmp_path):
+    from backend.distill.documents import load_documents
+
+    for folder, text in (("dA", "Alpha notes about red widgets."), ("dB", "Beta notes about blue gadgets.")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "notes.txt").write_text(text, encoding="utf-8")
+    docs = load_documents(f"{tmp_path / 'dA' / 'notes.txt'},{tmp_path / 'dB' / 'notes.txt'}")
+    assert {d.id: d.text for d in docs} == {"dA/notes.txt": "Alpha notes about red widgets.",
+                                            "dB/notes.txt": "Beta notes about blue gadgets."}
+    assert [d.id for d in load_documents(f"{tmp_path / 'dA'},{tmp_path / 'dB'}")] == ["dA/notes.txt", "dB/notes.txt"]
+    twice = load_documents(f"{tmp_path / 'dA' / 'notes.txt'},{tmp_path / 'dA' / 'notes.txt'},{tmp_path / 'dA'}")
+    assert [d.id for d in twice] == ["notes.txt"]  # one folder's ids stay relative to it
+    assert [d.id for d in load_documents(str(tmp_path / "dA"))] == ["notes.txt"]
+
+
+def test_binary_files_and_undecodable_jsonl_lines_are_named_and_a_bom_is_read(tmp_path):
+    from backend.distill.documents import DocumentError, load_documents
+
+    (tmp_path / "blob.txt").write_bytes(b"PK\x03\x04\x00\x00binary\x00stuff")
+    with pytest.raises(DocumentError, match=r"blob.txt: not a text file \(it holds NUL bytes\)"):
+        load_documents(str(tmp_path / "blob.txt"))
+    (tmp_path / "latin.md").write_bytes(bytes(range(0x80, 0x100)) * 4)
+    with pytest.raises(DocumentError, match=r"latin.md: not UTF-8 text \(\d+ of \d+ characters undecodable\)"):
+        load_documents(str(tmp_path / "latin.md"))
+    (tmp_path / "fine.txt").write_bytes("Café notes, one stray byte: ".encode() + b"\xff.")  # kept (replaced)
+    assert "Café notes" in load_documents(str(tmp_path / "fine.txt"))[0].text
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(DocumentError, match=r"bad.jsonl line 2: not UTF-8 text \(byte 0xff at column 11\)"):
+        load_documents(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    assert [(d.id, d.text) for d in load_documents(str(tmp_path / "bom.jsonl"))] == [("bom.jsonl:1", "first"),
+                                                                                     ("bom.jsonl:2", "second")]
+
+
+def test_near_duplicates_equal_the_pairwise_comparison_and_honour_the_stop(tmp_path):
+    """The prefix-filtered search finds exactly what comparing every chunk with every earlier kept one finds;
+    a stop switch set ends reading, chunking and comparing (Stopped), as SIGINT or a STOP file would."""
+    import random
+
+    from backend.distill.documents import (Chunk, Document, Stopped, chunk_documents, load_documents,
+                                           near_duplicates, shingles)
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(25)]
+    for _ in range(30):
+        base = [rng.choice(words) for _ in range(rng.randint(3, 40))]
+        chunks = []
+        for i in range(15):
+            text = list(base)
+            for _ in range(rng.randint(0, 4)):
+                text[rng.randrange(len(text))] = rng.choice(words)
+            chunks.append(Chunk(f"c{i}#0", f"c{i}", 0, " ".join(text), 0))
+        for threshold in (0.5, 0.8, 0.9, 1.0):
+            kept, expected = [], {}
+            for c in chunks:
+                sh = shingles(c.text)
+                hit = next((k for k, o in kept if len(sh & o) / len(sh | o) >= threshold), None)
+                (expected.__setitem__(c.id, hit) if hit else kept.append((c.id, sh)))
+            assert near_duplicates(chunks, threshold) == expected
+
+    with pytest.raises(Stopped):
+        near_duplicates(chunks, 0.9, stop=lambda: True)
+    with pytest.raises(Stopped):
+        chunk_documents([Document("a", "some words " * 50)], lambda *a, **k: None, 40, 8, stop=lambda: True)
+    (tmp_path / "a.txt").write_text("text", encoding="utf-8")
+    with pytest.raises(Stopped):
+        load_documents(str(tmp_path), stop=lambda: True)
+
+
+def test_a_stop_while_the_documents_are_prepared_ends_the_step_before_any_request(flat, teacher):
+    from backend.distill.pipeline import generate as gen
+    from backend.core.rundir import RunDir
+
+    spec = validate_distill(flat)
+    run_dir = RunDir(spec.resolved_output_dir())
+    run_dir.start()
+    try:
+        assert gen(spec, run_dir, stop=lambda: True) == 130
+    finally:
+        run_dir.close()
+    progress = read_progress(spec.resolved_output_dir())
+    assert progress["state"] == "aborted" and progress["message"].startswith("stopped while reading, chunking")
+    assert teacher.requests == [] and not (spec.resolved_output_dir() / "cache").exists()
+
+
+def test_the_local_teachers_cache_key_changes_with_its_weights(flat, tmp_path, tiny_qwen2):
+    import os
+
+    from backend.distill.pipeline import teacher_id
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"\0" * 64)
+    spec = validate_distill({**flat, "teacher": "local", "teacher_model": None, "teacher_local_adapter": str(adapter)})
+    first = teacher_id(spec)
+    assert first == teacher_id(spec) and str(adapter) in first
+    weights.write_bytes(b"\1" * 64)  # retrained at the same path, same size: another mtime
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    second = teacher_id(spec)
+    assert second != first
+    # the teacher model's weights count too (the student's folder, when no teacher_local_model)
+    model_file = next(f for f in Path(tiny_qwen2).iterdir() if f.suffix == ".safetensors")
+    stat = model_file.stat()
+    try:
+        os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+        assert teacher_id(spec) != second
+    finally:
+        os.utime(model_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_budget_spent_in_retries_says_the_chunk_was_asked(flat, teacher):
+    from backend.distill.pipeline import DistillError
+
+    teacher.mode, teacher.fail_times = "429_then_ok", 5
+    flat.update(max_requests=2, max_retries=2, concurrency=1)
+    with pytest.raises(DistillError, match="no training pair accepted"):
+        generate(flat)
+    warnings = json.loads((Path(flat["output_dir"]) / "status.json").read_text())["warnings"]
+    said = next(w for w in warnings if "max_requests 2 spent" in w)
+    assert "5 chunks were not asked" in said
+    assert "1 chunks were asked but the budget ran out during their retries (last error: HTTP 429" in said
+
+
+def test_spec_refuses_what_would_be_ignored_or_changed(tmp_path):
+    def errors(**data):
+        with pytest.raises(DistillSpecError) as exc:
+            validate_distill({"documents": str(tmp_path), "task": "t", **data})
+        return dict(exc.value.errors)
+
+    said = errors(cutoff_len=512, answer_tokens=64, chunk_overlap=300)["chunk_overlap"]
+    assert "chunk_overlap may be 224 at most" in said
+    validate_distill({"documents": str(tmp_path), "task": "t", "cutoff_len": 512, "answer_tokens": 64,
+                      "chunk_overlap": 224})
+    # the default (64) is not refused where it does not fit: generate lowers it and warns
+    validate_distill({"documents": str(tmp_path), "task": "t", "cutoff_len": 160, "answer_tokens": 64})
+    assert "the train step's folder is <output_dir>/train" in errors(
+        steps="generate,train", train_args={"output_dir": str(tmp_path / "elsewhere")})["train_args.output_dir"]
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    good = {"input": "x", "output": {"a": 1}}
+    assert "item 1: its output is not JSON" in errors(examples=[good, {"input": "y", "output": "prose"}])["examples"]
+    assert "item 1: its output fails json_schema at a: 'no' is not of type 'integer'" in errors(
+        json_schema=schema, examples=[good, {"input": "y", "output": '{"a": "no"}'}])["examples"]
+    validate_distill({"documents": str(tmp_path), "task": "t", "json_schema": schema, "examples": [good]})
+    validate_distill({"documents": str(tmp_path), "task": "t", "answer_format": "text",
+                      "examples": [{"input": "y", "output": "prose"}]})
+    assert validate_distill({"documents": str(tmp_path), "task": "t", "steps": "train,generate"}).steps == [
+        "generate", "train"]  # always run in the pipeline's order

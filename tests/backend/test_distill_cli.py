@@ -67,3 +67,34 @@ def test_local_teacher_documents_to_dataset_to_adapter_to_scorecard(tmp_path, ti
     for f in [*out.rglob("*"), *data.rglob("*")]:
         if f.is_file() and f.suffix not in (".safetensors", ".bin"):
             assert not re.search(rb"tb-[0-9a-f]{32}", f.read_bytes()), f
+
+
+def test_a_stopped_distill_stops_its_training_child_and_is_aborted(tmp_path, tiny_qwen2):
+    """A stop of the distill run during step train (SIGINT/SIGTERM or the distill folder's STOP file: the
+    switch) reaches `tuneboard train` as a STOP file in its run folder; the child saves and ends with 130, and
+    the step says aborted, not failed."""
+    from backend.core.rundir import RunDir
+    from backend.distill.pipeline import train
+    from backend.distill.spec import validate_distill
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    rows = [{"instruction": "Say it.", "input": f"chunk {i}", "output": f"answer {i}"} for i in range(8)]
+    (data / "facts.json").write_text(json.dumps(rows))
+    (data / "dataset_info.json").write_text(json.dumps({"facts": {"file_name": "facts.json"}}))
+    out.mkdir()
+    (out / "progress.json").write_text(json.dumps({"dataset": {"name": "facts", "cutoff_len": 64}}))
+    spec = validate_distill({"documents": str(data), "task": "Say it.", "model_name_or_path": str(tiny_qwen2),
+                             "cutoff_len": 128, "answer_tokens": 32, "chunk_overlap": 8, "dataset_name": "facts",
+                             "dataset_dir": str(data), "output_dir": str(out), "steps": "train",
+                             "train_args": {"max_steps": 500, "logging_steps": 1, "lora_rank": 4,
+                                            "plot_loss": False, "save_strategy": "no"}})
+    run_dir = RunDir(out)
+    run_dir.start()
+    try:
+        assert train(spec, run_dir, stop=lambda: True) == 130
+    finally:
+        run_dir.close()
+    child = json.loads((out / "train" / "status.json").read_text())
+    assert child["state"] == "aborted" and child["exit_code"] == 130 and child["step"] < 500
+    assert "tuneboard train was stopped" in (out / "running_log.txt").read_text()

@@ -48,7 +48,8 @@ def distill_cli(flat: dict) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("train_args, key, said", [
     ({"max_steps": -5}, "train_args.max_steps", "must be >= -1"),
     ({"num_train_epochs": ".inf"}, "train_args.num_train_epochs", "finite"),
-    ({"output_dir": "FILE"}, "train_args.output_dir", "is a file, not a folder"),
+    # the train step's folder is <output_dir>/train (the score step reads the adapter there): not a train_arg
+    ({"output_dir": "FILE"}, "train_args.output_dir", "the train step's folder is <output_dir>/train"),
 ])
 def test_a_bad_train_arg_is_refused_before_any_teacher_request(flat, teacher, tmp_path, train_args, key, said):
     if train_args.get("output_dir") == "FILE":

@@ -51,7 +51,9 @@ def summary_md(report: dict, lang: str = "en") -> str:
         return ""
     other = tr(lang, "eval.judge_other_reference" if report.get("against") == "reference" else "eval.judge_other_base")
     text = tr(lang, "eval.judge_head", model=report.get("judge_model"), url=report.get("judge_url"), other=other)
-    if report.get("judged"):
+    if report.get("judged") and report.get("win_rate") is None:  # too few verdicts to score (judge.summarize)
+        text += "  \n✖ " + str(report.get("no_score") or "")
+    elif report.get("judged"):
         low, high = report.get("interval") or (None, None)
         text += "  \n" + tr(lang, "eval.judge_counts", wins=report.get("wins"), ties=report.get("ties"),
                             losses=report.get("losses"), n=report.get("judged"), rate=f"{report['win_rate']:.3f}",

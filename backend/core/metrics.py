@@ -76,28 +76,39 @@ def exact_match(prediction: str, reference: str) -> bool:
     return prediction.strip() == reference.strip()
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def parse_json(text: str) -> tuple[bool, Any]:
-    """(valid, value) for a model output, allowing a ```json fence around it."""
+    """(valid, value) for a model output, allowing a ```json fence around it. Valid = the text parses as JSON
+    (RFC 8259: any value, an object, a list or a scalar; NaN and Infinity, which Python's json module takes, are
+    not JSON). Whether it is the object the reference is, is field F1's question (field_counts)."""
     m = _FENCE.match(text)
     if m:
         text = m.group(1)
     try:
-        return True, json.loads(text)
+        return True, json.loads(text, parse_constant=_not_json)
     except (ValueError, TypeError):
         return False, None
 
 
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Leaves of a JSON value by path: {"a": {"b": 1}, "c": [2]} -> {"a.b": 1, "c[0]": 2}."""
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
+FieldPath = tuple  # a field's path: the keys (str) and list indices (int) from the top, e.g. ("colors", 0)
+
+
+def flatten(value: Any, prefix: FieldPath = ()) -> dict[FieldPath, Any]:
+    """The fields of a JSON value by path: its leaves, and its empty objects and lists (a field too, so an empty
+    one is matched or missed like any other): {"a": {"b": 1}, "c": [2], "d": []} -> {("a", "b"): 1, ("c", 0): 2,
+    ("d",): []}. A path is a tuple of keys and indices, so {"a.b": 1} and {"a": {"b": 1}} have different fields."""
+    if isinstance(value, dict) and value:
+        out: dict[FieldPath, Any] = {}
         for k, v in value.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(flatten(v, (*prefix, str(k))))
         return out
-    if isinstance(value, list):
+    if isinstance(value, list) and value:
         out = {}
         for i, v in enumerate(value):
-            out.update(flatten(v, f"{prefix}[{i}]"))
+            out.update(flatten(v, (*prefix, i)))
         return out
     return {prefix: value}
 
@@ -113,8 +124,8 @@ def _same_leaf(a: Any, b: Any) -> bool:
 
 
 def field_counts(prediction: str, reference: str) -> dict[str, int] | None:
-    """{"valid", "matched", "predicted", "expected"} leaf counts for one row; None if the reference is not
-    JSON (the row does not count for the JSON metrics)."""
+    """{"valid", "matched", "predicted", "expected"} field counts (flatten: leaves and empty containers) for one row;
+    None if the reference is not a JSON object or list (the row does not count for the JSON metrics)."""
     ref_ok, ref = parse_json(reference)
     if not ref_ok or not isinstance(ref, (dict, list)):
         return None
@@ -139,7 +150,8 @@ def row_scores(prediction: str, reference: str) -> dict[str, Any]:
 
 def compute(predictions: list[str], references: list[str]) -> dict[str, float]:
     """Corpus figures (0-100): bleu-4, rouge-1/2/l (row means), exact_match; with JSON references also
-    json_valid (% of those rows), json_field_precision/recall/f1 (micro over leaves)."""
+    json_valid (% of those rows whose answer parses as JSON: parse_json), json_field_precision/recall/f1 (micro
+    over the fields of flatten)."""
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
     n = len(predictions)

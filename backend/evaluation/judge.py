@@ -8,7 +8,11 @@ the reference), else a tie. An order whose reply has no parseable verdict line c
 and is flagged (`unparsed`).
 
 The win rate is (wins + ties / 2) / n over the n rows judged, and its 95% interval is the Wilson score interval
-of that share with n trials (ties count half a success; z = 1.96): `wilson_interval`.
+of that share with n trials (ties count half a success; z = 1.96): `wilson_interval`. A judge that gave a verdict
+in fewer than MIN_VERDICT_SHARE of its replies measured nothing (its ties are its silence): no win rate, and the
+report's `no_score` says so in one line (`tuneboard eval` fails on it, eval_metric judge scores that save with none).
+`probe` asks one pair before the judging is needed (eval_metric judge: before training), so a refused key or a
+judge that does not answer fails the run at its start.
 
 The client, the key handling and the budget are the distill teacher's (backend.distill.teacher: Teacher,
 read_api_key, Budget, the connect-time guard; backend.core.teacher_access for the web UI's policy): the key comes
@@ -38,6 +42,7 @@ from backend.core.atomic import write_text_atomic
 from backend.distill.teacher import Budget, BudgetExhausted, Teacher, TeacherError, TeacherFatal, read_api_key
 
 PROMPT_VERSION = 1   # in the cache key: a reworded judge prompt asks again
+MIN_VERDICT_SHARE = 0.5  # of the replies in the rows judged: with fewer verdict lines the win rate is no score
 Z95 = 1.959963984540054
 REASON_CHARS = 1000  # of a judge's reply kept per order in the report
 ORDERS = ("AB", "BA")  # AB: the tuned model's answer shown first (as A); BA: shown second (as B)
@@ -137,7 +142,8 @@ def check_access(settings: JudgeSettings) -> None:
 # the distill teacher's messages name its spec keys; a judge's failure names the judge's
 _TEACHER_WORDS = (("teacher_api_key_env", "judge_api_key_env"), ("teacher_api_key_file", "judge_api_key_file"),
                   ("teacher_model", "judge_model"), ("set teacher to", "set judge_url to"),
-                  ("(teacher, the base URL", "(judge_url, the base URL"), ("teacher ", "judge "), ("teacher:", "judge:"))
+                  ("check teacher (the base URL", "check judge_url (the base URL"), ("teacher ", "judge "),
+                  ("teacher:", "judge:"))
 
 
 def judge_words(message: str) -> str:
@@ -154,6 +160,45 @@ def _guarded(settings: JudgeSettings) -> bool:
         return teacher_access.normalize_url(settings.url) not in teacher_access.allowed_urls()
     except ValueError:
         return True
+
+
+PROBE_PROMPT = [{"role": "user", "content": "Is the sky blue on a clear day? Answer yes or no."}]
+
+
+def probe(settings: JudgeSettings, log=print) -> str | None:
+    """One pair asked of the judge before it is needed (eval_metric judge: before training starts), so that a
+    refused key, an unknown model or an endpoint that does not answer fails the run at its start with one line
+    naming judge_url or the key's variable, not at the first save. Not cached, not counted in judge_max_requests.
+    Returns the reply's verdict (None: the reply has no verdict line). JudgeFatal says why it failed."""
+    check_access(settings)
+    try:
+        api_key = read_api_key(settings.api_key_env, settings.api_key_file)
+    except OSError as exc:
+        raise JudgeFatal(f"judge_api_key_file {settings.api_key_file}: {exc.strerror or exc}") from None
+    client = Teacher(settings.url, settings.model, api_key, timeout=settings.timeout, max_retries=settings.max_retries,
+                     backoff=settings.backoff, temperature=0.0, max_tokens=settings.max_tokens, budget=Budget(0),
+                     log=lambda message: log(judge_words(message)), guard=_guarded(settings))
+    try:
+        reply = client.ask(judge_messages(PROBE_PROMPT, "Yes.", "No."))
+    except TeacherFatal as exc:
+        message = judge_words(str(exc))
+        if re.search(r"HTTP 40[13]\b", message):  # the key was refused: which one
+            message += f"; {_key_sent(settings, api_key)}"
+        raise JudgeFatal(message) from None
+    except TeacherError as exc:
+        raise JudgeFatal(f"judge_url {settings.url}: no answer to a test request: {judge_words(str(exc))}") from None
+    finally:
+        client.close()
+    return parse_verdict(reply.text)
+
+
+def _key_sent(settings: JudgeSettings, api_key: str | None) -> str:
+    if settings.api_key_file:
+        return (f"the key sent was the first line of judge_api_key_file {settings.api_key_file}" if api_key
+                else f"no key was sent (judge_api_key_file {settings.api_key_file} is empty)")
+    if api_key:
+        return f"the key sent was ${settings.api_key_env} (judge_api_key_env)"
+    return f"no key was sent (${settings.api_key_env} is not set)" if settings.api_key_env else "no key was sent"
 
 
 # ---------------------------------------------------------------------------------------- judging
@@ -274,14 +319,23 @@ def _clip(text: str, limit: int) -> str:
 
 
 def summarize(rows: list[dict], settings: JudgeSettings, budget: Budget, state: dict, stop_reason=None) -> dict:
-    """The report: counts, win rate and its interval, each row with both orders' verdicts and reasons."""
+    """The report: counts, win rate and its interval, each row with both orders' verdicts and reasons. A judge that
+    gave a verdict in fewer than MIN_VERDICT_SHARE of its replies (each reply without one a tie) gives no win rate
+    (None): `no_score` says why in one line."""
     judged = [r for r in rows if r["verdict"] != "not judged"]
     wins = sum(r["verdict"] == "win" for r in judged)
     ties = sum(r["verdict"] == "tie" for r in judged)
     losses = sum(r["verdict"] == "loss" for r in judged)
     n = len(judged)
-    rate = (wins + ties / 2) / n if n else None
-    low, high = wilson_interval(wins + ties / 2, n) if n else (None, None)
+    replies = [o for r in judged for o in r["orders"]]
+    unparsed = sum(not o["parsed"] for o in replies)
+    no_score = None
+    if replies and len(replies) - unparsed < MIN_VERDICT_SHARE * len(replies):
+        no_score = (f"no win rate: the judge gave a verdict in {len(replies) - unparsed} of its {len(replies)} replies "
+                    f"(fewer than {MIN_VERDICT_SHARE:.0%}; a reply must end with a line `Verdict: A`, `Verdict: B` or "
+                    "`Verdict: tie`): check judge_model")
+    rate = (wins + ties / 2) / n if n and not no_score else None
+    low, high = wilson_interval(wins + ties / 2, n) if rate is not None else (None, None)
     stopped = None
     if state["fatal"]:
         stopped = state["fatal"]
@@ -296,7 +350,7 @@ def summarize(rows: list[dict], settings: JudgeSettings, budget: Budget, state: 
     return {"judge_url": settings.url, "judge_model": settings.model, "rows": len(rows), "judged": n,
             "wins": wins, "ties": ties, "losses": losses, "win_rate": rate, "interval": [low, high],
             "interval_method": "Wilson score interval, 95%, of (wins + ties/2) / judged rows",
-            "unparsed": sum(not o["parsed"] for r in judged for o in r["orders"]),
+            "unparsed": unparsed, "no_score": no_score,
             "requests": budget.used, "cached": state["cached"], "max_requests": settings.max_requests,
             "answered": state.get("answered", 0), "failed": state["failed"], "first_error": state.get("first_error"),
             "complete": n == len(rows), "stopped": stopped, "error": state["fatal"], "per_row": rows}
@@ -306,12 +360,14 @@ def summary_line(report: dict) -> str:
     """One line: W/T/L, the win rate with its interval, requests, and why it is incomplete."""
     if not report.get("judged"):
         head = f"judge: no row judged of {report.get('rows', 0)}"
+    elif report.get("no_score"):
+        head = f"judge: {report['no_score']}"
     else:
         low, high = report["interval"]
         head = (f"judge: {report['wins']} wins, {report['ties']} ties, {report['losses']} losses of "
                 f"{report['judged']} rows; win rate {report['win_rate']:.3f} (95% interval {low:.3f}-{high:.3f})")
     head += f"; {report.get('requests', 0)} requests, {report.get('cached', 0)} answers from the cache"
-    if report.get("unparsed"):
+    if report.get("unparsed") and not report.get("no_score"):
         head += f"; {report['unparsed']} replies without a verdict line (counted as ties)"
     if not report.get("complete"):
         head += f"; incomplete: {report.get('stopped') or 'not every row was judged'}"
@@ -323,7 +379,7 @@ def judge_win_rate(prompts: list[list[dict]], candidates: list[str], references:
     """The task metric `judge`: the candidates' (the tuned model's answers) win rate against the references,
     (wins + ties/2) / rows judged, each pair asked in both orders. A spent budget gives the rate over the rows
     judged (logged as incomplete); JudgeFatal when the judge refuses (a refused key: one line); NaN when no
-    row could be judged."""
+    row could be judged or too few replies had a verdict (summarize's no_score): no score for this save."""
     report = judge_pairs(prompts, candidates, references, settings, log=log)
     log(summary_line(report))
     if report["error"]:

@@ -49,8 +49,9 @@ def answers(model, tokenizer, template, examples: list[dict], spec, out: Path, w
 def judge(spec, examples: list[dict], tuned: list[str], other: list[str], out: Path, run_dir, stop) -> dict:
     """Asks the judge, writes JUDGE_FILE, logs the summary; returns the figures for eval_results.json
     (judge_wins, judge_ties, judge_losses, judge_win_rate, judge_low, judge_high, judge_requests), plus
-    judge_error when the judge refused or judged no row because every row it was asked failed (a judge that
-    answers nothing: the eval fails, as distill does when its teacher answers nothing), judge_incomplete when
+    judge_error when the judge refused, judged no row because every row it was asked failed (a judge that
+    answers nothing: the eval fails, as distill does when its teacher answers nothing) or gave too few verdicts
+    for a win rate (judge.summarize's no_score), judge_incomplete when
     not every row was judged, judge_failed: the rows that failed at the judge after their retries."""
     n = min(len(tuned), len(other))
     prompts = [split_prompt(example)[0] for example in examples[:n]]
@@ -66,7 +67,7 @@ def judge(spec, examples: list[dict], tuned: list[str], other: list[str], out: P
         row["source"], row["row"] = example.get("_source"), example.get("_row")
     write_json_atomic(out / JUDGE_FILE, report)
     line = summary_line(report)
-    (run_dir.warn if not report["complete"] else run_dir.log)(line)
+    (run_dir.warn if not report["complete"] or report["no_score"] else run_dir.log)(line)
     figures = {"judge_rows": report["rows"], "judge_judged": report["judged"], "judge_wins": report["wins"],
                "judge_ties": report["ties"], "judge_losses": report["losses"], "judge_requests": report["requests"]}
     if report["win_rate"] is not None:
@@ -76,6 +77,8 @@ def judge(spec, examples: list[dict], tuned: list[str], other: list[str], out: P
         figures["judge_failed"] = report["failed"]
     if report["error"]:
         figures["judge_error"] = report["error"]
+    elif report["no_score"]:
+        figures["judge_error"] = f"judge: {report['no_score']}"
     elif not report["judged"] and report.get("failed") and not stop():
         figures["judge_error"] = no_row_judged(report)
     elif not report["complete"]:

@@ -15,6 +15,11 @@ The other ranks wait for it at one broadcast, which also gives them the best che
 every rank). With load_best_model_at_end and the task metric (RunSpec.best_by_task_metric) the best checkpoint is
 the Trainer's best_model_checkpoint (save_total_limit keeps it), and `load_best` loads it after training through
 the Trainer's own loader (LoRA, full, DeepSpeed) before the final save.
+
+The held-out rows are checked right after the data is loaded (check_held_out: before tokenizing and the model), and
+with eval_metric judge the judge is asked one test pair when the callback is made (judge.probe: before the model
+loads), so a metric that cannot score fails the run before training. A save the judge gives no score (no row judged,
+too few verdicts) gets none and is no candidate for the best.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from transformers import TrainerCallback
 
 from backend.core import metrics, rewards
 from backend.core.atomic import read_json_dict, write_json_atomic
-from backend.evaluation.judge import JudgeSettings, judge_win_rate
+from backend.evaluation.judge import MIN_VERDICT_SHARE, JudgeFatal, JudgeSettings, judge_win_rate, probe
 from backend.evaluation.merged import merged_lora
 from backend.evaluation.predict import eval_loss, generate, generate_rows, generation_kwargs, split_prompt
 from backend.serving.batching import batchable
@@ -64,8 +69,9 @@ def score(metric: str, predictions: list[str], references: list[str]) -> float:
 
 
 def check_rows(metric: str, examples: list[dict]) -> None:
-    """Refuse, before training, held-out rows this metric cannot score (no answer; no JSON answer for a JSON
-    metric)."""
+    """Refuse, before training, held-out rows this metric cannot score (none; no JSON answer for a JSON metric)."""
+    if not examples:
+        raise TaskMetricError("eval_metric: no held-out rows left to score (val_size / eval_dataset gave none)")
     references = [split_prompt(example)[1] for example in examples]
     if metric in JSON_METRICS and not any(metrics.field_counts(r, r) is not None for r in references):
         first = examples[0]
@@ -74,7 +80,14 @@ def check_rows(metric: str, examples: list[dict]) -> None:
                               "bleu, rouge_l or eval_loss for answers in plain text")
 
 
-JSON_STARTS = '{["-0123456789tfnNI`'  # how json.loads (or a ```json fence, metrics.parse_json) can begin
+def check_held_out(spec, held_out: list[dict]) -> None:
+    """eval_metric's check of the rows it will score (the first eval_samples held-out rows), for the training
+    process right after its data is loaded (backend.stages.base.train_and_eval_rows): before tokenizing, loading
+    the model or any step."""
+    check_rows(spec.eval_metric, held_out[:spec.eval_samples])
+
+
+JSON_STARTS = '{["-0123456789tfn`'  # how a JSON value (or a ```json fence, metrics.parse_json) can begin
 
 
 def json_end(text: str) -> int | None:
@@ -137,6 +150,8 @@ class TaskMetricCallback(TrainerCallback):
         self.examples = examples[:spec.eval_samples]
         self.stop = stop
         check_rows(self.metric, self.examples)
+        if self.metric == "judge":  # asked once now: a refused key or a judge that does not answer fails the run here
+            self._probe_judge()
         self.rows = None
         if self.metric == "eval_loss":
             self.rows = build_sft_dataset(self.examples, template, tokenizer, spec.cutoff_len, log=run_dir.warn)[0]
@@ -155,6 +170,16 @@ class TaskMetricCallback(TrainerCallback):
         self.record = {"metric": self.metric, "greater_is_better": greater_is_better(self.metric),
                        "samples": len(self.examples), "scores": [], "best": None}
         self.best_checkpoint: str | None = None  # the path, on every rank
+
+    def _probe_judge(self) -> None:
+        try:
+            verdict = probe(JudgeSettings.from_spec(self.spec), log=self.run_dir.log)
+        except JudgeFatal as exc:
+            raise JudgeFatal(f"eval_metric judge, before training: {exc}") from None
+        if verdict is None:
+            self.run_dir.warn(f"eval_metric judge: the judge's reply to a test pair has no `Verdict:` line: a save "
+                              f"where fewer than {MIN_VERDICT_SHARE:.0%} of its replies have one gets no score "
+                              "(check judge_model)")
 
     # -- scores ---------------------------------------------------------------------------------
     def _path(self) -> Path:
@@ -227,8 +252,9 @@ class TaskMetricCallback(TrainerCallback):
             started = time.time()
             value = self.measure(model)
             seconds = round(time.time() - started, 2)
-            if math.isnan(value):  # the judge judged no row (a spent budget)
-                self.run_dir.warn(f"{name}: no {self.metric} score (no held-out row could be scored)")
+            if math.isnan(value):  # the judge judged no row (a spent budget) or gave too few verdicts
+                why = "the judge line above says why" if self.metric == "judge" else "it is NaN"
+                self.run_dir.warn(f"{name}: no {self.metric} score ({why}): not a candidate for the best checkpoint")
             elif not (self.stop is not None and self.stop.reason):  # a stop during generation: not a real score
                 self.record["scores"] = [s for s in self.record["scores"] if s.get("step") != step]
                 self.record["scores"].append({"step": step, "checkpoint": name, "value": value, "seconds": seconds})

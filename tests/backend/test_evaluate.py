@@ -33,7 +33,7 @@ def test_bleu4_by_hand():
 def test_json_parsing_and_fields():
     assert metrics.parse_json('```json\n{"x": [1, 2]}\n```') == (True, {"x": [1, 2]})
     assert metrics.parse_json("{broken") == (False, None)
-    assert metrics.flatten({"a": {"b": 1}, "c": [2, {"d": 3}]}) == {"a.b": 1, "c[0]": 2, "c[1].d": 3}
+    assert metrics.flatten({"a": {"b": 1}, "c": [2, {"d": 3}]}) == {("a", "b"): 1, ("c", 0): 2, ("c", 1, "d"): 3}
     # an invalid prediction has no fields: precision 0, recall 0 of 2
     assert metrics.field_counts("not json", '{"a": 1, "b": 2}') == {"valid": 0, "matched": 0, "predicted": 0,
                                                                   "expected": 2}

@@ -1,15 +1,19 @@
 """backend/evaluation/judge.py against a stand-in judge endpoint (tests/fake_teacher.py, modes judge_*), through the
 distill teacher's real httpx client: both orders asked, ties when the orders disagree, the interval, the budget,
-a refused key, the cache, and the key never written."""
+a refused key, the cache, a judge without verdicts (no score), the probe before training, and the key never
+written."""
 from __future__ import annotations
 
 import json
 import math
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from backend.evaluation.judge import JudgeFatal, JudgeSettings, judge_pairs, judge_win_rate, parse_verdict, wilson_interval
+from backend.evaluation.judge import (JudgeFatal, JudgeSettings, judge_pairs, judge_win_rate, parse_verdict, probe,
+                                      summary_line, wilson_interval)
 from fake_teacher import KEY, FakeTeacher, no_key_under
 
 PROMPTS = [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]
@@ -199,3 +203,65 @@ def test_a_web_ui_process_refuses_a_judge_its_operator_did_not_allow(monkeypatch
     assert "internal address" in errors["judge_url"] and "MY_JUDGE_KEY" in errors["judge_api_key_env"]
     monkeypatch.setenv(teacher_access.KEYS_ENV, "MY_JUDGE_KEY=http://127.0.0.1:9/v1")
     validate_spec(flat, check_files=False)
+
+
+def test_a_judge_that_gives_no_verdict_gives_no_score(judge, tmp_path, monkeypatch):
+    """Every reply without a verdict line (each a tie): no win rate (not 0.500), one line saying why, and the task
+    metric gets NaN (no score for that save)."""
+    judge.mode = "judge_unparsed"
+    s = settings(judge, tmp_path, monkeypatch)
+    report = judge_pairs(PROMPTS, TUNED, BASE, s, log=lambda m: None)
+    assert report["win_rate"] is None and report["interval"] == [None, None]
+    assert "verdict in 0 of its 8 replies" in report["no_score"] and "judge_model" in report["no_score"]
+    line = summary_line(report)
+    assert "no win rate" in line and "0.500" not in line and "\n" not in line
+    assert math.isnan(judge_win_rate(PROMPTS, TUNED, BASE, s, log=lambda m: None))
+    judge.mode = "judge_word"  # verdicts again: a win rate
+    assert judge_pairs(PROMPTS, TUNED, BASE, settings(judge, tmp_path / "other", monkeypatch),
+                       log=lambda m: None)["no_score"] is None
+
+
+def test_probe_asks_one_pair_and_fails_in_one_line(judge, tmp_path, monkeypatch):
+    s = settings(judge, tmp_path, monkeypatch, max_retries=1)
+    assert probe(s) == "tie" and len(judge.requests) == 1  # "Yes." and "No." both lack the judge's word
+    assert not (tmp_path / "judge_cache").exists()  # not cached
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-wrong-key-0123456789")
+    with pytest.raises(JudgeFatal) as info:
+        probe(s)
+    message = str(info.value)
+    assert "HTTP 401" in message and "$JUDGE_TEST_KEY" in message and "sk-wrong" not in message
+    monkeypatch.delenv("JUDGE_TEST_KEY")
+    with pytest.raises(JudgeFatal, match=r"no key was sent \(\$JUDGE_TEST_KEY is not set\)"):
+        probe(s)
+    with pytest.raises(JudgeFatal, match=r"^judge_url http://127.0.0.1:9/v1: no answer to a test request: cannot "):
+        probe(JudgeSettings(url="http://127.0.0.1:9/v1", model="j", backoff=0.0, max_retries=0))
+
+
+def test_a_404_names_judge_url_and_judge_model(tmp_path):
+    """The teacher's 404 hint ("check teacher (the base URL ...) and teacher_model") in the judge's words."""
+    class NotFound(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b'{"error": {"message": "The model does not exist"}}'
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        with pytest.raises(JudgeFatal) as info:
+            probe(JudgeSettings(url=url, model="j", api_key_env=None, backoff=0.0))
+        report = judge_pairs(PROMPTS[:1], TUNED[:1], BASE[:1], JudgeSettings(url=url, model="j", api_key_env=None),
+                             log=lambda m: None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    for message in (str(info.value), report["error"]):
+        assert "HTTP 404" in message and "check judge_url (the base URL, ending in /v1) and judge_model" in message
+        assert "teacher" not in message

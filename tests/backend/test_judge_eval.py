@@ -129,3 +129,20 @@ def test_refused_key_and_spent_budget(tiny_llama, setup, judge, tmp_path):
     assert "judge_max_requests 3 spent" in results["judge_incomplete"]
     status = json.loads((out / STATUS_FILE).read_text())
     assert status["state"] == "completed" and any("incomplete" in w for w in status["warnings"])
+
+
+def test_a_judge_without_verdicts_fails_the_eval(tiny_llama, setup, judge, tmp_path):
+    """Every reply without a verdict line: no win rate (not 0.500 from ties), one FAILED line, exit 1; the answers
+    and the judge's replies are kept in judge_results.json."""
+    data, _ = setup
+    judge.mode = "judge_unparsed"
+    out = tmp_path / "unparsed"
+    proc, output = tuneboard_eval(tiny_llama, data, out, f"judge_url={judge.url}", "judge_against=reference")
+    assert proc.returncode == 1, output
+    failed = [line for line in output.splitlines() if "FAILED" in line]
+    assert len(failed) == 1 and "no win rate" in failed[0] and "verdict in 0 of its 6 replies" in failed[0], output
+    assert "0.500" not in output and "Traceback" not in output
+    assert json.loads((out / STATUS_FILE).read_text())["state"] == "failed"
+    assert "judge_win_rate" not in json.loads((out / EVAL_RESULTS_FILE).read_text())
+    report = json.loads((out / JUDGE_FILE).read_text())
+    assert report["win_rate"] is None and report["unparsed"] == 6 and len(report["per_row"]) == 3

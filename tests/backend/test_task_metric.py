@@ -275,11 +275,67 @@ def test_judge_metric_asks_the_endpoint_at_each_save(tiny_llama, tmp_path):
         assert all(s["value"] == 0.0 for s in record["scores"])
         orders = {("good" in r["body"]["messages"][-1]["content"].split("</answer_a>")[0]) for r in judge.requests}
         assert orders == {True, False}  # the reference shown first and second
-        assert len(judge.requests) <= 2 * 3 * 2  # two orders x three rows x two saves (the cache may answer some)
+        # one test pair before training, then two orders x three rows x two saves (the cache may answer some)
+        assert len(judge.requests) <= 1 + 2 * 3 * 2
+        assert "Is the sky blue" in judge.requests[0]["body"]["messages"][-1]["content"]
         no_key_under(out)
         assert KEY not in proc.stdout + proc.stderr
     finally:
         judge.stop()
+
+
+def judge_run(model: Path, out: Path, judge_url: str, key: str) -> tuple[subprocess.CompletedProcess, str]:
+    """A run with eval_metric judge on JUDGED; (process, its running log)."""
+    data = out.parent / "data"
+    data.mkdir(exist_ok=True)
+    (data / "rows.json").write_text(json.dumps(JUDGED))
+    (data / "dataset_info.json").write_text(json.dumps({"judged": {"file_name": "rows.json"}}))
+    proc = subprocess.run(TUNEBOARD + ["train", f"model_name_or_path={model}", f"output_dir={out}", "template=llama3",
+                                       f"dataset_dir={data}", "dataset=judged", "val_size=3", "cutoff_len=128",
+                                       "max_steps=2", "save_steps=1", "max_new_tokens=4", "eval_metric=judge",
+                                       f"judge_url={judge_url}", "judge_model=judge-model",
+                                       "judge_api_key_env=JUDGE_TEST_KEY"],
+                          cwd="/tmp", capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JUDGE_TEST_KEY=key))
+    return proc, (out / RUNNING_LOG).read_text()
+
+
+def test_a_judge_that_refuses_the_key_or_does_not_answer_fails_before_training(tiny_llama, tmp_path):
+    """eval_metric judge asks the judge one test pair before the model loads: a refused key or an endpoint that
+    does not answer fails the run there, in one line naming the key's variable or judge_url (not at the first save,
+    nor a run that trains to its end with no score)."""
+    from fake_teacher import KEY, FakeTeacher
+
+    judge = FakeTeacher(mode="judge_word", key=KEY).start()
+    try:
+        proc, log = judge_run(tiny_llama, tmp_path / "refused", judge.url, key="sk-wrong-0123456789")
+    finally:
+        judge.stop()
+    assert proc.returncode == 1, log
+    failed = [line for line in log.splitlines() if "FAILED" in line]
+    assert len(failed) == 1 and "before training" in failed[0] and "HTTP 401" in failed[0], log
+    assert "$JUDGE_TEST_KEY" in failed[0] and "sk-wrong" not in log
+    assert len(judge.requests) == 1 and not list((tmp_path / "refused").glob("checkpoint-*"))
+    assert "trainable parameters" not in log and "Traceback" not in proc.stderr
+
+    proc, log = judge_run(tiny_llama, tmp_path / "down", "http://127.0.0.1:9/v1", key=KEY)
+    assert proc.returncode == 1, log
+    failed = [line for line in log.splitlines() if "FAILED" in line]
+    assert len(failed) == 1 and "judge_url http://127.0.0.1:9/v1: no answer to a test request" in failed[0], log
+    assert not list((tmp_path / "down").glob("checkpoint-*")) and "trainable parameters" not in log
+
+
+def test_a_json_metric_on_plain_answers_fails_before_tokenizing(tiny_llama, tmp_path):
+    """A JSON task metric whose held-out answers are not JSON is refused right after the data is loaded: before
+    tokenizing, the model or any step."""
+    out = tmp_path / "plain"
+    proc = train(f"model_name_or_path={tiny_llama}", f"output_dir={out}", "template=llama3", "dataset=identity",
+                 "val_size=8", "eval_samples=4", "eval_metric=json_field_f1", "max_steps=2", "overwrite_cache=true")
+    log = (out / RUNNING_LOG).read_text()
+    assert proc.returncode == 1, log
+    failed = [line for line in log.splitlines() if "FAILED" in line]
+    assert len(failed) == 1 and "none of the 4 held-out answers is a JSON object" in failed[0], log
+    assert "train rows:" not in log and "Traceback" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

@@ -96,3 +96,8 @@ def test_judge_flat_and_an_incomplete_report():
     frame = judge_view.rows_frame(report)
     assert frame.iloc[0].tolist() == [0, "Hi?", "x", "good", "loss", "B says good.\nVerdict: B",
                                       "no idea [no verdict: tie]"]
+    # too few verdicts to score (backend.evaluation.judge.summarize): the reason, not a win rate
+    unscored = {**report, "win_rate": None, "interval": None, "complete": True,
+                "no_score": "no win rate: the judge gave a verdict in 0 of its 2 replies"}
+    text = judge_view.summary_md(unscored)
+    assert "✖ no win rate: the judge gave a verdict in 0 of its 2 replies" in text and "0.000" not in text

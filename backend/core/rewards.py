@@ -104,8 +104,8 @@ def json_schema(prompts, completions, reference=None, schema=None, **kwargs) -> 
 
 
 def field_f1(prompts, completions, reference=None, **kwargs) -> list[float | None]:
-    """Field-level F1 against the row's reference answer, in [0, 1]: the JSON leaves (by path, e.g.
-    `colors[0]`) that equal the reference's (strings compared case-insensitively) over predicted and expected
+    """Field-level F1 against the row's reference answer, in [0, 1]: the JSON leaves and empty containers
+    (by path, e.g. ("colors", 0)) that equal the reference's (strings compared case-insensitively) over predicted and expected
     leaves (backend.core.metrics.field_counts, as `tuneboard eval` counts them). None where the reference is not
     JSON."""
     out: list[float | None] = []

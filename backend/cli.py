@@ -10,6 +10,7 @@ import argparse
 import difflib
 import logging
 import os
+import select
 import sys
 import warnings
 
@@ -199,7 +200,33 @@ COMMANDS = {
 }
 
 
+def _stdout_gone() -> bool:
+    """stdout is a pipe whose reader has closed it (`tuneboard validate spec | head -1`): poll reports an error on
+    the write end of such a pipe."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is no file
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; its exit code. A reader of stdout that goes away (`| head -1`) ends the command quietly, as
+    Python's documentation of SIGPIPE recommends, instead of a BrokenPipeError traceback."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # the last buffered output meets a closed pipe here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # another pipe than stdout's (a subprocess, a socket): a real error
+        # Python flushes stdout again at exit: point it at devnull so that write cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(argv: list[str] | None) -> int:
     own_command_line = argv is None  # this process's own command line (not a call from Python): may re-execute
     argv = list(sys.argv[1:] if argv is None else argv)
     _offline_env()

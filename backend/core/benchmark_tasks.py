@@ -1,7 +1,7 @@
 """What `tasks=` names, without lm-eval itself (light: the spec and the web UI import it).
 
 A task is an lm-evaluation-harness task name (hellaswag, arc_easy, ...) or a path to a task YAML file in
-lm-eval's own format (its folder becomes lm-eval's include path). TuneBoard ships one such task that runs
+lm-eval's own format (given to lm-eval alone, its includes and data files read from its folder). TuneBoard ships one such task that runs
 offline: SHIPPED_TASK (30 multiple-choice questions over local JSONL files).
 """
 from __future__ import annotations

@@ -5,7 +5,9 @@ freeze) its checkpoints and final weights are model folders. Each refusal is one
 (standard library + yaml): the spec's validation and the Evaluate tab's checkpoint picker use it.
 
 The final adapter is the run's top-level one; after a promote (backend/core/promote.py) that is a checkpoint's copy,
-so "final" is then the run's own final adapter, kept in PROMOTION_KEEP_DIR."""
+so "final" is then the run's own final adapter, kept in PROMOTION_KEEP_DIR. A run with load_best_model_at_end
+ended on its best checkpoint's weights (loaded_checkpoint): its final is labelled with that checkpoint's step, and
+`all` leaves it out when that checkpoint is scored anyway (the same weights, scored twice)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,11 +15,13 @@ from typing import NamedTuple
 
 import yaml
 
+from backend.core.atomic import read_json_dict
 from backend.core.methods import is_adapter
 from backend.core.model_files import adapter_problem, weights_problem
 from backend.core.promote import promoted_checkpoint
-from backend.core.rundir import (CHECKPOINT_PREFIX, PROMOTION_KEEP_DIR, SPEC_FILE, checkpoint_step, checkpoints,
-                            is_complete_checkpoint, is_reward_model_dir, last_logged_step, read_status)
+from backend.core.rundir import (CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX, CHECKPOINT_SCORES_FILE,
+                                 PROMOTION_KEEP_DIR, SPEC_FILE, checkpoint_step, checkpoints, is_complete_checkpoint,
+                                 is_reward_model_dir, last_logged_step, read_status)
 
 ALL = "all"
 FINAL = "final"
@@ -39,12 +43,28 @@ def split_names(value: str | None) -> list[str]:
     return [v.strip() for v in str(value or "").split(",") if v.strip()]
 
 
-def _finetuning_type(run: Path) -> str | None:
+def _run_spec(run: Path) -> dict:
     try:
         spec = yaml.safe_load((run / SPEC_FILE).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
-        return None
-    return str(spec.get("finetuning_type") or "lora") if isinstance(spec, dict) else None
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def _finetuning_type(run: Path) -> str | None:
+    spec = _run_spec(run)
+    return str(spec.get("finetuning_type") or "lora") if spec else None
+
+
+def loaded_checkpoint(run: Path) -> str | None:
+    """The checkpoint-N whose weights the run ended on (load_best_model_at_end), or None: the best save of its
+    eval_metric (checkpoint_scores.json's "loaded"), else, when its spec set load_best_model_at_end, the Trainer's
+    best_model_checkpoint (its trainer_state.json)."""
+    loaded = read_json_dict(run / CHECKPOINT_SCORES_FILE).get("loaded")
+    if not loaded and _run_spec(run).get("load_best_model_at_end") is True:
+        loaded = read_json_dict(run / CHECKPOINT_COMPLETE_MARKER).get("best_model_checkpoint")
+    name = Path(str(loaded)).name if loaded else None
+    return name if name and checkpoint_step(name) is not None else None
 
 
 def final_folder(run: Path, models: bool = False) -> Path | None:
@@ -57,6 +77,11 @@ def final_folder(run: Path, models: bool = False) -> Path | None:
 
 
 def final_step(run: Path) -> int | None:
+    """The step the final weights were saved at: the loaded best checkpoint's (loaded_checkpoint), else the run's
+    last."""
+    loaded = loaded_checkpoint(run)
+    if loaded:
+        return checkpoint_step(loaded)
     step = read_status(run).get("step")
     return step if isinstance(step, int) else last_logged_step(run)
 
@@ -80,9 +105,11 @@ def available(run_dir: str | Path | None) -> list[str]:
     return names + ([FINAL] if names and final_folder(run, models) else [])
 
 
-def pick(run_dir: str | Path | None, wanted: str | None, models: bool = False) -> list[Choice]:
+def pick(run_dir: str | Path | None, wanted: str | None, models: bool = False, base: str | None = None,
+         resized: bool = False) -> list[Choice]:
     """The adapters (`models`: the model folders of a full / freeze run) to evaluate, in step order (final
-    last), or CheckpointChoiceError saying why not."""
+    last), or CheckpointChoiceError saying why not (with `base`, an adapter that does not fit that base model,
+    its vocabulary grown first when `resized`: model_files.adapter_base_mismatch)."""
     key = "model_name_or_path" if models else "adapter_name_or_path"
     if not run_dir or "," in str(run_dir):
         raise CheckpointChoiceError(f"checkpoints: set {key} to one training run folder (the output_dir of a run "
@@ -117,8 +144,8 @@ def pick(run_dir: str | Path | None, wanted: str | None, models: bool = False) -
     names = split_names(wanted)
     if not names:
         raise CheckpointChoiceError("checkpoints: give all, or checkpoint-N names, comma-separated")
-    if len(names) == 1 and names[0].lower() == ALL:
-        names = [p.name for p in complete] + ([FINAL] if final else [])
+    if len(names) == 1 and names[0].lower() == ALL:  # final, unless it is a scored checkpoint's weights
+        names = [p.name for p in complete] + ([FINAL] if final and loaded_checkpoint(run) not in by_name else [])
     out: list[Choice] = []
     for raw in names:
         name = f"{CHECKPOINT_PREFIX}{raw}" if raw.isdigit() else raw.rstrip("/").split("/")[-1]
@@ -137,7 +164,7 @@ def pick(run_dir: str | Path | None, wanted: str | None, models: bool = False) -
             raise CheckpointChoiceError(f"checkpoints: {name} is not a checkpoint of {run} (it has {offered})")
     unique = list({c.name: c for c in out}.values())
     for choice in unique:  # each is loaded in turn: a broken one would stop the eval after the ones before it
-        problem = weights_problem(choice.folder) if models else adapter_problem(str(choice.folder))
+        problem = weights_problem(choice.folder) if models else adapter_problem(str(choice.folder), base, resized)
         if problem:
             raise CheckpointChoiceError(f"checkpoints: {choice.name} of {run} cannot be loaded: {problem}")
     return sorted(unique, key=lambda c: (c.name == FINAL, c.step if c.step is not None else -1))
@@ -150,4 +177,5 @@ def pick_for(spec) -> list[Choice]:
     if not models and not spec.adapter_name_or_path and is_model_run(spec.model_name_or_path):
         raise CheckpointChoiceError(f"checkpoints: {spec.model_name_or_path} is a full-weights run: set its "
                                     "finetuning_type (full or freeze) to load each checkpoint as the model")
-    return pick(spec.model_name_or_path if models else spec.adapter_name_or_path, spec.checkpoints, models)
+    return pick(spec.model_name_or_path if models else spec.adapter_name_or_path, spec.checkpoints, models,
+                None if models else spec.model_name_or_path, bool(spec.resize_vocab or spec.new_special_tokens))

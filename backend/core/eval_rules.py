@@ -111,3 +111,39 @@ def checkpoint_errors(spec, check_files: bool) -> list[tuple[str, str, frozenset
         except CheckpointChoiceError as exc:
             return [("checkpoints", str(exc).removeprefix("checkpoints: "), involved)]
     return []
+
+
+# the keys of a training run `tuneboard eval` never reads, and what it does instead (eval_command_errors)
+_WHILE_TRAINING = ("sets when a training run evaluates its held-out rows; `tuneboard eval` evaluates them once, "
+                   "when it runs: drop it")
+EVAL_IGNORES = {
+    "eval_metric": "is the metric a training run scores at each checkpoint save; `tuneboard eval` computes every "
+                   "answer metric at once (eval_loss, perplexity, bleu-4, rouge, exact_match, and json_valid / "
+                   "json_field_f1 for JSON answers): drop it (for an LLM judge set do_judge=true with judge_url and "
+                   "judge_model)",
+    "eval_samples": "is the number of held-out rows eval_metric scores at each save of a training run; `tuneboard "
+                    "eval` evaluates every held-out row: drop it, or set max_samples to use fewer rows",
+    "load_best_model_at_end": "picks a training run's final adapter among its checkpoints; `tuneboard eval` trains "
+                              "nothing: drop it (checkpoints=all scores each checkpoint of a run)",
+    "metric_for_best_model": "names the metric that picks a training run's best checkpoint; `tuneboard eval` trains "
+                             "nothing: drop it (checkpoints=all shows the best checkpoint per metric)",
+    "early_stopping_patience": "stops a training run whose evaluations stop improving; `tuneboard eval` trains "
+                               "nothing: drop it",
+    "eval_strategy": _WHILE_TRAINING,
+    "eval_steps": _WHILE_TRAINING,
+    **{key: "is a training setting; `tuneboard eval` trains nothing: drop it" for key in (
+        "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+        "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "optim",
+        "resume_from_checkpoint", "save_strategy", "save_steps", "save_total_limit", "logging_steps", "plot_loss")},
+}
+
+
+def eval_command_errors(given: dict, fields: dict) -> list[tuple[str, str]]:
+    """(key, the one line) for each key given on the `tuneboard eval` command line (key=value: `given`, parsed) away
+    from its default (`fields`: the spec's model_fields) that eval never reads: the counterpart of
+    train_rules.train_command_errors (`tuneboard eval SPEC eval_metric=judge judge_url=...` ran eval and predict, and
+    asked no judge). Asked before the spec is validated, so the line says what eval does instead before a training
+    rule asks for more training keys. A spec file's keys are not refused: a training recipe serves `tuneboard eval`
+    too, and its training keys are its run's."""
+    return [(key, EVAL_IGNORES[key]) for key, value in given.items()
+            if key in EVAL_IGNORES and value is not None and value != fields[key].default]

@@ -5,11 +5,13 @@ after launch.
 A model (model_name_or_path, ref_model, teacher_model_name_or_path) is a local folder with config.json, a .gguf file
 or a folder holding one, or a hub id (`org/name`) already in the local Hugging Face cache: nothing is downloaded
 here. `cached_snapshot` is the one answer to where a hub id's files are, used by validate and by
-backend.training.models.resolve_model (which loads them). An adapter is a folder with adapter_config.json.
-Light: huggingface_hub is imported only when a hub id is asked about."""
+backend.training.models.resolve_model (which loads them). An adapter is a folder with adapter_config.json, and
+its matrices fit the base model it is loaded on (adapter_base_mismatch: the safetensors headers of both, read
+without the weights). Light: huggingface_hub is imported only when a hub id is asked about."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from backend.core import gguf_header
@@ -17,6 +19,8 @@ from backend.core.paths import DEFAULT_MODEL_ID, cache_dir, default_model_file
 from backend.core.rundir import checkpoints
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's adapter folder marker
+PEFT_PREFIX = "base_model.model."  # peft's saved keys: the wrapped model's own tensor names behind it
+_LORA_KEY = re.compile(r"^(.+)\.(lora_A|lora_B)(?:\.weight)?$|^(.+)\.(lora_embedding_A|lora_embedding_B)$")
 
 
 class NotCachedError(ValueError):
@@ -145,9 +149,10 @@ def is_merged_model(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / ADAPTER_CONFIG).is_file()
 
 
-def adapter_problem(name: str) -> str | None:
-    """Why `name` is not an adapter folder a run can load (peft's adapter_config.json and whole weights), or None.
-    A training run's folder without its own adapter (a run stopped before its end) names its checkpoints."""
+def adapter_problem(name: str, base: str | None = None, resized: bool = False) -> str | None:
+    """Why `name` is not an adapter folder a run can load (peft's adapter_config.json and whole weights, and with
+    `base` its matrices fit that base model: adapter_base_mismatch), or None. A training run's folder without its
+    own adapter (a run stopped before its end) names its checkpoints."""
     path = Path(name.strip()).expanduser()
     if not path.exists():
         return (f"{path} does not exist: give an adapter folder (a training run's output_dir, or one of its "
@@ -163,7 +168,8 @@ def adapter_problem(name: str) -> str | None:
             return (f"{path} is a full model (config.json, no {ADAPTER_CONFIG}): give it as model_name_or_path, "
                     "without an adapter")
         return f"{path} is not an adapter folder (no {ADAPTER_CONFIG})"
-    return adapter_config_problem(path / ADAPTER_CONFIG) or weights_problem(path)
+    return adapter_config_problem(path / ADAPTER_CONFIG) or weights_problem(path) \
+        or (adapter_base_mismatch(path, base, resized) if base else None)
 
 
 def adapter_config_problem(file: Path) -> str | None:
@@ -176,4 +182,84 @@ def adapter_config_problem(file: Path) -> str | None:
         return f"{file} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
     if not isinstance(config, dict):
         return f"{file} must hold a JSON object (peft's adapter settings)"
+    return None
+
+
+def tensor_shapes(folder: Path) -> dict[str, list[int]]:
+    """Every tensor's name and shape in a folder's safetensors files, from their JSON headers alone (a few KB to a
+    few MB, never the weights). OSError / ValueError where a header cannot be read."""
+    found: dict[str, list[int]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        found.update({k: list(v.get("shape") or []) for k, v in header.items()
+                      if k != "__metadata__" and isinstance(v, dict)})
+    return found
+
+
+def _base_tensors(base: str) -> tuple[dict[str, list[int]], int | None]:
+    """(tensor shapes, vocab_size) of base model `base` where its safetensors are on this machine (a .gguf model's
+    converted folder once it exists); ({}, None) where they cannot be read: nothing to compare with."""
+    try:
+        folder, gguf = locate(base)
+        if gguf:
+            folder = gguf_cache_folder(folder / gguf)
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        return tensor_shapes(folder), text.get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return {}, None
+
+
+def _sides_fit(sizes: tuple[int, int], weight: list[int], vocab: int | None, resized: bool) -> bool:
+    """A LoRA pair's (in, out) sides against the base matrix: a Linear's [out, in] weight, a Conv1D's [in, out] or an
+    embedding's [vocab, dim]; with `resized` (the spec grows the vocabulary before the adapter loads) an embedding or
+    head's vocabulary side may differ, its other side may not."""
+    rows, cols = weight
+    return sizes in ((cols, rows), (rows, cols)) or (resized and rows == vocab and cols in sizes)
+
+
+def adapter_base_mismatch(adapter: Path, base: str, resized: bool = False) -> str | None:
+    """Why the adapter in folder `adapter` does not fit base model `base`, or None: a LoRA pair whose sides are not
+    the base layer's sizes, a rank other than adapter_config.json's r, or a module saved whole (modules_to_save, an
+    embedding's base_layer) of another shape. peft stopped the run after the model loaded, with one 'size mismatch'
+    line per matrix. `resized`: the run grows the vocabulary first (resize_vocab, new_special_tokens), so only the
+    embedding width is compared there. Names the first module that does not fit; nothing where either side's files
+    cannot be read here."""
+    try:
+        config = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        shapes = tensor_shapes(adapter)
+    except (OSError, ValueError):
+        return None  # adapter_problem says what is wrong with the files
+    base_shapes, vocab = _base_tensors(base)
+    if not base_shapes or not isinstance(config, dict):
+        return None
+    rank = config.get("r") if not config.get("rank_pattern") else None
+    trained_on = config.get("base_model_name_or_path")
+    hint = (f": give the base model it was trained on ({trained_on}, its {ADAPTER_CONFIG} says)" if trained_on
+            else ": give the base model it was trained on")
+    pairs: dict[str, dict[str, list[int]]] = {}
+    for key, shape in shapes.items():
+        name = key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+        match = _LORA_KEY.match(name)
+        if match:
+            module, part = (match[1], match[2]) if match[1] else (match[3], match[4])
+            pairs.setdefault(module, {})[part[-1]] = shape
+            continue
+        wanted = base_shapes.get(name)
+        if wanted is None or shape == wanted:
+            continue
+        if resized and len(shape) == len(wanted) == 2 and shape[1] == wanted[1] and wanted[0] == vocab:
+            continue  # an embedding or head the run grows before the adapter loads
+        return f"adapter {adapter} does not fit {base}: its {name} is {shape}, the base model's is {wanted}{hint}"
+    for module, parts in pairs.items():
+        a, b, weight = parts.get("A"), parts.get("B"), base_shapes.get(module + ".weight")
+        if not a or not b or len(a) != 2 or len(b) != 2:
+            continue
+        if isinstance(rank, int) and rank != a[0]:
+            return (f"adapter {adapter}: its {module} has rank {a[0]} (lora_A {a}) and its {ADAPTER_CONFIG} says "
+                    f"r {rank}: the files are not one adapter's")
+        if weight and len(weight) == 2 and not _sides_fit((a[1], b[0]), weight, vocab, resized):
+            return (f"adapter {adapter} does not fit {base}: its {module} takes {a[1]} and gives {b[0]} (lora_A {a}, "
+                    f"lora_B {b}), the base model's {module}.weight is {weight}{hint}")
     return None

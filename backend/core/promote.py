@@ -30,8 +30,8 @@ import yaml
 from backend.core.atomic import fsync_dir, read_json_dict, replace_path, write_json_atomic
 from backend.core.methods import is_adapter
 from backend.core.model_files import adapter_problem, weights_problem
-from backend.core.rundir import (ACTIVE_STATES, CHECKPOINT_PREFIX, CHECKPOINT_SCORES_FILE, LOG_FILE, PROMOTION_FILE,
-                            PROMOTION_KEEP_DIR, RUNNING_LOG, SPEC_FILE, checkpoint_step, checkpoints,
+from backend.core.rundir import (ACTIVE_STATES, CHECKPOINT_EVAL_FILE, CHECKPOINT_PREFIX, CHECKPOINT_SCORES_FILE,
+                            LOG_FILE, PROMOTION_FILE, PROMOTION_KEEP_DIR, RUNNING_LOG, SPEC_FILE, checkpoint_step, checkpoints,
                             is_complete_checkpoint, now_iso, read_status, stamp, unique_dir)
 import sys
 
@@ -140,6 +140,12 @@ def promote(run_dir: str | Path, checkpoint: str) -> dict:
     found = checkpoints(run_dir)
     if not found:
         raise PromoteError(f"{run_dir.name}: the run folder has no checkpoints (checkpoint-N folders) to promote")
+    if not (run_dir / SPEC_FILE).is_file() and not any(is_complete_checkpoint(p) for p in found):
+        # e.g. the output_dir of `tuneboard eval checkpoints=...`: a checkpoint-N folder of answers per adapter
+        evaluated = read_json_dict(run_dir / CHECKPOINT_EVAL_FILE).get("run")
+        raise PromoteError(f"{run_dir}: not a training run (no {SPEC_FILE}, no complete checkpoint-N folder)"
+                           + (f": it holds the checkpoint evaluation of {evaluated}: promote in that run folder"
+                              if evaluated else ""))
     given = Path(str(checkpoint).strip()).expanduser()
     name = given.name
     name = f"{CHECKPOINT_PREFIX}{name}" if name.isdigit() else name

@@ -1,7 +1,8 @@
 """`tuneboard eval SPEC.yaml tasks=...`: lm-evaluation-harness benchmarks on the base model and the tuned one.
 
 Reads top to bottom: the tasks (lm-eval task names, checked against lm-eval's index, and task YAML paths,
-their folders added to its include path and their relative data_files read from the YAML's folder) are
+linked into a folder of their own that becomes lm-eval's include path, their relative data_files read from
+the YAML's folder) are
 built first, so an unknown task or a hub dataset that cannot be reached offline is one clear line before
 any model loads -> the base model (model_name_or_path) through lm-eval's HFLM, in this process -> the
 same model with adapter_name_or_path applied, when there is one (or, when adapter_name_or_path is a merged
@@ -15,8 +16,12 @@ only here, in functions. A STOP file or SIGINT/SIGTERM ends the run after the mo
 from __future__ import annotations
 
 import difflib
+import os
+import shutil
 import sys
+import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from backend.training.adapters import apply_finetuning
@@ -79,6 +84,18 @@ def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionError) or any(w in text for w in ("OfflineMode", "Couldn't reach", "offline"))
 
 
+def include_folder(paths: list[Path]) -> Path:
+    """A new temporary folder holding a link to each task YAML and nothing else: lm-eval's include path. lm-eval
+    reads every **/*.yaml under an include path, so the YAML's own folder would have it read a TuneBoard run beside
+    it (run_spec.yaml's `task: null` stopped the eval: "'<' not supported between 'NoneType' and 'str'") or, for a
+    task file at a repository's root, the whole tree. Its YAML loader resolves the link first, so `include:`,
+    `!function` and relative paths are still read from the file's real folder."""
+    folder = Path(tempfile.mkdtemp(prefix="tuneboard-lm-eval-tasks-"))
+    for i, path in enumerate(paths):
+        os.symlink(path, folder / f"{i}-{path.name}")
+    return folder
+
+
 def build_tasks(tasks: list[str], log=print):
     """(the lm-eval task specs, a TaskManager that knows them), each task built once to check it: one
     BenchmarkError line for an unknown name, a missing or broken YAML, or a dataset that cannot be loaded."""
@@ -89,8 +106,10 @@ def build_tasks(tasks: list[str], log=print):
     for task, path in files.items():
         if not path.is_file():
             raise BenchmarkError(f"tasks: {task}: no such task file")
-    folders = list(dict.fromkeys(str(p.parent) for p in files.values()))
-    manager = TaskManager(include_path=folders or None)
+    folder = include_folder(list(dict.fromkeys(files.values()))) if files else None
+    manager = TaskManager(include_path=str(folder) if folder else None)
+    if folder:  # lm-eval reads the entries' files again when it builds them: the folder lives as long as the manager
+        weakref.finalize(manager, shutil.rmtree, folder, ignore_errors=True)
     known = set(manager.all_tasks)
     specs = []
     for task in tasks:

@@ -15,6 +15,7 @@ scores noisy).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ from backend.core.rundir import (EVAL_RESULTS_FILE, JUDGE_FILE, PREDICTIONS_FILE
                             CHECKPOINT_COMPLETE_MARKER, LOG_FILE, PHASE_PREDICTING, PHASE_TRAINING, SPEC_FILE, RunDir,
                             checkpoints, default_output_dir, last_value, read_status, write_json_atomic)
 from backend.distill import SPEC_FILE as DISTILL_SPEC_FILE
-from backend.core.spec import load_or_report
+from backend.core.eval_rules import eval_command_errors
+from backend.core.spec import RunSpec, SpecError, load_or_report, parse_overrides, split_spec_args
 from backend.stages import get_stage
 
 RESULTS_FILE = EVAL_RESULTS_FILE
@@ -79,9 +81,14 @@ def refuse_training_run(spec, out: Path) -> bool:
     return True
 
 
+def _holds_out_all(val_size: float, rows: int) -> bool:
+    """val_size (a share below 1, rounded up, or a count) takes every row (backend.dataprep.data.split_train_val)."""
+    return (math.ceil(val_size * rows) if val_size < 1 else val_size) >= rows
+
+
 def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:
     """The rows to evaluate: eval_dataset; else the validation split of dataset (same seed as training, so
-    the same rows training held out); else all of dataset."""
+    the same rows training held out; all of them where val_size takes every row); else all of dataset."""
     common = dict(stage=stage, max_samples=spec.max_samples, identity_name=spec.identity_name,
                   identity_author=spec.identity_author, seed=spec.seed, default_system=spec.default_system,
                   mix_strategy=spec.mix_strategy, interleave_probs=spec.interleave_probs)
@@ -89,7 +96,11 @@ def eval_examples(spec, log=print, stage: str = "sft") -> list[dict]:
         examples, report = load_examples(spec.eval_dataset, spec.resolved_dataset_dir(), **common)
     elif spec.dataset:
         examples, report = load_examples(spec.dataset, spec.resolved_dataset_dir(), **common)
-        if spec.val_size:
+        if spec.val_size and _holds_out_all(spec.val_size, len(examples)):
+            # eval needs the held-out rows only: a val_size that leaves a training run no rows holds out all of them
+            log(f"val_size {spec.val_size:g} holds out all {len(examples)} usable rows (a training run would have "
+                "none left): every row is evaluated")
+        elif spec.val_size:
             examples = split_train_val(examples, spec.val_size, spec.seed)[1]
     else:
         raise EvalError("eval needs eval_dataset or dataset")
@@ -229,6 +240,14 @@ def main(args: list[str]) -> int:
               f"writes output_dir/{RESULTS_FILE}, {PREDICTIONS_FILE} (one line per row, as it goes), {STATUS_FILE}, "
               f"{RUNNING_LOG}; do_judge: {JUDGE_FILE}")
         return 0 if args else 2
+    path, overrides = split_spec_args(args)
+    try:  # an option (`--bogus`) or a broken override: load_or_report says what is wrong
+        given = {} if path and path.startswith("-") and not Path(path).exists() else parse_overrides(overrides)
+    except SpecError:
+        given = {}
+    for key, message in eval_command_errors(given, RunSpec.model_fields)[:1]:
+        print(f"error: {key}: {message}", file=sys.stderr)
+        return 1
     spec = load_or_report(args)
     if spec is None:
         return 1

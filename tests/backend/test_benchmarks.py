@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -250,3 +251,32 @@ def test_a_merged_export_is_scored_as_the_tuned_model(tiny_qwen2, tuned, tmp_pat
     for a, m in zip(results["adapter"], results["merged"]):
         assert (a["metric"], a["n"]) == (m["metric"], m["n"]) == (a["metric"], 10)
         assert m["base"] == pytest.approx(a["base"]) and m["tuned"] == pytest.approx(a["tuned"])
+
+
+def test_a_task_file_beside_other_yaml_reads_only_itself(tmp_path):
+    """lm-eval's include path holds the given task files alone: a TuneBoard run beside the task YAML
+    (run_spec.yaml with `task: null`, distill_spec.yaml with a `task:` of its own) is not read as a task (it stopped
+    the eval: "'<' not supported between 'NoneType' and 'str'"); data_files and `include:` still resolve from the
+    file's own folder; the linked folder goes with the manager."""
+    import gc
+    import shutil
+
+    from backend.evaluation.benchmarks import build_tasks
+
+    for name in ("tuneboard_mc.jsonl", "tuneboard_mc_fewshot.jsonl"):
+        shutil.copy(SHIPPED_TASK.parent / name, tmp_path / name)
+    base = SHIPPED_TASK.read_text().replace("task: tuneboard_mc\n", "")
+    (tmp_path / "base.yaml").write_text(base)  # no task: of its own, included below
+    (tmp_path / "mine.yaml").write_text("include: base.yaml\ntask: my_mc\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run_spec.yaml").write_text("model_name_or_path: x\ntask: null\n")
+    (tmp_path / "distill_spec.yaml").write_text("task: write questions\n")
+    specs, manager = build_tasks([str(tmp_path / "mine.yaml")])
+    assert specs[0]["task"] == "my_mc" and "write questions" not in manager.all_tasks
+    loaded = manager.load(specs)["tasks"]["my_mc"]
+    assert len(loaded.test_docs()) == 30
+    folder = Path(manager.include_path)
+    assert [p.name for p in folder.iterdir()] == ["0-mine.yaml"]
+    del manager, loaded
+    gc.collect()
+    assert not folder.exists()

@@ -177,6 +177,29 @@ def test_pick_on_a_run_folder_written_by_hand(tmp_path):
         pick(f"{run},{run}", "all")
 
 
+def test_a_final_loaded_from_a_checkpoint_is_labelled_by_it(tmp_path):
+    """load_best_model_at_end ends a run on its best checkpoint's weights: `all` scored that checkpoint and "final"
+    (the same weights) labelled with status.json's last step, so checkpoint_eval.json showed two values at that step.
+    final now carries the loaded checkpoint's step and `all` leaves it out while that checkpoint is scored; the
+    Trainer's own best (load_best_model_at_end on eval_loss: trainer_state.json) counts the same."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "adapter_config.json").write_text("{}")
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (run / "adapter_config.json").write_text("{}")
+    (run / "status.json").write_text(json.dumps({"step": 4}))
+    (run / "checkpoint_scores.json").write_text(json.dumps({"metric": "json_field_f1", "loaded": "checkpoint-2"}))
+    assert [(c.name, c.step) for c in pick(run, "all")] == [("checkpoint-2", 2), ("checkpoint-4", 4)]
+    assert [(c.name, c.step) for c in pick(run, "final,4")] == [("checkpoint-4", 4), ("final", 2)]
+    (run / "checkpoint_scores.json").unlink()
+    assert [(c.name, c.step) for c in pick(run, "final")] == [("final", 4)]  # no best loaded: the last step
+    (run / "run_spec.yaml").write_text("load_best_model_at_end: true\n")
+    (run / "trainer_state.json").write_text(json.dumps({"best_model_checkpoint": str(run / "checkpoint-2")}))
+    assert [(c.name, c.step) for c in pick(run, "all")] == [("checkpoint-2", 2), ("checkpoint-4", 4)]
+    assert pick(run, "final")[0].step == 2
+
+
 def test_best_is_per_metric():
     entries = [{"checkpoint": "checkpoint-2", "step": 2, "eval_loss": 1.0, "predict_bleu-4": 5.0, "predict_rows": 3},
                {"checkpoint": "checkpoint-4", "step": 4, "eval_loss": 2.0, "predict_bleu-4": 7.0, "predict_rows": 3}]

@@ -85,3 +85,20 @@ def test_preview_unknown_dataset_names_it():
     assert proc.returncode == 1
     error = json.loads(proc.stdout)["error"]
     assert "identiti" in error and "identity" in error
+
+
+def test_a_reader_that_closes_stdout_ends_the_command_quietly():
+    """`tuneboard validate spec | head -1` ended in a BrokenPipeError traceback: stdout is a pipe whose reader is
+    gone before the command writes (closed before it starts, so no race), for a command printing much and one
+    printing little; each ends with exit code 1 and nothing on stderr."""
+    import os
+
+    for args in (["validate", "examples/sft_lora_identity.yaml"], ["fields"]):
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            done = subprocess.run([sys.executable, "-m", "backend.cli", *args], cwd=REPO, stdout=write,
+                                  stderr=subprocess.PIPE, text=True, timeout=300)
+        finally:
+            os.close(write)
+        assert (done.returncode, done.stderr) == (1, ""), args

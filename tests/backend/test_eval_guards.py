@@ -178,3 +178,30 @@ def test_judging_stops_once_the_judge_has_answered_none_of_the_first_rows(tmp_pa
     assert report["judged"] == 0 and report["failed"] == 3 and report["requests"] == 3 and report["answered"] == 0
     assert "answered none of the first 3" in report["stopped"] and "cannot connect to" in report["stopped"]
     assert report["first_error"].startswith("cannot connect to")
+
+
+def test_training_keys_given_to_eval_are_refused_saying_what_eval_does(tiny_qwen2, tmp_path, capsys):
+    """`tuneboard eval SPEC eval_metric=judge judge_url=...` ran eval and predict and asked no judge: a key eval never
+    reads, given on its command line away from its default, is refused before anything runs, naming the key and what
+    eval does instead (the counterpart of train refusing do_judge, tasks, checkpoints). The same keys in a recipe file
+    are its training run's: the recipe still validates for eval."""
+    from backend.evaluation.evaluate import main
+
+    out = tmp_path / "eval"
+    base = [f"model_name_or_path={tiny_qwen2}", "dataset=identity", f"output_dir={out}"]
+    for given, key, says in ((["eval_metric=judge", "judge_url=http://127.0.0.1:9/v1", "judge_model=m"], "eval_metric",
+                              "set do_judge=true"),
+                             (["eval_samples=3", "load_best_model_at_end=true"], "eval_samples", "every held-out row"),
+                             (["--learning_rate=0.1"], "learning_rate", "trains nothing")):
+        assert main(base + given) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {key}: ") and says in err[0], err
+    assert not out.exists()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_qwen2}\ndataset: identity\nlearning_rate: 0.1\n")
+    from backend.core.eval_rules import eval_command_errors
+    from backend.core.spec import RunSpec, load_spec
+
+    assert load_spec(recipe).learning_rate == 0.1
+    assert eval_command_errors({"eval_metric": None, "learning_rate": RunSpec.model_fields["learning_rate"].default},
+                               RunSpec.model_fields) == []  # the defaults change nothing: not refused

@@ -139,3 +139,23 @@ def test_eval_stopped_by_sigterm_keeps_and_scores_the_finished_rows(tiny_llama, 
     results = json.loads((out / "eval_results.json").read_text())
     assert 2 <= len(written) < 40 and results["predict_rows"] == len(written)
     assert results["stopped"] == "received SIGTERM"
+
+
+def test_a_val_size_that_takes_every_row_evaluates_them_all():
+    """eval needs only the held-out rows: `max_samples=4 val_size=8` (or a dataset with 6 usable rows and val_size 6)
+    stopped the eval after launch with "leaves no training rows"; every row is evaluated, and the log says why. A
+    val_size below the row count holds out the rows a training run would."""
+    from backend.core.spec import validate_spec
+    from backend.dataprep.data import split_train_val
+    from backend.evaluation.evaluate import eval_examples
+
+    for val_size in (8, 4, 0.99):
+        said: list[str] = []
+        spec = validate_spec({"dataset": "identity", "max_samples": 4, "val_size": val_size}, check_files=False)
+        assert len(eval_examples(spec, log=said.append)) == 4
+        assert [line for line in said if line.startswith(f"val_size {val_size:g} holds out all 4 usable rows")]
+    spec = validate_spec({"dataset": "identity", "max_samples": 4, "val_size": 3}, check_files=False)
+    rows = eval_examples(spec, log=lambda line: None)
+    everything = eval_examples(validate_spec({"dataset": "identity", "max_samples": 4}, check_files=False),
+                               log=lambda line: None)
+    assert rows == split_train_val(everything, 3, spec.seed)[1] and len(rows) == 3

@@ -110,3 +110,51 @@ def test_an_adapter_config_peft_cannot_read_is_named(tmp_path):
     assert "must hold a JSON object" in adapter_problem(str(adapter))
     (adapter / "adapter_config.json").write_text("{}")
     assert adapter_problem(str(adapter)) is None
+
+
+def test_an_adapter_of_another_base_is_refused_at_validate(tmp_path, tiny_llama, wide_llama, tiny_gemma2, tiny_qwen2):
+    """An adapter trained on tiny_llama (64 wide) given a 256-wide base passed validate; eval, chat, api and a
+    resume then stopped after the model loaded with one peft 'size mismatch' line per matrix. validate reads both
+    safetensors headers: it names the adapter and the first module that does not fit, for adapter_name_or_path, each
+    checkpoint `checkpoints=` picks and resume_from_checkpoint; an adapter whose r is not its matrices' is named too.
+    A base it fits (its own, and tiny_gemma2 of the same sizes, which peft loads it on) passes."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def lora(folder, **kwargs):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        get_peft_model(model, LoraConfig(r=4, task_type="CAUSAL_LM", **kwargs)).save_pretrained(folder)
+        return folder
+
+    adapter = lora(tmp_path / "run" / "checkpoint-2", target_modules=["q_proj", "down_proj", "embed_tokens"],
+                   modules_to_save=["lm_head"])
+    (adapter / "trainer_state.json").write_text("{}")
+    for base in (tiny_llama, tiny_gemma2):
+        assert _messages({"model_name_or_path": str(base), "adapter_name_or_path": str(adapter)}) == {}
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_gemma2), str(adapter))  # it does fit
+
+    def refusal(base, key="adapter_name_or_path", **data):
+        return _messages({"model_name_or_path": str(base), "adapter_name_or_path": str(adapter), **data})[key]
+
+    hint = f": give the base model it was trained on ({tiny_llama}, its adapter_config.json says)"
+    assert refusal(wide_llama) == (f"adapter {adapter} does not fit {wide_llama}: its lm_head.weight is [49157, 64], "
+                                   f"the base model's is [49157, 256]{hint}")
+    assert refusal(tiny_qwen2).startswith(f"adapter {adapter} does not fit {tiny_qwen2}: its lm_head.weight is "
+                                          "[49157, 64], the base model's is [49152, 64]")  # another vocabulary
+    assert refusal(wide_llama, "checkpoints", adapter_name_or_path=str(tmp_path / "run"), checkpoints="all") \
+        .startswith(f"checkpoint-2 of {tmp_path / 'run'} cannot be loaded: adapter {adapter} does not fit")
+    assert refusal(wide_llama, "resume_from_checkpoint", adapter_name_or_path=None, output_dir=str(tmp_path / "run"),
+                   resume_from_checkpoint=str(adapter), lora_rank=4).startswith(f"adapter {adapter} does not fit")
+
+    plain = lora(tmp_path / "plain", target_modules=["down_proj"])
+    m = _messages({"model_name_or_path": str(wide_llama), "adapter_name_or_path": str(plain)})["adapter_name_or_path"]
+    assert m == (f"adapter {plain} does not fit {wide_llama}: its model.layers.0.mlp.down_proj takes 128 and gives 64 "
+                 f"(lora_A [4, 128], lora_B [64, 4]), the base model's model.layers.0.mlp.down_proj.weight is "
+                 f"[256, 512]{hint}")
+    config = json.loads((plain / "adapter_config.json").read_text())
+    (plain / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    m = _messages({"model_name_or_path": str(tiny_llama), "adapter_name_or_path": str(plain)})["adapter_name_or_path"]
+    assert m == (f"adapter {plain}: its model.layers.0.mlp.down_proj has rank 4 (lora_A [4, 128]) and its "
+                 "adapter_config.json says r 8: the files are not one adapter's")

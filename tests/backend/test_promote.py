@@ -247,3 +247,16 @@ def test_rows_promote_undo_on_a_hand_made_run(tmp_path):
     (run / "checkpoint-20" / "adapter_model.safetensors").unlink()
     with pytest.raises(promote.PromoteError, match="holds no adapter weights"):
         promote.promote(run, "checkpoint-20")
+
+
+def test_an_eval_output_folder_is_not_a_training_run(tmp_path):
+    """`tuneboard promote <output of eval checkpoints=...> checkpoint-2` said "incomplete checkpoint": that folder
+    holds a checkpoint-N folder of answers per adapter. It is named as no training run, with the run it evaluated."""
+    out = tmp_path / "ckpt-eval"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "generated_predictions.jsonl").write_text("")
+    (out / "checkpoint_eval.json").write_text(json.dumps({"run": "/runs/r1", "entries": []}))
+    with pytest.raises(promote.PromoteError) as err:
+        promote.promote(out, "checkpoint-2")
+    assert str(err.value) == (f"{out}: not a training run (no run_spec.yaml, no complete checkpoint-N folder): it "
+                              "holds the checkpoint evaluation of /runs/r1: promote in that run folder")

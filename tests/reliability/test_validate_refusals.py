@@ -279,3 +279,12 @@ def test_an_output_dir_that_is_not_utf8_is_refused(capsys, tmp_path):
     assert tuneboard(["train", f"output_dir={tmp_path}/run\udcff", "max_steps=1"]) == 1
     assert "output_dir: " in capsys.readouterr().err and not list(tmp_path.iterdir())
     assert tuneboard(["validate", f"output_dir={tmp_path}/rün"]) == 0
+
+
+def test_limit_is_a_whole_count_or_a_share_below_one(capsys):
+    """limit=1.5 was accepted (lm-eval then scored 1 question); the README says a whole count or a share below 1."""
+    task = str(REPO_ROOT / "data" / "lm_eval_tasks" / "tuneboard_mc.yaml")
+    assert refusal(capsys, f"tasks={task}", "limit=1.5")["limit"] == ("1.5: give a whole number of questions (e.g. 1) "
+                                                                      "or a share of each task below 1 (e.g. 0.5)")
+    for fine in ("limit=2", "limit=0.5"):
+        assert tuneboard(["validate", f"tasks={task}", fine]) == 0, capsys.readouterr().err

@@ -35,9 +35,32 @@ def missing(what: str) -> str:
     return f"{REFUSED}: {what} needs llama.cpp (the llama-cpp-python package), which is not installed: {HOW_TO_GET}"
 
 
+def _serving_errors(spec) -> list[tuple[str, str, frozenset]]:
+    """infer_backend llamacpp serves one GGUF file as it is (backend.serving.engine._load_llamacpp says the same at
+    launch): no adapter, and model_name_or_path a .gguf file or a folder holding one."""
+    if spec.infer_backend != "llamacpp":
+        return []
+    if spec.adapter_name_or_path:
+        return [("infer_backend", "llamacpp serves a GGUF file as it is: merge the adapter into one first (tuneboard "
+                 "export with export_format: gguf) and serve that file, or use infer_backend: huggingface",
+                 frozenset({"infer_backend", "adapter_name_or_path"}))]
+    from backend.core.model_files import locate  # light; here so this module's top stays a find_spec
+
+    try:
+        _, gguf = locate(spec.model_name_or_path)
+    except ValueError:  # a model that is not there: validate's model check says why
+        return []
+    if gguf:
+        return []
+    return [("infer_backend", f"llamacpp needs a .gguf file (or an export folder holding one): model_name_or_path "
+             f"{spec.model_name_or_path} is a transformers folder; export it with export_format: gguf, or use "
+             "infer_backend: huggingface", frozenset({"infer_backend", "model_name_or_path"}))]
+
+
 def spec_errors(spec) -> list[tuple[str, str, frozenset]]:
     """validate's rule: a k-quant GGUF type is written by llama.cpp's quantizer, export_imatrix weights that
-    quantizer (so it needs one of its types), and infer_backend llamacpp runs llama.cpp: all need the package."""
+    quantizer (so it needs one of its types), and infer_backend llamacpp runs llama.cpp: all need the package.
+    infer_backend llamacpp serves one GGUF file, without an adapter (_serving_errors)."""
     errors = []
     if spec.export_imatrix and not (spec.export_format == "gguf" and spec.export_gguf_type in QUANT_TYPES):
         errors.append(("export_imatrix", "weights llama.cpp's quantizer: it needs export_format gguf with an "
@@ -45,6 +68,7 @@ def spec_errors(spec) -> list[tuple[str, str, frozenset]]:
                        if spec.export_format == "gguf" else "weights llama.cpp's quantizer of a GGUF export: set "
                        f"export_format gguf with export_gguf_type {', '.join(QUANT_TYPES)}",
                        frozenset({"export_imatrix", "export_gguf_type", "export_format"})))
+    errors.extend(_serving_errors(spec))
     if available():
         return errors
     if spec.export_format == "gguf" and spec.export_gguf_type in QUANT_TYPES:

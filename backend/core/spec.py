@@ -31,7 +31,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from backend.core import allowed, eval_rules, llamacpp, model_files, model_modules, paths
+from backend.core import allowed, eval_rules, export_rules, llamacpp, model_files, model_modules, paths
 from backend.core.atomic import read_json_dict
 from backend.core.benchmark_tasks import lm_eval_missing, split_tasks, task_file_errors
 from backend.core.dataset_info import FILE_TYPES, MEDIA_COLUMNS, DatasetError, entry_columns, read_dataset_info
@@ -897,6 +897,11 @@ def _code_policy_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     return [(exc.field, exc.english(), frozenset({exc.field})) for exc in allowed.code_refusals(flat)]
 
 
+def _grows_vocab(spec: RunSpec) -> bool:
+    """The run grows the embeddings before an adapter loads (backend.training.models.resize_vocab)."""
+    return bool(spec.resize_vocab or spec.new_special_tokens)
+
+
 def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     """Each model and adapter the run loads is on this machine, whole, as loading will need (backend.core.model_files):
     model_name_or_path, ref_model and teacher_model_name_or_path (a local folder or .gguf file, or a hub id in the
@@ -911,7 +916,8 @@ def _model_path_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     if not spec.checkpoints and method(spec.finetuning_type).adapter:  # else _cross_field_errors refuses adapters
         for adapter in _split(spec.adapter_name_or_path):
             if not (spec.tasks and model_files.is_merged_model(Path(adapter).expanduser())):
-                check("adapter_name_or_path", model_files.adapter_problem(adapter))
+                check("adapter_name_or_path", model_files.adapter_problem(adapter, spec.model_name_or_path,
+                                                                        _grows_vocab(spec)))
     check("model_name_or_path", model_files.model_problem(spec.model_name_or_path))
     for field in ("ref_model", "teacher_model_name_or_path"):  # a second model, where the stage loads one
         if getattr(spec, field) and field in get_stage(spec.stage).fields:
@@ -932,8 +938,9 @@ def _resume_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
 
 
 def _checkpoint_mismatch(spec: RunSpec, folder: Path) -> str | None:
-    """Why the checkpoint's weights cannot be this spec's (a LoRA rank or a method other than its run's): the
-    resumed run failed with one 'size mismatch' line per adapter matrix, or found no model weights to load."""
+    """Why the checkpoint's weights cannot be this spec's (a LoRA rank or a method other than its run's, an adapter
+    trained on another base model): the resumed run failed with one 'size mismatch' line per adapter matrix, or found
+    no model weights to load."""
     config_file = folder / model_files.ADAPTER_CONFIG
     wants_adapter = method(spec.finetuning_type).adapter
     full = any(folder.glob("model*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
@@ -950,7 +957,7 @@ def _checkpoint_mismatch(spec: RunSpec, folder: Path) -> str | None:
     if field_applies(spec, "lora_rank") and isinstance(rank, int) and rank != spec.lora_rank:
         return (f"{folder} was trained with lora_rank {rank} (its adapter_config.json) and this spec says "
                 f"{spec.lora_rank}: resume with the run's own lora_rank")
-    return None
+    return model_files.adapter_base_mismatch(folder, spec.model_name_or_path, _grows_vocab(spec))
 
 
 def _module_name_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
@@ -1051,6 +1058,7 @@ def _refusals(spec: RunSpec, check_files: bool = True) -> list[tuple[str, str, f
     errors.extend(_benchmark_errors(spec, check_files))
     errors.extend(cache_errors(spec, check_files))
     errors.extend(stream_errors(spec))
+    errors.extend(export_rules.export_errors(spec, check_files))
     return errors
 
 
@@ -1061,6 +1069,9 @@ def _benchmark_errors(spec: RunSpec, check_files: bool = True) -> list[tuple[str
         if getattr(spec, name) is not None and not spec.tasks:
             errors.append((name, f"{REFUSED}: {name} shapes the lm-eval benchmarks of tasks, and tasks is not set",
                            frozenset({name, "tasks"})))
+    if spec.limit is not None and spec.limit > 1 and not float(spec.limit).is_integer():  # lm-eval would cut it
+        errors.append(("limit", f"{spec.limit:g}: give a whole number of questions (e.g. {int(spec.limit)}) or a "
+                       "share of each task below 1 (e.g. 0.5)", frozenset({"limit"})))
     if spec.tasks:
         missing = lm_eval_missing()
         if missing:

@@ -21,6 +21,12 @@ what it is, a merged AutoModelForSequenceClassification folder (one-output score
 config), verified on the scores of a few chosen / rejected pairs instead of logits and generation; GGUF
 holds text-generating models only, so a reward model is refused there (`tuneboard validate` already says so).
 
+The export is the model chat serves: the same template (template auto: the one the adapter was trained with,
+backend.serving.engine.adapter_template), default_system written into the shipped chat template (and the Modelfile's
+SYSTEM), rope_scaling into config.json. What validate can see is refused there (backend/core/export_rules.py: an
+export_dir that holds a source or cannot be written, a model the GGUF writer cannot write); check_request says the
+same again. The verification and llama.cpp children die with the export (PR_SET_PDEATHSIG), even a SIGKILLed one.
+
 Progress goes to stdout as `[export k/N] ...` lines (the UI tails them); the last line is
 `export PASSED ...`, `export FAILED ...` or `export ABORTED ...`.
 """
@@ -40,15 +46,17 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from backend.serving.engine import stop_token_ids
+from backend.serving.engine import adapter_template, stop_token_ids
 from backend.exporting.gguf_export import GGUFExportError, check_supported, vocab_metadata, write_gguf
 from backend.exporting import imatrix, llamacpp_check
-from backend.core import llamacpp
+from backend.core import export_rules, llamacpp
+from backend.core.supervise import die_with_parent
 from backend.core.methods import method
 from backend.exporting.verify import GREEDY_TOKENS, forced_logprobs, greedy, logits
+from backend.exporting.system_prompt import with_default_system
 from backend.exporting.modelfile import TemplateError, check_pieces, derive_pieces, modelfile_text, pieces_dict
 from backend.training.adapters import _split
-from backend.training.models import load_tokenizer, model_folder, resize_vocab, resolve_model
+from backend.training.models import load_tokenizer, model_folder, resize_vocab, resolve_model, rope_scaled_config
 from backend.core.paths import REPO_ROOT, weights_note
 from backend.dataprep.preference import build_preference_dataset
 from backend.dataprep.preprocess import encode_segments
@@ -210,15 +218,9 @@ def check_request(spec) -> None:
         if not (path / "adapter_config.json").is_file():
             raise ExportError(f"adapter_name_or_path: {path} is not an adapter folder (no adapter_config.json)")
     _check_reward_request(spec, adapters)
-    out = Path(spec.export_dir).expanduser().resolve()
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"export_dir: {out} exists and is a file")
-    for source in adapters + [Path(spec.model_name_or_path).expanduser()]:
-        if source.exists() and (out == source.resolve() or out in source.resolve().parents):
-            raise ExportError(f"export_dir: {out} holds the source {source}; writing there would destroy it")
-    if not _is_empty_dir(out) and not spec.export_overwrite:
-        raise ExportError(f"export_dir: {out} is not empty; choose another folder or set export_overwrite: true "
-                          "to replace its contents")
+    problem = export_rules.export_dir_problem(spec)  # validate's line (a source inside, a file, not writable, ...)
+    if problem:
+        raise ExportError(f"export_dir: {problem}")
 
 
 def _check_reward_request(spec, adapters: list[Path]) -> None:
@@ -282,6 +284,20 @@ def _save_dtype(spec, folder: Path):
     return getattr(torch, name) if name in ("float32", "float16", "bfloat16") else torch.float32
 
 
+def _template(spec, resolved, tokenizer, adapters: list[Path], warn):
+    """The template chat serves this model with (template auto: the one the adapter was trained with, its run's
+    run_spec.yaml), with default_system as the system prompt of a conversation that has none, as chat adds it."""
+    base = pick_template(spec.template, resolved, tokenizer, warn=warn)
+    return with_default_system(adapter_template(spec.template, adapters, tokenizer, base), tokenizer,
+                               spec.default_system)
+
+
+def _config(spec, folder: Path, warn) -> dict:
+    """from_pretrained's config with rope_scaling applied as training and chat load the model (load_model ->
+    rope_scaled_config): the exported config.json carries the same RoPE scaling."""
+    return {"config": rope_scaled_config(spec, folder, False, warn)} if spec.rope_scaling else {}
+
+
 def _device(spec) -> str:
     return "cuda" if spec.export_device == "auto" and torch.cuda.is_available() else "cpu"
 
@@ -302,11 +318,18 @@ def _run_verifier(request: dict, log) -> dict:
         req_path.write_text(json.dumps(request), encoding="utf-8")
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run([sys.executable, "-m", "backend.exporting.verify", str(req_path)],
-                              cwd=str(REPO_ROOT), env=env, capture_output=True, text=True)
+                              cwd=str(REPO_ROOT), env=env, capture_output=True, text=True,
+                              preexec_fn=_die_with_us())
         if proc.returncode != 0:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise RuntimeError(f"the export does not load in a fresh process:\n{tail}")
         return torch.load(request["out"], weights_only=False)
+
+
+def _die_with_us():
+    """A child's preexec_fn: it is killed when this export dies, even by SIGKILL (PR_SET_PDEATHSIG on Linux)."""
+    parent = os.getpid()
+    return lambda: die_with_parent(signal.SIGKILL, parent)
 
 
 def _max_abs(a, b) -> float:
@@ -330,7 +353,9 @@ def compare(src: dict, got: dict, *, kind: str, stored: str, expected: dict) -> 
                        "detail": f"max |export - (base+adapter)| logit difference {diff:.3g} through transformers' "
                                  f"dequantizing loader (reported for {stored}; llama.cpp's perplexity is the check)"})
     effect = src.get("adapter_effect")
-    if effect is not None:
+    if effect is not None and stored not in LOGIT_TOL:
+        checks.append(_adapter_merged_quantized(effect, diff, _max_abs(src["base_logits"], got["logits"]), stored))
+    elif effect is not None:
         vs_base = _max_abs(src["base_logits"], got["logits"])
         meaningful = effect > 4 * tol
         ok = (not meaningful) or diff < vs_base / 2
@@ -373,6 +398,22 @@ def compare(src: dict, got: dict, *, kind: str, stored: str, expected: dict) -> 
                                  f"{meta.get('tokenizer.ggml.eot_token_id')}; end-of-turn ids {sorted(stop)}"
                                  + ("" if eos_ok else ": none of them is the GGUF's eos/eot")})
     return checks
+
+
+def _adapter_merged_quantized(effect: float, diff: float, vs_base: float, stored: str) -> dict:
+    """adapter_merged for a k-quant, which has no logit tolerance: the export must lie clearly nearer base+adapter
+    than the base (an export that holds the base is the other way round); where the quantization moves the logits
+    about as far as the adapter does, the check cannot tell, and says so."""
+    figures = {"name": "adapter_merged", "adapter_effect": effect, "export_vs_base": vs_base, "export_vs_source": diff}
+    said = (f"the adapter moves logits by up to {effect:.3g}; the {stored} export (through transformers' dequantizing "
+            f"loader) is {diff:.3g} from base+adapter and {vs_base:.3g} from the base")
+    if diff < vs_base / 2:
+        return {**figures, "ok": True, "detail": said}
+    if vs_base < diff / 2:
+        return {**figures, "ok": False, "detail": said + ": it answers like the base, the adapter is not in it"}
+    return {**figures, "ok": True, "required": False, "undecided": True,
+            "detail": said + f": the {stored} rounding moves the logits about as far as the adapter does, so this "
+                             "check cannot tell a merged export from the base"}
 
 
 def _tokenizer_checks(src: dict, got: dict, expected: dict) -> list[dict]:
@@ -452,9 +493,10 @@ def export(spec) -> dict:
 
     _say(2, f"loading {resolved.model_id} in float32 from {folder}")
     tokenizer = load_tokenizer(resolved, new_special_tokens=getattr(spec, "new_special_tokens", None))
-    template = pick_template(spec.template, resolved, tokenizer, warn=warn)
+    template = _template(spec, resolved, tokenizer, adapters, warn)
     device = _device(spec)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **_config(spec, folder, warn))
+    model = model.to(device).eval()
     if getattr(spec, "resize_vocab", False) or getattr(spec, "new_special_tokens", None):
         resize_vocab(model, spec, resolved, warn)  # the shapes the adapter was trained with
     if kind == "gguf":
@@ -493,6 +535,10 @@ def export(spec) -> dict:
     files: list[str] = []
     source_info = {"model": spec.model_name_or_path, "model_folder": str(folder), "adapters": [str(a) for a in adapters],
                    "template": template.name, "stop_words": list(template.stop_words), "stop_ids": stop_ids}
+    if spec.default_system:  # in the exported chat template (and the Modelfile's SYSTEM), as chat adds it
+        source_info["default_system"] = spec.default_system
+    if spec.rope_scaling:  # in the exported config.json, as training and chat load the model
+        source_info["rope_scaling"] = spec.rope_scaling
     if promoted:
         source_info["promoted"] = promoted
     if weights_note(spec.model_name_or_path):  # a user comparing with the original weights must know
@@ -637,10 +683,11 @@ def _export_reward_model(spec, resolved, folder: Path, adapters: list[Path], war
     as AutoModelForSequenceClassification in a fresh process -> compare scores -> report."""
     _say(2, f"loading {resolved.model_id} with a one-output score head in float32 from {folder}")
     tokenizer = load_tokenizer(resolved, new_special_tokens=getattr(spec, "new_special_tokens", None))
-    template = pick_template(spec.template, resolved, tokenizer, warn=warn)
+    template = _template(spec, resolved, tokenizer, adapters, warn)
     device = _device(spec)
     # a causal LM base gets a new (random) head here: the adapter's modules_to_save replace it below
-    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=1)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=1,
+                                                               **_config(spec, folder, warn))
     model = model.to(device).eval()
     if getattr(spec, "resize_vocab", False) or getattr(spec, "new_special_tokens", None):
         resize_vocab(model, spec, resolved, warn)
@@ -724,6 +771,10 @@ def main(args: list[str]) -> int:
         return 130
     except ExportError as exc:
         print(f"export FAILED: {exc}", flush=True)  # the one line (the Export tab reads it too)
+        return 1
+    except OSError as exc:  # a folder that cannot be made or written (a full disk, permissions): one line naming it
+        print(f"export FAILED: {exc.filename}: {exc.strerror}" if exc.filename and exc.strerror
+              else f"export FAILED: {exc}", flush=True)
         return 1
     except Exception as exc:  # GGUF/template refusals and load errors: one clear line
         if isinstance(exc, (GGUFExportError, ValueError, FileNotFoundError, NotImplementedError)):

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-# HF model_type -> (GGUF architecture, q/k rows permuted as llama.cpp's llama converter does)
-ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-         "qwen3": ("qwen3", False), "gemma2": ("gemma2", False)}
+from backend.core.export_rules import GGUF_ARCHS as ARCHS, gguf_model_problem
+
 SUPPORTED_ARCHS = tuple(ARCHS)
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -28,14 +27,10 @@ class GGUFExportError(ValueError):
 
 def check_supported(config) -> None:
     """Raise GGUFExportError unless this model can be written by write_gguf()."""
-    arch = getattr(config, "model_type", None)
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFExportError(
-            f"GGUF export supports model_type {', '.join(SUPPORTED_ARCHS)} for now; this model is {arch!r}: "
-            f"export safetensors instead (export_format: safetensors)")
     rope = _rope_parameters(config)
-    if rope.get("rope_type", "default") not in ("default", None):
-        raise GGUFExportError(f"GGUF export: RoPE scaling {rope.get('rope_type')!r} is not supported yet")
+    problem = gguf_model_problem(getattr(config, "model_type", None), rope.get("rope_type") or rope.get("type"))
+    if problem:  # validate says the same from config.json (backend/core/export_rules.py)
+        raise GGUFExportError(problem)
 
 
 def _rope_parameters(config) -> dict:

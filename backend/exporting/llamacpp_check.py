@@ -30,6 +30,7 @@ import numpy as np
 
 from backend.core.llamacpp import GREEDY_NEAR_TIE, PPL_WARN, QUANT_TYPES
 from backend.core.paths import REPO_ROOT
+from backend.core.supervise import die_with_parent
 
 # held-out rows for the perplexity (rendered with the training template, answer included), besides the
 # probe pairs' chosen answers the export passes in
@@ -54,8 +55,10 @@ class LlamaCppError(RuntimeError):
 
 def _child(args: list[str]) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    parent = os.getpid()  # the child dies with the export, even with a SIGKILLed one (PR_SET_PDEATHSIG)
     proc = subprocess.run([sys.executable, "-m", "backend.exporting.llamacpp_check", *args], cwd=str(REPO_ROOT),
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True,
+                          preexec_fn=lambda: die_with_parent(signal.SIGKILL, parent))
     if proc.returncode < 0:
         raise LlamaCppError(f"llama.cpp crashed ({signal.Signals(-proc.returncode).name}) on it")
     if proc.returncode != 0:
@@ -120,6 +123,11 @@ def verify(path: Path, reference: Path | None, stored: str, *, rows: list[dict],
     checks = [{"name": "llamacpp_load", "ok": True, "tensor_types": got["tensor_types"],
                "detail": f"llama.cpp loads {path.name} ({row['size_mb']} MB; tensor types "
                          + ", ".join(f"{k} x{v}" for k, v in got["tensor_types"].items()) + ")"}]
+    share = type_share(stored, got["tensor_types"])
+    if share is not None:
+        row["type_share"] = checks[0]["type_share"] = share
+        if share["got"] < share["matrices"]:
+            warn(type_share_line(stored, share))
 
     ppl, ppl_f16 = got["ppl"], ref["ppl"]
     finite = math.isfinite(ppl) and math.isfinite(ppl_f16)
@@ -159,6 +167,31 @@ def verify(path: Path, reference: Path | None, stored: str, *, rows: list[dict],
                              f"{stop_ids} and tokenizes the rendered prompts as the training tokenizer"
                    if not problems else "; ".join(problems)})
     return checks, row
+
+
+# export_gguf_type -> the tensor types llama.cpp's quantizer gives a weight matrix of it (the _M mixes and q4_0 keep
+# some matrices, the output head first, at Q6_K by design); others are its fallbacks where a row does not fit
+PROMISED_TYPES = {"q4_k_m": ("Q4_K", "Q6_K"), "q5_k_m": ("Q5_K", "Q6_K"), "q6_k": ("Q6_K",), "q4_0": ("Q4_0", "Q6_K")}
+
+
+def type_share(stored: str, tensor_types: dict) -> dict | None:
+    """How many of the file's weight matrices (tensors not kept in F32) got the type its name promises."""
+    promised = PROMISED_TYPES.get(stored)
+    if promised is None:
+        return None
+    matrices = {k: v for k, v in tensor_types.items() if k != "F32"}
+    got = sum(v for k, v in matrices.items() if k in promised)
+    return {"promised": list(promised), "got": got, "matrices": sum(matrices.values()),
+            "others": {k: v for k, v in matrices.items() if k not in promised}}
+
+
+def type_share_line(stored: str, share: dict) -> str:
+    total = max(share["matrices"], 1)
+    return (f"the {stored} file holds {' / '.join(share['promised'])} in {share['got']} of its {share['matrices']} "
+            f"weight matrices ({100 * share['got'] / total:.0f}%); the others are "
+            + ", ".join(f"{k} x{v}" for k, v in share["others"].items())
+            + ": llama.cpp's quantizer falls back to another type where a matrix's rows are not a multiple of its "
+              f"block (256 values for the k-quants), so the file is not the {stored} its name says")
 
 
 def forced_flips(forced: list[np.ndarray], got_forced: list[dict]) -> tuple[int, list[dict]]:

@@ -9,6 +9,7 @@ template. A mismatch is reported, never written silently.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 S, U, A, V = "SYSQZXK", "USRQZXK", "ASTQZXK", "VVVQZXK"
@@ -182,8 +183,20 @@ def modelfile_text(gguf_name: str, p: Pieces, stop_words: list[str]) -> str:
     for word in stop_words:
         lines.append(f"PARAMETER stop {_quote(word)}")
     if p.default_system:
-        lines += ["", 'SYSTEM """' + p.default_system + '"""']
+        lines += ["", "SYSTEM " + system_value(p.default_system)]
     return "\n".join(lines) + "\n"
+
+
+def system_value(text: str) -> str:
+    """SYSTEM's value, written so that Ollama's Modelfile parser reads `text` back. The parser has no escapes: a value
+    in triple quotes ends at the first triple quote followed by white space, so a text holding one is written bare (one
+    line, no quote first, no white space at its ends: kept as it is). TemplateError where neither form would do."""
+    if not re.search(r'"""\s', text):
+        return '"""' + text + '"""'
+    if "\n" not in text and "\r" not in text and not text.startswith('"') and text == text.strip():
+        return text
+    raise TemplateError(f"the default system prompt {text[:60]!r} holds a triple quote and spans lines (or starts "
+                        "with a quote): an Ollama Modelfile cannot hold it")
 
 
 PROBES = [

@@ -1017,6 +1017,17 @@ def trained_template(adapter: str) -> str | None:
     return None
 
 
+def adapter_template(name: str, adapters, tokenizer, base_template):
+    """The template a model with these adapters is served with: with template auto, the one the last adapter was
+    trained with (trained_template), else `base_template` (pick_template's). One answer for chat, the API and
+    tuneboard export, so an export ships the template chat renders with."""
+    if name == "auto" and adapters:
+        trained = trained_template(str(adapters[-1]))
+        if trained:
+            return get_template(trained, tokenizer)
+    return base_template
+
+
 def plan_served(spec, adapters: list[str] = (), *, include_base: bool = True) -> list[Served]:
     """The served list: the base (named like model_name_or_path), the spec's adapter_name_or_path
     (a comma list is one stacked model) and each extra adapter, given as PATH or NAME=PATH
@@ -1079,11 +1090,7 @@ def load_engines(spec, adapters: list[str] = (), *, include_base: bool = True, w
                                   enable_thinking=getattr(spec, "enable_thinking", True))
 
     def template_for(entry: Served):
-        if spec.template == "auto" and entry.adapters:
-            name = trained_template(entry.adapters[-1])
-            if name:
-                return get_template(name, tokenizer)
-        return base_template
+        return adapter_template(spec.template, entry.adapters, tokenizer, base_template)
 
     singles = [e for e in served if len(e.adapters) <= 1]
     stacks = [e for e in served if len(e.adapters) > 1]

@@ -1,13 +1,15 @@
 """tuneboard export on the tiny llama: merged == base+adapter, sharded reload, GGUF round trip through
 transformers' GGUF loader, GGUF metadata, Modelfile, refusals, and the verification catching a bad export."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from backend.exporting.export import ExportError, compare, export, main
 from backend.exporting.verify import read_gguf_metadata
-from backend.core.spec import validate_spec
+from backend.core.spec import SpecError, validate_spec
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -136,11 +138,15 @@ def test_refuses_non_empty_dir_unless_overwrite(tiny_llama, adapter, tmp_path, c
     out = tmp_path / "busy"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
+    with pytest.raises(SpecError, match="export_dir: .* is not empty.*export_overwrite: true"):
+        _spec(tiny_llama, adapter, out)  # validate says it
+    spec = validate_spec({"model_name_or_path": str(tiny_llama), "adapter_name_or_path": str(adapter),
+                          "export_dir": str(out)}, check_files=False)
     with pytest.raises(ExportError, match="is not empty.*export_overwrite: true"):
-        export(_spec(tiny_llama, adapter, out))
+        export(spec)  # and the export, before it loads anything
     # through the CLI: exit 1, one clear line, nothing touched
     code = main([f"model_name_or_path={tiny_llama}", f"adapter_name_or_path={adapter}", f"export_dir={out}"])
-    assert code == 1 and capsys.readouterr().out.count("is not empty") == 1  # once: the "export FAILED" line
+    assert code == 1 and capsys.readouterr().err.count("is not empty") == 1  # once: validate's export_dir line
     assert (out / "keep.txt").read_text() == "mine"
 
 
@@ -323,3 +329,111 @@ def test_a_swap_killed_half_way_is_mended_by_the_next_export(tmp_path):
     assert (out / "model.safetensors").read_text() == "earlier export"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".m.partial-1", stage.name, "m"]
     assert stage.name == f".m.partial-{os.getpid()}"
+
+
+def test_export_ships_the_template_system_prompt_and_rope_scaling_chat_uses(tiny_llama, adapter, tmp_path):
+    """template auto: the adapter's run_spec.yaml template (as chat's adapter_template), not the tokenizer's or the
+    'default' fallback; default_system goes into the exported chat template; rope_scaling into config.json."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    trained = tmp_path / "run"
+    shutil.copytree(adapter, trained)
+    (trained / "run_spec.yaml").write_text("template: llama3\n")
+    out = tmp_path / "out"
+    report = export(_spec(tiny_llama, trained, out, template="auto", default_system="Be terse.",
+                          rope_scaling="linear", cutoff_len=2048))
+    assert report["ok"], report["checks"]
+    assert report["source"]["template"] == "llama3" and report["source"]["default_system"] == "Be terse."
+    rendered = AutoTokenizer.from_pretrained(out).apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe terse.<|eot_id|>")
+    rope = AutoConfig.from_pretrained(out).rope_parameters
+    assert rope["rope_type"] == "linear" and rope["factor"] == 2.0
+
+
+def test_default_system_goes_into_the_tokenizers_own_template(tiny_qwen2, tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "out"
+    report = export(validate_spec({"model_name_or_path": str(tiny_qwen2), "finetuning_type": "full",
+                                   "default_system": 'Say "hi".', "export_dir": str(out)}))
+    assert report["ok"], report["checks"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.apply_chat_template(PROMPT, tokenize=False).startswith('<|im_start|>system\nSay "hi".<|im_end|>')
+    own = [{"role": "system", "content": "Mine."}, *PROMPT]  # a conversation's own system message is kept
+    assert "Say" not in tok.apply_chat_template(own, tokenize=False)
+
+
+def test_the_modelfile_system_line_reads_back_in_ollamas_parser():
+    from backend.exporting.modelfile import TemplateError, system_value
+
+    assert system_value("Be terse.\nAlways.") == '"""Be terse.\nAlways."""'
+    assert system_value('Say """hi""" please') == 'Say """hi""" please'  # its parser has no escapes: written bare
+    with pytest.raises(TemplateError, match="cannot hold it"):
+        system_value('Say """ hi\nthere')
+
+
+def test_a_quantized_export_that_holds_the_base_fails_adapter_merged(tiny_llama, adapter):
+    """k-quants have no logit tolerance: the check took the export's own distance as its noise, so it could not fail."""
+    source, tok = _source(tiny_llama, adapter)
+    ids = _ids(tok)
+    with torch.no_grad():
+        src_logits = source(input_ids=ids).logits[0]
+        with source.disable_adapter():
+            base_logits = source(input_ids=ids).logits[0]
+    prompt = ids[0].tolist()
+    src = {"prompts": [prompt], "logits": [src_logits], "base_logits": [base_logits], "greedy": [[1, 2]],
+           "adapter_effect": float((src_logits - base_logits).abs().max())}
+    expected = {"rendered": ["x"], "stop_ids": [5], "chat_template": ""}
+    meta = {"tokenizer.chat_template": "", "tokenizer.ggml.eos_token_id": 5}
+
+    def merged(logits):
+        got = {"logits": [logits], "greedy": [[1, 2]], "renders": ["x"], "ids": [prompt], "gguf": meta}
+        return next(c for c in compare(src, got, kind="gguf", stored="q4_k_m", expected=expected)
+                    if c["name"] == "adapter_merged")
+
+    assert not merged(base_logits + 0.01)["ok"]
+    assert merged(src_logits + 0.01)["ok"]
+    undecided = merged((src_logits + base_logits) / 2)
+    assert undecided["ok"] and undecided["undecided"] and "cannot tell" in undecided["detail"]
+
+
+def test_a_sigkilled_export_takes_its_verifier_with_it(tiny_llama, tmp_path):
+    """The verification child (python -m backend.exporting.verify) outlived a SIGKILLed export; it now gets
+    PR_SET_PDEATHSIG, so the kernel kills it with its parent (the llama.cpp child gets the same)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from backend.core.paths import REPO_ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "export", f"model_name_or_path={tiny_llama}",
+                             "finetuning_type=full", "template=llama3", f"export_dir={tmp_path / 'out'}"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    for line in proc.stdout:
+        if line.startswith("[export 5/"):  # verifying: the child starts now
+            break
+    verifier = None
+    while verifier is None and proc.poll() is None:
+        found = children.read_text().split()
+        verifier = int(found[0]) if found else time.sleep(0.05)
+    assert verifier is not None, "the export ended before its verifier started"
+    os.kill(verifier, signal.SIGSTOP)  # held where it is: only a signal from outside can end it now
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    def alive(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(1200):  # the kernel kills it at once (SIGKILL ends a stopped process too); then it is reaped
+        if not alive(verifier):
+            break
+        time.sleep(0.05)
+    if alive(verifier):
+        os.kill(verifier, signal.SIGKILL)
+        pytest.fail(f"the verifier {verifier} outlived its SIGKILLed export")

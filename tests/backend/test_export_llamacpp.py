@@ -304,9 +304,23 @@ def test_llamacpp_backend_refuses_a_transformers_folder(tiny_llama, tmp_path):
         with pytest.raises(SpecError, match="make setup-gguf"):
             validate_spec({"model_name_or_path": str(tiny_llama), "infer_backend": "llamacpp"}, check_files=False)
         return
-    spec = validate_spec({"model_name_or_path": str(tiny_llama), "infer_backend": "llamacpp"})
-    with pytest.raises(ValueError, match="needs a .gguf file"):
+    with pytest.raises(SpecError, match="infer_backend: llamacpp needs a .gguf file"):  # validate says it
+        validate_spec({"model_name_or_path": str(tiny_llama), "infer_backend": "llamacpp"})
+    spec = validate_spec({"infer_backend": "llamacpp"}).model_copy(update={"model_name_or_path": str(tiny_llama)})
+    with pytest.raises(ValueError, match="needs a .gguf file"):  # and the launch, with the same words
         load_engines(spec, log=lambda m: None)
+
+
+def test_a_k_quant_whose_matrices_fell_back_says_so():
+    """q6_k on a 64-wide model holds no Q6_K tensor (rows not a multiple of 256): the name promised more."""
+    from backend.exporting.llamacpp_check import type_share, type_share_line
+
+    share = type_share("q6_k", {"F32": 5, "Q8_0": 9})
+    assert share["got"] == 0 and share["matrices"] == 9
+    assert "holds Q6_K in 0 of its 9 weight matrices (0%); the others are Q8_0 x9" in type_share_line("q6_k", share)
+    assert type_share("q4_k_m", {"F32": 3, "Q4_K": 6, "Q6_K": 2}) == {
+        "promised": ["Q4_K", "Q6_K"], "got": 8, "matrices": 8, "others": {}}
+    assert type_share("q8_0", {"Q8_0": 4}) is None
 
 
 @pytest.mark.slow

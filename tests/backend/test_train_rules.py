@@ -121,13 +121,14 @@ def test_save_strategy_best_saves_where_the_evaluation_improved(tiny_llama, tmp_
     assert len(evals) == 6 and saved == improved and saved != {step for step, _ in evals}, (evals, saved)
 
 
-def test_the_other_export_formats_key_is_refused():
+def test_the_other_export_formats_key_is_refused(tmp_path):
     """export_gguf_type is the GGUF file's tensor type, export_size the safetensors shards' size: each is inert in the
     other format's export (backend/exporting/export.py reads it only in its own branch)."""
-    assert "export_format is safetensors" in _errors(export_dir="/tmp/x", export_gguf_type="q8_0")["export_gguf_type"]
-    assert "a GGUF export is one file" in _errors(export_dir="/tmp/x", export_format="gguf", export_size=2)["export_size"]
-    assert _errors(export_dir="/tmp/x", export_format="gguf", export_gguf_type="q8_0") == {}
-    assert _errors(export_dir="/tmp/x", export_size=2) == {}
+    x = str(tmp_path / "x")  # a folder still to make (validate refuses a non-empty one without export_overwrite)
+    assert "export_format is safetensors" in _errors(export_dir=x, export_gguf_type="q8_0")["export_gguf_type"]
+    assert "a GGUF export is one file" in _errors(export_dir=x, export_format="gguf", export_size=2)["export_size"]
+    assert _errors(export_dir=x, export_format="gguf", export_gguf_type="q8_0") == {}
+    assert _errors(export_dir=x, export_size=2) == {}
 
 
 def test_scheduler_kwargs_table_is_the_installed_schedules():

@@ -201,8 +201,8 @@ def test_gguf_refuses_other_architectures():
         check_supported(GPT2Config())
 
 
-def test_verification_fails_an_export_that_holds_the_base(tiny_llama, adapter):
-    """compare() on real logits: an 'export' equal to the base model must fail logits and adapter_merged."""
+def _reference_outputs(tiny_llama, adapter):
+    """(the prompt's ids, the base's logits, compare()'s source record: base + adapter logits and their effect)."""
     source, tok = _source(tiny_llama, adapter)
     ids = _ids(tok)
     with torch.no_grad():
@@ -210,8 +210,13 @@ def test_verification_fails_an_export_that_holds_the_base(tiny_llama, adapter):
         with source.disable_adapter():
             base_logits = source(input_ids=ids).logits[0]
     prompt = ids[0].tolist()
-    src = {"prompts": [prompt], "logits": [src_logits], "base_logits": [base_logits], "greedy": [[1, 2]],
-           "adapter_effect": float((src_logits - base_logits).abs().max())}
+    return prompt, base_logits, {"prompts": [prompt], "logits": [src_logits], "base_logits": [base_logits],
+                                 "greedy": [[1, 2]], "adapter_effect": float((src_logits - base_logits).abs().max())}
+
+
+def test_verification_fails_an_export_that_holds_the_base(tiny_llama, adapter):
+    """compare() on real logits: an 'export' equal to the base model must fail logits and adapter_merged."""
+    prompt, base_logits, src = _reference_outputs(tiny_llama, adapter)
     got = {"logits": [base_logits], "greedy": [[1, 2]], "renders": ["x"], "ids": [prompt], "eos_ids": [5],
            "shards": ["model.safetensors"]}
     checks = {c["name"]: c for c in compare(src, got, kind="safetensors", stored="float32",
@@ -374,15 +379,8 @@ def test_the_modelfile_system_line_reads_back_in_ollamas_parser():
 
 def test_a_quantized_export_that_holds_the_base_fails_adapter_merged(tiny_llama, adapter):
     """k-quants have no logit tolerance: the check took the export's own distance as its noise, so it could not fail."""
-    source, tok = _source(tiny_llama, adapter)
-    ids = _ids(tok)
-    with torch.no_grad():
-        src_logits = source(input_ids=ids).logits[0]
-        with source.disable_adapter():
-            base_logits = source(input_ids=ids).logits[0]
-    prompt = ids[0].tolist()
-    src = {"prompts": [prompt], "logits": [src_logits], "base_logits": [base_logits], "greedy": [[1, 2]],
-           "adapter_effect": float((src_logits - base_logits).abs().max())}
+    prompt, base_logits, src = _reference_outputs(tiny_llama, adapter)
+    src_logits = src["logits"][0]
     expected = {"rendered": ["x"], "stop_ids": [5], "chat_template": ""}
     meta = {"tokenizer.chat_template": "", "tokenizer.ggml.eos_token_id": 5}
 

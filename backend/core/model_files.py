@@ -199,12 +199,15 @@ def tensor_shapes(folder: Path) -> dict[str, list[int]]:
 
 def _base_tensors(base: str) -> tuple[dict[str, list[int]], int | None]:
     """(tensor shapes, vocab_size) of base model `base` where its safetensors are on this machine (a .gguf model's
-    converted folder once it exists); ({}, None) where they cannot be read: nothing to compare with."""
+    converted folder once it exists); ({}, None) where they cannot be read or hold packed quantized matrices (a
+    pre-quantized checkpoint: its shapes are not the layers'): nothing to compare with."""
     try:
         folder, gguf = locate(base)
         if gguf:
             folder = gguf_cache_folder(folder / gguf)
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if config.get("quantization_config"):  # pre-quantized weights (bnb, GPTQ, AWQ) are stored packed
+            return {}, None
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         return tensor_shapes(folder), text.get("vocab_size")
     except (OSError, ValueError, AttributeError):

@@ -153,6 +153,13 @@ def test_an_adapter_of_another_base_is_refused_at_validate(tmp_path, tiny_llama,
     assert m == (f"adapter {plain} does not fit {wide_llama}: its model.layers.0.mlp.down_proj takes 128 and gives 64 "
                  f"(lora_A [4, 128], lora_B [64, 4]), the base model's model.layers.0.mlp.down_proj.weight is "
                  f"[256, 512]{hint}")
+    # a pre-quantized base (bnb, GPTQ, AWQ) stores its matrices packed: no shapes to compare, nothing refused here
+    import shutil
+    packed = shutil.copytree(wide_llama, tmp_path / "packed")
+    base_config = json.loads((packed / "config.json").read_text())
+    (packed / "config.json").write_text(json.dumps({**base_config, "quantization_config": {"quant_method": "bnb"}}))
+    assert "adapter_name_or_path" not in _messages({"model_name_or_path": str(packed),
+                                                    "adapter_name_or_path": str(plain)})
     config = json.loads((plain / "adapter_config.json").read_text())
     (plain / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
     m = _messages({"model_name_or_path": str(tiny_llama), "adapter_name_or_path": str(plain)})["adapter_name_or_path"]

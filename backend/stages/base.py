@@ -426,8 +426,8 @@ def train_and_eval_rows(spec, run_dir: RunDir, stage: str) -> tuple[list[dict], 
     train, held_out = split_train_val(load_rows(spec, run_dir, spec.dataset, stage), spec.val_size, spec.seed)
     if spec.eval_dataset:
         held_out = load_rows(spec, run_dir, spec.eval_dataset, stage)
-    if spec.eval_metric:  # rows it cannot score: refused now, not after tokenizing (heavy: torch, as above)
-        from backend.evaluation.task_metric import check_held_out
+    if spec.eval_metric:  # rows it cannot score: refused now, not after tokenizing
+        from backend.evaluation.task_metric import check_held_out  # heavy (torch): loaded on use, as above
 
         check_held_out(spec, held_out)
     return train, held_out

@@ -77,12 +77,13 @@ def test_resume_continues_the_run_with_its_value_head_and_kl_coefficient(trained
     out = tmp_path / "run"
     shutil.copytree(trained, out)
     saved = json.loads((out / "checkpoint-2" / "ppo_state.json").read_text())
-    proc = subprocess.run(TUNEBOARD + ["train", *ppo_args(tiny_llama, out, rewards, "max_steps=4",
+    # the run's own max_steps: a larger one stretches the learning-rate schedule, and step 3 is then another step
+    proc = subprocess.run(TUNEBOARD + ["train", *ppo_args(tiny_llama, out, rewards, "max_steps=3",
                                                           f"resume_from_checkpoint={out / 'checkpoint-2'}")],
                           cwd="/tmp", capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = log_rows(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the log trimmed to the checkpoint, then continued
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the log trimmed to the checkpoint, then continued
     assert rows[2]["kl_coef"] == pytest.approx(saved["kl_coef"], rel=1e-9)  # the coefficient came back
     # the same run: step 3 again from checkpoint-2 (policy, value head, optimizer, sampling seed) gives step 3's figures
     first = log_rows(trained)[2]
@@ -90,9 +91,10 @@ def test_resume_continues_the_run_with_its_value_head_and_kl_coefficient(trained
         assert rows[2][key] == pytest.approx(first[key], rel=1e-4, abs=1e-6), key
     log = (out / "running_log.txt").read_text()
     assert "resumed the policy, the value head and the KL coefficient" in log and "from checkpoint-2" in log
-    before = load_file(str(trained / "value_head.safetensors"))["weight"]
+    start = load_file(str(trained / "checkpoint-2" / "value_head.safetensors"))["weight"]
     after = load_file(str(out / "value_head.safetensors"))["weight"]
-    assert not after.equal(before)  # trained on from the checkpoint's head, not a fresh one
+    assert not after.equal(start)  # trained on from the checkpoint's head, not a fresh one
+    assert after.allclose(load_file(str(trained / "value_head.safetensors"))["weight"], atol=1e-6)  # as the run did
 
 
 def test_a_reward_model_folder_scores_prompt_and_response(tiny_llama, tmp_path):

@@ -102,27 +102,28 @@ def start_export(st: dict, flat: dict, lang: str = "en") -> tuple[dict, str, boo
         return st, "  \n".join(refusal(lang, exc) for exc in refused), False
     if is_adapter(flat.get("finetuning_type")) and not flat.get("adapter_name_or_path"):
         return st, tr(lang, "msg.export_no_adapter"), False
+    # the folder first, in the tab's words (naming its Overwrite box): validate refuses it too, naming the spec key
+    taken = folder_refusal(flat["export_dir"], flat.get("export_overwrite"), lang)
+    if taken:
+        return st, taken, False
     try:
         spec = validate_spec(flat)
     except SpecError as exc:
         return st, "✖ " + "; ".join(f"`{f}`: {m}" for f, m in exc.errors), False
-    taken = folder_refusal(spec, lang)
-    if taken:
-        return st, taken, False
     job = tools.new_job_dir("export")
     tools.start("export", job, spec.to_yaml(include_defaults=False))
     st = {"job": str(job), "export_dir": str(spec.export_dir), "log": None, "lines": []}
     return st, tr(lang, "msg.exporting", dir=spec.export_dir), True
 
 
-def folder_refusal(spec, lang: str = "en") -> str:
+def folder_refusal(export_dir: str, overwrite: bool, lang: str = "en") -> str:
     """Why the export could not write to its folder, in the tab's words, or "": a file there, or a folder with
-    something in it while the Overwrite box is not ticked (`tuneboard export` refuses both at its first step:
-    backend/exporting/export.py check_request; refused here, nothing is launched)."""
-    out = Path(spec.export_dir).expanduser()
+    something in it while the Overwrite box is not ticked (validate and `tuneboard export` refuse both:
+    backend/core/export_rules.py; refused here, nothing is launched)."""
+    out = Path(export_dir).expanduser()
     if out.exists() and not out.is_dir():
         return tr(lang, "msg.export_dir_file", dir=out)
-    if not spec.export_overwrite and out.is_dir() and any(out.iterdir()):
+    if not overwrite and out.is_dir() and any(out.iterdir()):
         return tr(lang, "msg.export_not_empty", dir=out, overwrite=tr(lang, "export-overwrite"))
     return ""
 

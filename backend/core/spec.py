@@ -1139,7 +1139,6 @@ def _template_errors(spec: RunSpec) -> list[tuple[str, str, frozenset]]:
     return [("template", f"unknown template {name!r} (no {tdir / (name + '.yaml')}){hint}", frozenset({"template"}))]
 
 
-DATA_FILE_SUFFIXES = tuple(FILE_TYPES)  # the suffixes of the data files the loader reads
 
 
 def _data_file_problem(name: str, entry: dict, data_path: Path, stage: str, info_path: Path) -> str | None:
@@ -1148,12 +1147,12 @@ def _data_file_problem(name: str, entry: dict, data_path: Path, stage: str, info
     other columns: stage pt with its entry's prompt (or text) column named text is the one that takes it."""
     if data_path.is_dir():
         files = [p for p in data_path.iterdir() if p.is_file() and not p.name.startswith(".")
-                 and p.suffix.lower() in DATA_FILE_SUFFIXES]
+                 and p.suffix.lower() in FILE_TYPES]
         if not files:
-            return f"dataset {name!r}: folder {data_path} has no data files ({', '.join(DATA_FILE_SUFFIXES)})"
-    elif data_path.suffix.lower() not in DATA_FILE_SUFFIXES:
+            return f"dataset {name!r}: folder {data_path} has no data files ({', '.join(FILE_TYPES)})"
+    elif data_path.suffix.lower() not in FILE_TYPES:
         return (f"dataset {name!r}: {data_path}: unsupported file type '{data_path.suffix}' (supported: "
-                f"{', '.join(DATA_FILE_SUFFIXES)})")
+                f"{', '.join(FILE_TYPES)})")
     else:
         files = [data_path]
     text_file = next((p for p in files if p.suffix.lower() == ".txt"), None)
